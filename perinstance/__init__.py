@@ -1,0 +1,1 @@
+"""Per-instance privacy accounting of DP-SGD (see docs/accounting.md)."""

@@ -1,0 +1,34 @@
+"""Per-sample transforms h(g) and their hard bounds Γ (accounting.md §1).
+
+Each transform is a scalar weight w(||g||) with h(g) = w·g, so only per-sample gradient
+norms are needed to apply it or to measure ||h(g)|| = w·||g||.
+"""
+
+import torch
+
+CLIPPING_CHOICES = ("flat", "psac", "psasc")
+
+
+def clip_bound(clipping, clip_norm, scale_s=1.0):
+    """Γ: the bound on ||h(g)|| for every g (accounting.md §1 table)."""
+    if clipping == "psasc":
+        return clip_norm / scale_s
+    return clip_norm
+
+
+def scale_weights(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
+    """w(||g||) such that h(g) = w·g, for a tensor of per-sample gradient norms."""
+    if clipping == "flat":
+        # C / max(||g||, C) is min(1, C/||g||) without dividing by a zero norm.
+        return clip_norm / torch.clamp(grad_norm, min=clip_norm)
+    stabiliser = scale_r / (grad_norm + scale_r)
+    if clipping == "psac":
+        return clip_norm / (grad_norm + stabiliser)
+    if clipping == "psasc":
+        return clip_norm / (scale_s * grad_norm + stabiliser)
+    raise ValueError(f"unknown clipping {clipping!r}")
+
+
+def transformed_norm(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
+    """||h(g)|| from ||g||: the sum-rule sensitivity Δ* of accounting.md §2."""
+    return scale_weights(grad_norm, clipping, clip_norm, scale_r, scale_s) * grad_norm

@@ -1,0 +1,365 @@
+"""Figures for the per-instance accounting results (seeds 000 and 002).
+
+Pure plotting: every function takes arrays the caller already computed, draws one
+figure, writes it atomically as a PNG and returns the numbers it displayed, so a
+report can quote exactly what the figure shows. Nothing here reads files or computes
+privacy guarantees. Every privacy plot carries the data-independent DP-SGD baseline.
+"""
+
+from collections.abc import Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on the training machines; must precede pyplot
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from perinstance.fileio import atomic_path  # noqa: E402
+
+DPI = 120
+SINGLE_PANEL = (6.4, 4.4)
+TWO_PANELS = (12.0, 4.6)
+BASELINE_LABEL = "worst-case baseline (DP-SGD)"
+BASELINE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.5, "label": BASELINE_LABEL}
+# No "Software" entry: matplotlib would write its version there, so bytes would
+# differ between installations; the PNG writer adds no timestamp of its own.
+PNG_METADATA = {"Software": None}
+LOSS_FLOOR = 1e-8
+
+
+def _as_1d(name, values):
+    """A finite float vector, or a ValueError naming the argument (clearer than matplotlib's)."""
+    array = np.asarray(values, dtype=float)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} contains non-finite values")
+    return array
+
+
+def _same_length(**arrays):
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"arrays must have the same length, got {lengths}")
+
+
+def _median(values):
+    """Median, nan for an empty array (numpy would warn)."""
+    return float(np.median(values)) if len(values) else float("nan")
+
+
+def _pearson(x, y):
+    """Pearson r; nan when it is undefined (fewer than two points or a constant input)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _ratio(numerator, denominator):
+    """numerator / denominator with IEEE semantics (inf, nan) instead of a warning."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(numerator) / np.float64(denominator))
+
+
+def _fmt(value):
+    return f"{value:.3g}"
+
+
+def _fmt_r(pearson):
+    return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
+
+
+def _save(fig, path):
+    """Write the figure atomically with reproducible bytes, then free it."""
+    try:
+        with atomic_path(path) as temp_path:
+            fig.savefig(temp_path, format="png", dpi=DPI, metadata=PNG_METADATA)
+    finally:
+        plt.close(fig)
+
+
+def _draw_ecdf(ax, values, **style):
+    """Empirical CDF as a step line; returns the line (None for no values)."""
+    if len(values) == 0:
+        return None
+    ordered = np.sort(values)
+    heights = np.arange(1, len(ordered) + 1) / len(ordered)
+    (line,) = ax.step(ordered, heights, where="post", **style)
+    return line
+
+
+def _use_log_scale(ax, axis, values):
+    """Log scale, or symlog when zeros (or negatives) are present so they stay visible.
+
+    The linear part of symlog reaches up to the smallest positive value, so every
+    positive value is still on the logarithmic part.
+    """
+    values = np.asarray(values, dtype=float)
+    positive = values[values > 0]
+    set_scale = ax.set_xscale if axis == "x" else ax.set_yscale
+    if len(positive) == len(values) and len(values):
+        set_scale("log")
+    else:
+        set_scale("symlog", linthresh=float(positive.min()) if len(positive) else 1.0)
+
+
+def plot_per_step_histogram(eps, baseline_eps, path, title="Per-instance per-step privacy",
+                            xlabel="per-instance per-step ε"):
+    """Histogram of one per-step guarantee per point, with the median and the baseline."""
+    eps = _as_1d("eps", eps)
+    baseline_eps = float(baseline_eps)
+    median = _median(eps)
+    share_2x_below = float(np.mean(eps <= baseline_eps / 2)) if len(eps) else float("nan")
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    ax.hist(eps, bins=40, color="tab:blue", alpha=0.75, label=f"{len(eps)} points")
+    ax.axvline(median, color="tab:orange", linewidth=2, label=f"median = {_fmt(median)}")
+    ax.axvline(baseline_eps, **BASELINE_STYLE)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("number of points")
+    ax.set_title(f"{title}\n{share_2x_below:.0%} of points at ≤ half the baseline")
+    ax.legend()
+    _save(fig, path)
+    return {"median": median, "baseline": baseline_eps, "share_2x_below": share_2x_below}
+
+
+def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
+    """Empirical CDFs of a per-point guarantee for correctly and wrongly classified points."""
+    values = _as_1d("values", values)
+    correct = np.asarray(correct)
+    if correct.dtype != bool:
+        raise ValueError(f"correct must be a boolean array, got dtype {correct.dtype}")
+    _same_length(values=values, correct=correct)
+    groups = {"correct": values[correct], "misclassified": values[~correct]}
+    colors = {"correct": "tab:green", "misclassified": "tab:red"}
+    medians = {name: _median(group) for name, group in groups.items()}
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    missing = [name for name, group in groups.items() if len(group) == 0]
+    for name, group in groups.items():
+        if len(group) == 0:
+            # An invisible handle keeps the absence explicit in the legend.
+            ax.plot([], [], color=colors[name], label=f"no {name} points")
+            continue
+        _draw_ecdf(ax, group, color=colors[name], linewidth=2, label=f"{name} (n = {len(group)})")
+        ax.axvline(medians[name], color=colors[name], linestyle=":", linewidth=1.5,
+                   label=f"median {name} = {_fmt(medians[name])}")
+    ax.axvline(float(baseline), **BASELINE_STYLE)
+    ax.set_xlabel(value_label)
+    ax.set_ylabel("fraction of points ≤ value")
+    ax.set_ylim(0, 1.02)
+    title = f"{value_label}: correct vs misclassified points"
+    if missing:
+        title += "\n(" + ", ".join(f"no {name} points" for name in missing) + ")"
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    _save(fig, path)
+    return {
+        "median_correct": medians["correct"],
+        "median_misclassified": medians["misclassified"],
+        "count_correct": len(groups["correct"]),
+        "count_misclassified": len(groups["misclassified"]),
+        "ratio": _ratio(medians["misclassified"], medians["correct"]),
+    }
+
+
+def _draw_sensitivity_panel(ax, sensitivities_by_rate, colors):
+    """Left panel of plot_sampling_rates: one ECDF of Δ_B per sampling rate."""
+    medians = {}
+    for q, sensitivities in sensitivities_by_rate.items():
+        medians[q] = _median(sensitivities)
+        zero_share = float(np.mean(sensitivities == 0)) if len(sensitivities) else 0.0
+        zero_note = f", {zero_share:.0%} zeros" if zero_share else ""
+        label = f"q = {q:g} (median {_fmt(medians[q])}{zero_note})"
+        if _draw_ecdf(ax, sensitivities, color=colors[q], linewidth=2, label=label) is None:
+            ax.plot([], [], color=colors[q], label=f"q = {q:g}: no values")
+    all_values = np.concatenate([np.zeros(0), *sensitivities_by_rate.values()])
+    ax.set_xscale("log")
+    ax.set_xlabel(r"batch sensitivity $\Delta_B$ (mean update rule)")
+    ax.set_ylabel(r"fraction of batches with sensitivity $\leq \Delta_B$")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Sensitivity distribution per sampling rate")
+    ax.legend(loc="upper left", fontsize="small")
+    return medians
+
+
+def _draw_rdp_panel(ax, rdp_by_rate, baseline_rdp_by_rate, alpha, colors):
+    """Right panel of plot_sampling_rates: per-point RDP per q, box plus jittered points."""
+    rates = list(rdp_by_rate)
+    positions = np.arange(len(rates))
+    jitter = np.random.default_rng(0)  # fixed seed: identical inputs give identical bytes
+    for position, q in zip(positions, rates, strict=True):
+        rdp = rdp_by_rate[q]
+        if len(rdp) == 0:
+            continue
+        ax.boxplot(rdp, positions=[position], widths=0.5, showfliers=False,
+                   medianprops={"color": colors[q], "linewidth": 2})
+        offsets = jitter.uniform(-0.18, 0.18, size=len(rdp))
+        ax.scatter(position + offsets, rdp, s=8, alpha=0.4, color=colors[q])
+    ax.plot(positions, [baseline_rdp_by_rate[q] for q in rates], marker="D", **BASELINE_STYLE)
+    all_values = np.concatenate([np.zeros(0), *rdp_by_rate.values(),
+                                 [baseline_rdp_by_rate[q] for q in rates]])
+    _use_log_scale(ax, "y", all_values)
+    ax.set_xticks(positions, [f"{q:g}" for q in rates])
+    ax.set_xlabel("sampling rate q")
+    ax.set_ylabel(f"per-instance Rényi DP at order α = {alpha:g}")
+    ax.set_title("Per-instance Rényi guarantee per sampling rate")
+    ax.legend(loc="upper left")
+    return {q: _median(rdp_by_rate[q]) for q in rates}
+
+
+def plot_sampling_rates(sensitivities_by_rate, rdp_by_rate, baseline_rdp_by_rate, alpha, path):
+    """Seed 000, Fig. 3c: how the sampling rate q shapes Δ_B and the per-instance RDP."""
+    sensitivities_by_rate = {q: _as_1d(f"sensitivities_by_rate[{q}]", values)
+                             for q, values in sorted(sensitivities_by_rate.items())}
+    rdp_by_rate = {q: _as_1d(f"rdp_by_rate[{q}]", values) for q, values in sorted(rdp_by_rate.items())}
+    missing_baselines = set(rdp_by_rate) - set(baseline_rdp_by_rate)
+    if missing_baselines:
+        raise ValueError(f"baseline_rdp_by_rate has no value for q in {sorted(missing_baselines)}")
+    rates = sorted(set(sensitivities_by_rate) | set(rdp_by_rate))
+    palette = plt.get_cmap("viridis")
+    colors = {q: palette(index / max(len(rates) - 1, 1) * 0.85) for index, q in enumerate(rates)}
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
+    median_sensitivity = _draw_sensitivity_panel(left, sensitivities_by_rate, colors)
+    median_rdp = _draw_rdp_panel(right, rdp_by_rate, baseline_rdp_by_rate, alpha, colors)
+    _save(fig, path)
+    return {"median_sensitivity": median_sensitivity, "median_rdp": median_rdp}
+
+
+def plot_composed_over_training(curves, baseline_curve, path, delta):
+    """Seed 002: composed per-instance ε of a few points as training proceeds."""
+    baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
+                                    for index, array in enumerate(baseline_curve))
+    _same_length(baseline_steps=baseline_steps, baseline_eps=baseline_eps)
+    final = {}
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    for label, (steps, eps) in curves.items():
+        steps, eps = _as_1d(f"steps of {label!r}", steps), _as_1d(f"ε of {label!r}", eps)
+        _same_length(steps=steps, eps=eps)
+        final[label] = float(eps[-1]) if len(eps) else float("nan")
+        ax.plot(steps, eps, linewidth=2, label=f"{label}: final ε = {_fmt(final[label])}")
+    baseline_final = float(baseline_eps[-1]) if len(baseline_eps) else float("nan")
+    style = {**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: final ε = {_fmt(baseline_final)}"}
+    ax.plot(baseline_steps, baseline_eps, **style)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"composed ε at δ = {delta:g}")
+    ax.set_title("Per-instance privacy over training")
+    ax.legend()
+    _save(fig, path)
+    return {"final": final, "baseline_final": baseline_final}
+
+
+def _class_accuracies(class_names, class_test_accuracy):
+    """Accuracy per class name, from a mapping by name or a sequence aligned with class_names."""
+    if isinstance(class_test_accuracy, Mapping):
+        return {name: float(class_test_accuracy[name]) for name in class_names}
+    accuracies = _as_1d("class_test_accuracy", class_test_accuracy)
+    if len(accuracies) != len(class_names):
+        raise ValueError(f"class_test_accuracy has {len(accuracies)} values for {len(class_names)} classes")
+    return dict(zip(class_names, accuracies.tolist(), strict=True))
+
+
+def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
+    """Left panel of plot_individual_accounting: ε vs final loss with the fit ε ≈ a + b·log(loss)."""
+    pearson = _pearson(eps, log_loss)
+    can_fit = len(np.unique(log_loss)) >= 2  # a line through one x value is undefined
+    ax.set_xscale("log")
+    if not can_fit and len(log_loss):
+        # Autoscaling a log axis around a single value warns; fix a decade each side first.
+        ax.set_xlim(np.exp(log_loss[0]) / 10, np.exp(log_loss[0]) * 10)
+    ax.scatter(np.exp(log_loss), eps, s=10, alpha=0.5, color="tab:blue", label=f"{len(eps)} training points")
+    intercept = slope = float("nan")
+    if can_fit:
+        slope, intercept = (float(c) for c in np.polyfit(log_loss, eps, 1))
+        grid = np.linspace(log_loss.min(), log_loss.max(), 200)
+        ax.plot(np.exp(grid), intercept + slope * grid, color="tab:red", linewidth=2,
+                label=f"ε ≈ {intercept:.3g} {'−' if slope < 0 else '+'} {abs(slope):.3g}·ln(loss), "
+                      f"Pearson r = {_fmt_r(pearson)}")
+    else:
+        ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.set_xlabel(f"final training loss (log scale, clipped at {LOSS_FLOOR:g})")
+    ax.set_ylabel("per-instance composed ε")
+    ax.set_title("Privacy vs final training loss")
+    ax.legend(loc="lower right", fontsize="small")
+    return pearson, intercept, slope
+
+
+def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
+    """Right panel of plot_individual_accounting: per-class mean ε against test accuracy."""
+    names = [name for name, mean in class_mean_eps.items() if np.isfinite(mean)]
+    accuracies = [class_accuracy[name] for name in names]
+    means = [class_mean_eps[name] for name in names]
+    pearson = _pearson(accuracies, means) if len(names) >= 3 else float("nan")
+    ax.scatter(accuracies, means, s=40, color="tab:purple", zorder=3,
+               label=f"class mean ε (Pearson r = {_fmt_r(pearson)})")
+    for name, accuracy, mean in zip(names, accuracies, means, strict=True):
+        ax.annotate(str(name), (accuracy, mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.margins(x=0.15)  # room for the class names written right of the points
+    ax.set_xlabel("class test accuracy")
+    ax.set_ylabel("mean per-instance ε of the class")
+    ax.set_title("Class privacy vs class accuracy")
+    ax.legend(loc="lower left", fontsize="small")
+    return pearson
+
+
+def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path):
+    """Seed 002, Fig. 2/5: composed ε against final loss, and per class against accuracy.
+
+    labels are class indices into class_names; class_test_accuracy is either aligned
+    with class_names or a mapping from class name to accuracy.
+    """
+    eps = _as_1d("eps", eps)
+    final_loss = _as_1d("final_loss", final_loss)
+    labels = np.asarray(labels)
+    _same_length(eps=eps, final_loss=final_loss, labels=labels)
+    baseline_eps = float(baseline_eps)
+    log_loss = np.log(np.maximum(final_loss, LOSS_FLOOR))  # a zero loss must not break the log
+    class_accuracy = _class_accuracies(class_names, class_test_accuracy)
+    class_mean_eps = {name: float(np.mean(eps[labels == index])) if np.any(labels == index) else float("nan")
+                      for index, name in enumerate(class_names)}
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
+    pearson_log_loss, intercept, slope = _draw_loss_panel(left, eps, log_loss, baseline_eps)
+    pearson_class = _draw_class_panel(right, class_mean_eps, class_accuracy, baseline_eps)
+    _save(fig, path)
+    return {
+        "pearson_log_loss": pearson_log_loss,
+        "fit_intercept": intercept,
+        "fit_slope": slope,
+        "class_mean_eps": class_mean_eps,
+        "class_accuracy": class_accuracy,
+        "pearson_class": pearson_class,
+    }
+
+
+def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, baseline_eps):
+    """Seed 002, Fig. 4: ε from checkpoint norms against ε from norms at every step."""
+    estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
+    truth = _as_1d("eps_from_every_step", eps_from_every_step)
+    _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)
+    baseline_eps = float(baseline_eps)
+    pearson = _pearson(truth, estimate)
+    errors = np.abs(estimate - truth)
+    mean_abs_error = float(errors.mean()) if len(errors) else float("nan")
+    max_abs_error = float(errors.max()) if len(errors) else float("nan")
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    ax.scatter(truth, estimate, s=10, alpha=0.5, color="tab:blue", label=f"{len(truth)} points")
+    plotted = np.concatenate([[0.0, baseline_eps], truth, estimate])
+    span = np.array([plotted.min(), plotted.max()])
+    ax.plot(span, span, color="tab:gray", linewidth=1, label="y = x")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
+    ax.set_xlabel("ε from gradient norms at every step (ground truth)")
+    ax.set_ylabel("ε from gradient norms at checkpoints")
+    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson)}\n"
+                 f"mean |error| = {_fmt(mean_abs_error)}, max |error| = {_fmt(max_abs_error)}")
+    ax.legend(loc="lower right")
+    _save(fig, path)
+    return {"pearson": pearson, "mean_abs_error": mean_abs_error, "max_abs_error": max_abs_error}

@@ -1,0 +1,263 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ROOT, assert_usage_error, snapshot
+from opacus.accountants import RDPAccountant
+
+from perinstance import checkpoints, sampling, training
+from perinstance.data import load_dataset
+from perinstance.options import Parser, add_training_args
+
+SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
+
+
+def parse(*argv):
+    parser = Parser()
+    add_training_args(parser)
+    return parser.parse_args(list(map(str, argv)))
+
+
+# --- Poisson sampling -------------------------------------------------------------------
+
+def test_poisson_inclusion_rate_within_four_standard_errors():
+    dataset_size, sample_rate, steps = 1000, 0.03, 400
+    counts = np.zeros(dataset_size)
+    for step in range(1, steps + 1):
+        counts[sampling.poisson_batch(7, step, dataset_size, sample_rate)] += 1
+    rate = counts.sum() / (dataset_size * steps)
+    standard_error = np.sqrt(sample_rate * (1 - sample_rate) / (dataset_size * steps))
+    assert abs(rate - sample_rate) < 4 * standard_error
+    # Each point on its own too (a sampler that always picked the same points would fail).
+    per_point_se = np.sqrt(sample_rate * (1 - sample_rate) / steps)
+    assert np.mean(np.abs(counts / steps - sample_rate) < 4 * per_point_se) > 0.99
+
+
+def test_poisson_batches_are_reproducible_and_vary_by_step():
+    first = sampling.poisson_batch(3, 5, 500, 0.1)
+    assert np.array_equal(first, sampling.poisson_batch(3, 5, 500, 0.1))
+    assert not np.array_equal(first, sampling.poisson_batch(3, 6, 500, 0.1))
+    assert not np.array_equal(first, sampling.poisson_batch(4, 5, 500, 0.1))
+
+
+def test_empty_batches_happen_and_training_steps_through_them(tmp_path):
+    sizes = [len(sampling.poisson_batch(0, step, 512, 1 / 512)) for step in range(1, 200)]
+    assert 0 in sizes
+    args = parse(*SYNTHETIC, "--batch-size", "1", "--epochs", "0.2", "--sigma", "1", "--models-dir", tmp_path)
+    metadata = training.train(args, quiet=True)
+    payload = checkpoints.load_checkpoint(training.run_dir_for(args), metadata["total_steps"])
+    assert all(torch.isfinite(value).all() for value in payload["model"].values())
+
+
+# --- One step by hand -------------------------------------------------------------------
+
+def hand_step(model, inputs, labels, clip_norm, noise, batch_size, lr, rule):
+    """DP-SGD step of accounting.md §1 with a per-example autograd loop."""
+    params = list(model.parameters())
+    clipped = []
+    for x, y in zip(inputs, labels):
+        loss = F.cross_entropy(model(x[None]), y[None])
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, clip_norm / norm.item())
+        clipped.append([g * factor for g in grads])
+    summed = [sum(parts) for parts in zip(*clipped)]
+    if rule == "sum":
+        update = [(s + n) / batch_size for s, n in zip(summed, noise)]
+    else:
+        update = [s / len(inputs) + n / batch_size for s, n in zip(summed, noise)]
+    return [p.detach() - lr * u for p, u in zip(params, update)]
+
+
+@pytest.mark.parametrize("rule", ["sum", "mean"])
+def test_one_step_equals_hand_computation(tmp_path, rule):
+    args = training.resolve_training_args(parse(*SYNTHETIC, "--sigma", "0.7", "--cn", "0.05", "--reduction", rule,
+                                                "--models-dir", tmp_path))
+    dataset = load_dataset("synthetic")
+    metadata = training.plan_run(args, dataset)
+    trainer = training.Trainer(args, metadata, dataset)
+    reference = training.model_for_run(metadata)
+    reference.load_state_dict(trainer.model.state_dict())
+
+    batch = sampling.poisson_batch(args.seed, 1, metadata["dataset_size"], metadata["sample_rate"])
+    assert len(batch) > 1
+    generator = sampling.torch_generator(args.seed, sampling.NOISE_STREAM, 1)
+    noise_std = 0.7 * 0.05
+    noise = [torch.normal(0.0, noise_std, p.shape, generator=generator) for p in reference.parameters()]
+    expected = hand_step(reference, dataset.train_x[batch], dataset.train_y[batch], 0.05, noise,
+                         32, args.lr, rule)
+    trainer.step(1)
+    for got, want in zip(trainer.model.parameters(), expected):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+    # The clipping was active: the hand step with a huge clip norm differs.
+    unclipped = hand_step(reference, dataset.train_x[batch], dataset.train_y[batch], 1e9, noise, 32, args.lr, rule)
+    assert any(not torch.allclose(a, b) for a, b in zip(unclipped, expected))
+
+
+def test_noise_has_the_recorded_std(tmp_path):
+    # At σ = 1000 the clipped gradients (norm ≤ 1) are negligible next to the noise.
+    args = training.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",
+                                                "--models-dir", tmp_path))
+    dataset = load_dataset("synthetic")
+    metadata = training.plan_run(args, dataset)
+    trainer = training.Trainer(args, metadata, dataset)
+    before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+    trainer.step(1)
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    measured = ((before - after) * metadata["batch_size"]).std().item()
+    expected = metadata["noise_multiplier"] * metadata["clip_bound"]
+    assert abs(measured - expected) / expected < 0.05
+
+
+# --- Noise calibration ------------------------------------------------------------------
+
+@pytest.mark.parametrize("target_eps", [1.0, 10.0])
+def test_noise_multiplier_matches_opacus_calibration(tmp_path, target_eps):
+    args = training.resolve_training_args(parse(*SYNTHETIC, "--eps", target_eps, "--epochs", "3",
+                                                "--models-dir", tmp_path))
+    metadata = training.plan_run(args, load_dataset("synthetic"))
+    sigma, sample_rate, steps = metadata["noise_multiplier"], metadata["sample_rate"], metadata["total_steps"]
+    assert sample_rate == 32 / 512 and steps == 48
+
+    def spent(noise_multiplier):
+        accountant = RDPAccountant()
+        accountant.history = [(noise_multiplier, sample_rate, steps)]
+        return accountant.get_epsilon(1e-5)
+
+    assert spent(sigma) <= target_eps
+    assert spent(sigma * 0.99) > target_eps  # calibrated tightly, not just conservatively
+
+
+# --- Checkpoints, metadata, resume ------------------------------------------------------
+
+METADATA_FIELDS = ["run", "seed", "dataset", "dataset_fingerprint", "dataset_size", "model", "clipping",
+                   "clip_norm", "clip_bound", "noise_multiplier", "target_eps", "delta", "sample_rate",
+                   "batch_size", "total_steps", "steps_per_epoch", "update_rule", "checkpoint_steps", "versions",
+                   "args"]
+
+
+def test_checkpoints_load_weights_only_and_metadata_is_complete(tmp_path):
+    args = parse(*SYNTHETIC, "--epochs", "1", "--save-freq", "5", "--models-dir", tmp_path)
+    metadata = training.train(args, quiet=True)
+    run_dir = training.run_dir_for(args)
+    steps = checkpoints.saved_steps(run_dir)
+    assert steps == [0, 5, 10, 15, 16] == metadata["checkpoint_steps"]
+    for step in steps:
+        payload = torch.load(checkpoints.checkpoint_path(run_dir, step), weights_only=True)
+        assert payload["step"] == step and 0 <= payload["test_accuracy"] <= 1
+    saved = checkpoints.load_metadata(run_dir)
+    for field in METADATA_FIELDS:
+        assert field in saved, field
+    assert saved["versions"]["torch"] == torch.__version__
+    assert saved["args"]["batch_size"] == 32 and saved["target_eps"] == 10.0
+
+
+def final_weights(run_dir):
+    steps = checkpoints.saved_steps(run_dir)
+    return checkpoints.load_checkpoint(run_dir, steps[-1])["model"]
+
+
+def test_resume_after_kill_is_bitwise_identical(tmp_path):
+    flags = [*SYNTHETIC, "--epochs", "30", "--save-freq", "40", "--momentum", "0.5"]
+    whole = subprocess.run([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "a"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+    run_name = os.listdir(tmp_path / "a")[0]
+    interrupted_dir = tmp_path / "b" / run_name
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "b"],
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(checkpoints.saved_steps(interrupted_dir)) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = checkpoints.saved_steps(interrupted_dir)
+    assert 3 <= len(saved) and saved[-1] < 480, saved  # really interrupted mid-run
+    resumed = subprocess.run([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "b"],
+                             cwd=tmp_path, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    expected, got = final_weights(tmp_path / "a" / run_name), final_weights(interrupted_dir)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def test_rerun_of_finished_run_trains_nothing(tmp_path, run):
+    first = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1")
+    assert first.returncode == 0, first.stderr
+    second = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1")
+    assert second.returncode == 0 and "already trained" in second.stdout
+
+
+def test_less_point_trains_on_one_point_fewer(tmp_path):
+    args = parse(*SYNTHETIC, "--epochs", "1", "--less-point", "3", "--models-dir", tmp_path)
+    metadata = training.train(args, quiet=True)
+    assert metadata["dataset_size"] == 511 and metadata["less_point"] == 3
+    assert "less3" in metadata["run"]
+
+
+def test_track_points_records_every_step(tmp_path):
+    args = parse(*SYNTHETIC, "--epochs", "1", "--track-points", "0-4", "--models-dir", tmp_path)
+    metadata = training.train(args, quiet=True)
+    import pandas as pd
+    frame = pd.read_csv(os.path.join(training.run_dir_for(args), "tracked_norms.csv"))
+    assert sorted(frame["step"].unique()) == list(range(metadata["total_steps"]))
+    assert sorted(frame["point"].unique()) == [0, 1, 2, 3, 4]
+    assert (frame["value"] <= metadata["clip_bound"] * (1 + 1e-9)).all() and (frame["value"] > 0).all()
+
+
+# --- Bad input --------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    (["--dataset", "nope"], "--dataset"),
+    (["--model", "vgg"], "--model"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--batch-size", "513"], "--batch-size"),
+    (["--epochs", "0"], "--epochs"),
+    (["--eps", "0"], "--eps"),
+    (["--delta", "1.5"], "--delta"),
+    (["--delta", "0"], "--delta"),
+    (["--eps", "1", "--sigma", "1"], "--eps"),
+    (["--cn", "0"], "--cn"),
+    (["--save-freq", "0"], "--save-freq"),
+    (["--less-point", "512"], "--less-point"),
+    (["--less-point", "-1"], "--less-point"),
+    (["--model", "resnet20", "--dataset", "synthetic", "--norm-type", "batch"], "--norm-type"),
+    (["--reduction", "median"], "--reduction"),
+    (["--batch-size", "ten"], "--batch-size"),
+]
+
+
+@pytest.mark.parametrize("flags,flag", BAD_INPUTS)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, run, flags, flag):
+    before = snapshot(tmp_path)
+    result = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1", *flags)
+    assert_usage_error(result, flag)
+    assert snapshot(tmp_path) == before
+
+
+def test_existing_run_with_other_flags_is_refused_unless_overwrite(tmp_path, run):
+    assert run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1", "--save-name", "x").returncode == 0
+    before = snapshot(tmp_path)
+    result = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "2", "--save-name", "x")
+    assert_usage_error(result, "--overwrite")
+    assert "epochs" in result.stderr
+    assert snapshot(tmp_path) == before
+    again = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "2", "--save-name", "x", "--overwrite", "1")
+    assert again.returncode == 0, again.stderr
+
+
+def test_corrupt_checkpoint_is_named_when_resuming(tmp_path, run):
+    assert run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1", "--save-name", "x", "--save-freq", "4").returncode == 0
+    last = checkpoints.checkpoint_path(str(tmp_path / "models" / "x"), 16)
+    with open(last, "r+b") as handle:
+        handle.truncate(100)
+    result = run("train_dpsgd.py", *SYNTHETIC, "--epochs", "1", "--save-name", "x", "--save-freq", "4")
+    assert_usage_error(result, "--save-name")
+    assert "step_0000016.pt" in result.stderr
