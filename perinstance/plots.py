@@ -84,9 +84,11 @@ def _draw_ecdf(ax, values, **style):
     """Empirical CDF as a step line; returns the line (None for no values)."""
     if len(values) == 0:
         return None
+    # Start at height 0 so the first jump is drawn too (it is all of it for constant values).
     ordered = np.sort(values)
-    heights = np.arange(1, len(ordered) + 1) / len(ordered)
-    (line,) = ax.step(ordered, heights, where="post", **style)
+    positions = np.concatenate([ordered[:1], ordered])
+    heights = np.arange(len(ordered) + 1) / len(ordered)
+    (line,) = ax.step(positions, heights, where="post", **style)
     return line
 
 
@@ -176,7 +178,7 @@ def _draw_sensitivity_panel(ax, sensitivities_by_rate, colors):
         if _draw_ecdf(ax, sensitivities, color=colors[q], linewidth=2, label=label) is None:
             ax.plot([], [], color=colors[q], label=f"q = {q:g}: no values")
     all_values = np.concatenate([np.zeros(0), *sensitivities_by_rate.values()])
-    ax.set_xscale("log")
+    _use_log_scale(ax, "x", all_values)
     ax.set_xlabel(r"batch sensitivity $\Delta_B$ (mean update rule)")
     ax.set_ylabel(r"fraction of batches with sensitivity $\leq \Delta_B$")
     ax.set_ylim(0, 1.02)
@@ -193,6 +195,8 @@ def _draw_rdp_panel(ax, rdp_by_rate, baseline_rdp_by_rate, alpha, colors):
     for position, q in zip(positions, rates, strict=True):
         rdp = rdp_by_rate[q]
         if len(rdp) == 0:
+            ax.annotate("no values", (position, baseline_rdp_by_rate[q]), textcoords="offset points",
+                        xytext=(0, -18), ha="center", fontsize="small")
             continue
         ax.boxplot(rdp, positions=[position], widths=0.5, showfliers=False,
                    medianprops={"color": colors[q], "linewidth": 2})
