@@ -30,5 +30,10 @@ def scale_weights(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
 
 
 def transformed_norm(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
-    """||h(g)|| from ||g||: the sum-rule sensitivity Δ* of accounting.md §2."""
-    return scale_weights(grad_norm, clipping, clip_norm, scale_r, scale_s) * grad_norm
+    """||h(g)|| from ||g||: the sum-rule sensitivity Δ* of accounting.md §2.
+
+    w·||g|| can round one ulp above Γ for large norms; the mathematical value never
+    exceeds Γ, so the measured sensitivity is capped there.
+    """
+    norm = scale_weights(grad_norm, clipping, clip_norm, scale_r, scale_s) * grad_norm
+    return torch.clamp(norm, max=clip_bound(clipping, clip_norm, scale_s))

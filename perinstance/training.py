@@ -115,11 +115,16 @@ def plan_run(args, dataset):
     total_steps = max(1, round(args.epochs * dataset_size / args.batch_size))
     save_freq = args.save_freq or max(1, math.ceil(total_steps / DEFAULT_CHECKPOINTS))
     checkpoint_steps = sorted(set(range(0, total_steps, save_freq)) | {total_steps})
-    if args.dp == 1:
-        noise_multiplier = args.sigma if args.sigma is not None else get_noise_multiplier(
-            target_epsilon=args.eps, target_delta=args.delta, sample_rate=sample_rate, steps=total_steps, accountant="rdp")
-    else:
+    if args.dp == 0:
         noise_multiplier = 0.0
+    elif args.sigma is not None:
+        noise_multiplier = args.sigma
+    else:
+        with warnings.catch_warnings():
+            # Opacus warns when the best order is its largest; the calibration is still valid.
+            warnings.simplefilter("ignore")
+            noise_multiplier = get_noise_multiplier(target_epsilon=args.eps, target_delta=args.delta,
+                                                    sample_rate=sample_rate, steps=total_steps, accountant="rdp")
     tracked = None
     if args.track_points is not None:
         tracked = parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist()
@@ -193,8 +198,7 @@ def epsilon_curve(metadata):
 
     def spent(steps):
         with warnings.catch_warnings():
-            # Early in training the best order is the largest; ε is still a valid bound.
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("ignore")  # early in training the best order is the largest
             return get_privacy_spent(orders=RDP_ORDERS, rdp=rdp_step * steps, delta=metadata["delta"])[0]
 
     return spent
@@ -357,7 +361,7 @@ def train(args, quiet=False):
     epsilon_spent = epsilon_curve(metadata)
     eval_freq = args.eval_freq
     progress = tqdm(range(resume_step + 1, total_steps + 1), initial=resume_step, total=total_steps,
-                    desc=f"train {metadata['run']}", disable=quiet or None, file=sys.stderr, dynamic_ncols=True)
+                    desc=f"train {metadata['run']}", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     for step in progress:
         loss = trainer.step(step)
         at_checkpoint = step in planned
