@@ -7,7 +7,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from perinstance.errors import run_main
