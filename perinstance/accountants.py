@@ -1,0 +1,384 @@
+"""Plumbing shared by the four accountant scripts (docs/accountants.md).
+
+Flags, reading and checking the sensitivity CSV (perinstance/results.py), the printed table and
+summary, and the atomic write of the output. The mathematics is in perinstance/accounting.py.
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from perinstance import accounting
+from perinstance.errors import UsageError
+from perinstance.fileio import write_csv
+from perinstance.options import parse_points
+from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path
+
+TABLE_ROWS = 20
+# Δ* and Δ_B may exceed Γ by float rounding only (accounting.md §2).
+NORM_TOLERANCE = 1e-6
+# Which update rule each quantity is measured for (results.QUANTITIES).
+REDUCTION_OF = {"grad_norm": "sum", "batch_sensitivity": "mean", "renyi_statistic": "mean"}
+NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
+                   "batch_size", "dataset_size", "noise_std"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The run configuration shared by all rows (accounting.md §1)."""
+
+    noise_multiplier: float
+    clip_bound: float
+    sample_rate: float
+    batch_size: float
+    dataset_size: int
+    noise_std: float
+    total_steps: int
+    reduction: str
+
+
+@dataclass(frozen=True)
+class Loaded:
+    rows: pd.DataFrame
+    config: Config
+    path: str
+    flag: str
+
+
+# --- flags ----------------------------------------------------------------------------------
+
+def add_input_arguments(parser):
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--res-name", help="read res/NAME.csv (written by compute_sensitivity.py)")
+    source.add_argument("--res-file", help="read this sensitivity CSV")
+    parser.add_argument("--out", help="output CSV (default: res/<res-name>_<script>.csv, next to --res-file)")
+    parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
+                        help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
+    parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+
+
+def add_delta_argument(parser):
+    parser.add_argument("--delta", type=float, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
+
+
+def add_alpha_argument(parser, default, help):
+    parser.add_argument("--alpha", type=float, nargs="+", default=default, metavar="ORDER", help=help)
+
+
+def add_holder_argument(parser, default, help):
+    parser.add_argument("--holder-p", default=default, help=help)
+
+
+def add_gaussian_argument(parser):
+    parser.add_argument("--gaussian", choices=["analytic", "classic"], default="analytic",
+                        help="Gaussian mechanism's ε: exact (Balle & Wang 2018, default) or the classic formula")
+
+
+def check_delta(delta):
+    """--delta: a probability strictly between 0 and 1."""
+    if not 0 < delta < 1:
+        raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
+
+
+def check_orders(orders):
+    """--alpha: finite orders > 1; returned sorted and without repeats."""
+    orders = np.asarray(orders, dtype=float)
+    bad = orders[~(orders > 1) | ~np.isfinite(orders)]
+    if bad.size:
+        raise UsageError("--alpha", f"Rényi orders must be finite and > 1, not {bad[0]:g}")
+    return np.unique(orders)
+
+
+def parse_holder(text, total_steps):
+    """--holder-p: a number, `inf`, or a multiple of the number of steps T such as `3T`."""
+    value = str(text).strip()
+    try:
+        holder = float(value[:-1] or 1) * total_steps if value.upper().endswith("T") else float(value)
+    except ValueError:
+        raise UsageError("--holder-p", f"{text!r} is not a number, inf or a multiple of T like 3T") from None
+    if not holder > 1:
+        raise UsageError("--holder-p", f"the Hölder exponent must be > 1, not {text} (= {holder:g})")
+    return holder
+
+
+# --- reading and checking -------------------------------------------------------------------
+
+def load(args, quantities, one_run, integer_columns=None):
+    """Read the CSV of --res-name/--res-file, apply --filter, keep `quantities`, check that the
+    rows form one configuration (and one run if `one_run`), their values, and --points.
+
+    integer_columns: {column: smallest allowed value} for the columns that index samples.
+    """
+    path, flag = _input_path(args)
+    rows = read_results(path, flag)
+    rows = _apply_filters(rows, args.filter)
+    rows = rows[rows["quantity"].isin(quantities)]
+    if rows.empty:
+        makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity]}" for quantity in quantities)
+        raise UsageError(flag, f"{path} has no {' or '.join(quantities)} rows left to account ({makers})")
+    _check_single_configuration(rows, one_run)
+    rows = _numeric(rows, NUMERIC_COLUMNS, path, flag)
+    config = _config(rows, path, flag)
+    _check_rows(rows, config, path, flag)
+    rows = _check_integers(rows, integer_columns or {}, path, flag)
+    rows = _select_points(rows, args.points, config.dataset_size)
+    return Loaded(rows=rows, config=config, path=path, flag=flag)
+
+
+def _input_path(args):
+    if args.res_name is not None:
+        return results_path(args.res_name), "--res-name"
+    return args.res_file, "--res-file"
+
+
+def _apply_filters(rows, filters):
+    for spec in filters:
+        column, separator, wanted = spec.partition("=")
+        column = column.strip()
+        if not separator or column not in COLUMNS:
+            raise UsageError("--filter", f"{spec!r}: expected COLUMN=VALUE with a column of the result file "
+                             "(e.g. sigma=1.0)")
+        values = rows[column]
+        if pd.api.types.is_numeric_dtype(values):
+            try:
+                keep = np.isclose(values.astype(float), float(wanted), rtol=1e-9, atol=0)
+            except ValueError:
+                raise UsageError("--filter", f"{spec!r}: column {column} holds numbers") from None
+        else:
+            keep = values.astype(str).str.strip() == wanted.strip()
+        if not keep.any():
+            raise UsageError("--filter", f"no rows with {column}={wanted} (values: {_distinct(values)})")
+        rows = rows[keep]
+    return rows
+
+
+def _distinct(values, limit=8):
+    distinct = sorted({str(value) for value in values.dropna()})
+    return ", ".join(distinct[:limit]) + (f", ... ({len(distinct)} in all)" if len(distinct) > limit else "")
+
+
+def _check_single_configuration(rows, one_run):
+    columns = CONFIG_COLUMNS + (["run", "seed"] if one_run else [])
+    mixed = [column for column in columns if rows[column].nunique(dropna=True) > 1]
+    if not mixed:
+        return
+    described = "; ".join(f"{column} has {_distinct(rows[column])}" for column in mixed)
+    example = " ".join(f"--filter {column}={rows[column].dropna().iloc[0]}" for column in mixed)
+    what = "runs or configurations" if set(mixed) & {"run", "seed"} else "configurations"
+    raise UsageError("--filter", f"rows from several {what} ({described}); keep one with e.g. {example}")
+
+
+def _numeric(rows, columns, path, flag):
+    rows = rows.copy()
+    for column in columns:
+        converted = pd.to_numeric(rows[column], errors="coerce")
+        bad = ~np.isfinite(converted.astype(float))
+        if bad.any():
+            index = bad.idxmax()
+            raise UsageError(flag, f"{_where(rows, index, path)}: {column} is {rows.at[index, column]!r}, "
+                             "not a finite number")
+        rows[column] = converted
+    return rows
+
+
+def _where(rows, index, path):
+    """Names a row: its line in the CSV (header is line 1) and what it is about."""
+    row = rows.loc[index]
+    return f"{path} line {index + 2} (run={row['run']}, seed={row['seed']}, step={row['step']}, point={row['point']})"
+
+
+def _first_bad(rows, bad, path, flag, message):
+    bad = np.asarray(bad, dtype=bool)
+    if bad.any():
+        index = rows.index[bad][0]
+        raise UsageError(flag, f"{_where(rows, index, path)}: {message(rows.loc[index])}")
+
+
+def _config(rows, path, flag):
+    for column in ["sigma", "clip_bound", "batch_size", "dataset_size", "noise_std", "total_steps"]:
+        _first_bad(rows, rows[column] <= 0, path, flag, lambda row, c=column: f"{c} must be > 0, not {row[c]}")
+    _first_bad(rows, (rows["sample_rate"] <= 0) | (rows["sample_rate"] > 1), path, flag,
+               lambda row: f"sample_rate must be in (0, 1], not {row['sample_rate']}")
+    expected_reduction = rows["quantity"].map(REDUCTION_OF)
+    _first_bad(rows, rows["reduction"] != expected_reduction, path, flag,
+               lambda row: f"{row['quantity']} rows have reduction {REDUCTION_OF[row['quantity']]}, "
+               f"not {row['reduction']!r}")
+    # noise_std is σΓ in sum units and σΓ/B_exp in mean units (accounting.md §1).
+    divisor = np.where(rows["reduction"] == "mean", rows["batch_size"], 1.0)
+    expected = rows["sigma"] * rows["clip_bound"] / divisor
+    _first_bad(rows, ~np.isclose(rows["noise_std"], expected, rtol=1e-6, atol=0), path, flag,
+               lambda row: f"noise_std {row['noise_std']} is not sigma*clip_bound"
+               f"{'/batch_size' if row['reduction'] == 'mean' else ''} (reduction {row['reduction']})")
+    first = rows.iloc[0]
+    return Config(noise_multiplier=float(first["sigma"]), clip_bound=float(first["clip_bound"]),
+                  sample_rate=float(first["sample_rate"]), batch_size=float(first["batch_size"]),
+                  dataset_size=int(first["dataset_size"]), noise_std=float(first["noise_std"]),
+                  total_steps=int(first["total_steps"]), reduction=str(first["reduction"]))
+
+
+def _check_rows(rows, config, path, flag):
+    step, point, value = rows["step"], rows["point"], rows["value"]
+    _first_bad(rows, (step != np.round(step)) | (step < 0) | (step > config.total_steps), path, flag,
+               lambda row: f"step {row['step']} is not a step in 0..total_steps={config.total_steps}")
+    _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= config.dataset_size), path, flag,
+               lambda row: f"point {row['point']} is not an index in 0..{config.dataset_size - 1}")
+    is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity"])
+    _first_bad(rows, is_norm & (value < 0), path, flag, lambda row: f"{row['quantity']} {row['value']} is negative")
+    _first_bad(rows, is_norm & (value > config.clip_bound * (1 + NORM_TOLERANCE)), path, flag,
+               lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {config.clip_bound} (the bound Γ)")
+
+
+def _check_integers(rows, columns, path, flag):
+    """Columns that index things (`sample`, `target_batch`, `alpha`): integers ≥ their minimum."""
+    rows = _numeric(rows, list(columns), path, flag)
+    for column, smallest in columns.items():
+        values = rows[column]
+        _first_bad(rows, (values != np.round(values)) | (values < smallest), path, flag,
+                   lambda row, c=column, m=smallest: f"{c} {row[c]} is not an integer >= {m}")
+    return rows.astype(dict.fromkeys(columns, int))
+
+
+def check_unique(loaded, keys):
+    """One row per `keys`: a repeated measurement would be counted twice."""
+    rows = loaded.rows
+    repeated = rows.duplicated(subset=keys, keep="first")
+    if repeated.any():
+        index = repeated.idxmax()
+        earlier = rows.index[(rows[keys] == rows.loc[index, keys]).all(axis=1)][0]
+        several = rows["exp"].nunique() > 1
+        hint = "; the file holds several experiments, keep one with --filter exp=..." if several else ""
+        raise UsageError(loaded.flag, f"{_where(rows, index, loaded.path)}: repeats line {earlier + 2} "
+                         f"(same {', '.join(keys)}){hint}")
+
+
+def check_values(loaded, bad, message):
+    """Refuse the first row where `bad` holds (a boolean Series over loaded.rows)."""
+    _first_bad(loaded.rows, bad.to_numpy(), loaded.path, loaded.flag, message)
+
+
+def _select_points(rows, specs, dataset_size):
+    rows = rows.astype({"step": int, "point": int})
+    if not specs:
+        return rows
+    wanted = parse_points(specs, dataset_size, flag="--points")
+    present = np.isin(wanted, rows["point"].unique())
+    if not present.any():
+        raise UsageError("--points", f"none of the {len(wanted)} points has rows "
+                         f"(the file has points {_distinct(rows['point'])})")
+    if not present.all():
+        warn(f"{(~present).sum()} of the {len(wanted)} requested points have no rows and are left out")
+    return rows[rows["point"].isin(wanted)]
+
+
+def checkpoint_ratios(loaded):
+    """Δ*/Γ of the grad_norm rows as an (R, C, P) array over runs, the union of their checkpoint
+    steps and points, for accounting.compose_rdp (§4): each run keeps its latest checkpoint,
+    the worst case Γ before its first. Returns (ratios, steps, points)."""
+    rows = loaded.rows.assign(run_key=run_key(loaded.rows))
+    norms = rows.pivot(index=["run_key", "step"], columns="point", values="value")
+    missing = norms.isna().stack()
+    if missing.any():
+        run, step, point = missing[missing].index[0]
+        raise UsageError(loaded.flag, f"{loaded.path}: run {run} has no grad_norm of point {point} at its checkpoint "
+                         f"step {step} (every point needs a value at every checkpoint of its run)")
+    runs = sorted(rows["run_key"].unique())
+    steps = np.sort(rows["step"].unique())
+    for run in runs:
+        first = norms.loc[run].index.min()
+        if first > 0:
+            warn(f"run {run} has no checkpoint at step 0: steps 1..{first} use the worst case Γ (accounting.md §4)")
+    dense = norms.reindex(pd.MultiIndex.from_product([runs, steps])).to_numpy()
+    ratios = dense.reshape(len(runs), len(steps), -1) / loaded.config.clip_bound
+    return accounting.carry_forward(ratios), steps, norms.columns.to_numpy()
+
+
+def run_key(rows):
+    """Runs are told apart by `run` and `seed` (accounting.md §4)."""
+    return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)
+
+
+def correct_at(rows, result, keys):
+    """`correct` (0/1) for each row of `result`, looked up by `keys` in the rows; None when the
+    rows do not all record it."""
+    correct = pd.to_numeric(rows["correct"], errors="coerce")
+    if correct.isna().any():
+        return None
+    recorded = rows[keys].assign(correct=correct).groupby(keys, as_index=False)["correct"].first()
+    return result[keys].merge(recorded, on=keys, how="left")["correct"].to_numpy()
+
+
+def correct_at_end(rows, result):
+    """`correct` per point of `result` at each run's last checkpoint, by majority over runs
+    (a tie counts as misclassified); None when the rows do not all record it."""
+    correct = pd.to_numeric(rows["correct"], errors="coerce")
+    if correct.isna().any():
+        return None
+    last = rows["step"] == rows.groupby(run_key(rows))["step"].transform("max")
+    share = correct[last].groupby(rows.loc[last, "point"]).mean()
+    return (result["point"].map(share) > 0.5).astype(int).to_numpy()
+
+
+# --- output ---------------------------------------------------------------------------------
+
+def output_path(args, script):
+    """--out, or res/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file."""
+    if args.out:
+        path = args.out
+    elif args.res_name is not None:
+        path = results_path(f"{args.res_name}_{script}")
+    else:
+        stem = os.path.splitext(os.path.basename(args.res_file))[0]
+        path = os.path.join(os.path.dirname(args.res_file), f"{stem}_{script}.csv")
+    source = results_path(args.res_name) if args.res_name is not None else args.res_file
+    if os.path.abspath(path) == os.path.abspath(source):
+        raise UsageError("--out", f"{path} is the input file; choose another output")
+    return path
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def finish(path, result, columns, value, baseline, groups, correct=None):
+    """Print the table and the summary, then write `columns` of `result` to `path`.
+
+    correct: 0/1 per row of `result` (or None) to split the summary by correctness.
+    """
+    print_table(result, columns, value, baseline, path)
+    print_summary(result, value, baseline, groups, correct)
+    write_csv(path, result[columns])
+    print(f"wrote {path}")
+
+
+def print_table(result, columns, value, baseline, path):
+    keys = [column for column in columns if column not in (value, baseline, "delta", "steps")]
+    table = result[keys + [value, baseline]].copy()
+    table["ratio"] = result[value] / result[baseline]
+    shown = table.head(TABLE_ROWS)
+    print(shown.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
+    if len(table) > len(shown):
+        print(f"... {len(table) - len(shown)} more rows in {path}")
+
+
+def print_summary(result, value, baseline, groups, correct):
+    """Per group: points, median and 10/90% quantiles of the value, the baseline and the share of
+    points at least 2x below it; split by `correct` when both values occur."""
+    frame = result.assign(subset="all")
+    if correct is not None and set(np.unique(correct)) >= {0, 1}:
+        labelled = result.assign(subset=np.where(np.asarray(correct) == 1, "correct", "misclassified"))
+        frame = pd.concat([frame, labelled], ignore_index=True)
+    keys = groups + ["subset"]
+    summary = frame.groupby(keys, sort=True).apply(_summarise, value, baseline, include_groups=False).reset_index()
+    print(f"\nsummary of {value} (ratio = {value} / {baseline}; 2x below: share with ratio <= 0.5)")
+    print(summary.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
+
+
+def _summarise(group, value, baseline):
+    values = group[value].to_numpy(dtype=float)
+    baselines = group[baseline].to_numpy(dtype=float)
+    return pd.Series({"points": len(values), "median": np.median(values), "q10": np.quantile(values, 0.1),
+                      "q90": np.quantile(values, 0.9), "baseline": np.median(baselines),
+                      "2x below": np.mean(values <= baselines / 2)})

@@ -1,0 +1,54 @@
+"""Per-step per-instance Rényi DP of DP-SGD's sum rule (docs/accounting.md §3.1).
+
+Reads `grad_norm` rows (Δ*, one per point and checkpoint) from compute_sensitivity.py and writes,
+per point, checkpoint and order λ, ρ(λ) = RDP_SGM(q, σΓ/Δ*, λ) of one step next to the
+data-independent baseline RDP_SGM(q, σ, λ).
+"""
+
+import numpy as np
+import pandas as pd
+
+from perinstance import accountants, accounting
+from perinstance.errors import run_main
+from perinstance.options import Parser
+
+COLUMNS = ["point", "step", "alpha", "rdp", "baseline_rdp"]
+
+
+def parse_args(argv):
+    parser = Parser(description=__doc__)
+    accountants.add_input_arguments(parser)
+    accountants.add_alpha_argument(parser, [8.0], "Rényi orders λ > 1, fractional allowed (default 8)")
+    args = parser.parse_args(argv)
+    args.alpha = accountants.check_orders(args.alpha)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    loaded = accountants.load(args, ["grad_norm"], one_run=True)
+    accountants.check_unique(loaded, ["point", "step"])
+    config, rows = loaded.config, loaded.rows.sort_values(["point", "step"])
+    out = accountants.output_path(args, "renyi_per_instance_sum")
+
+    rdp = accounting.rdp_sum_rule(rows["value"].to_numpy(), config.clip_bound, config.noise_multiplier,
+                                  config.sample_rate, args.alpha)
+    baseline = accounting.rdp_sgm(config.sample_rate, config.noise_multiplier, args.alpha)
+    # Long format: for each (point, step) one row per order.
+    result = pd.DataFrame({
+        "point": np.repeat(rows["point"].to_numpy(), len(args.alpha)),
+        "step": np.repeat(rows["step"].to_numpy(), len(args.alpha)),
+        "alpha": np.tile(args.alpha, len(rows)),
+        "rdp": rdp.ravel(),
+        "baseline_rdp": np.tile(baseline, len(rows)),
+    })
+
+    print(f"per-step Rényi DP of {rows['point'].nunique()} points, sum rule, sigma={config.noise_multiplier:g}, "
+          f"clip bound {config.clip_bound:g}, q={config.sample_rate:.4g}, "
+          f"orders {', '.join(f'{alpha:g}' for alpha in args.alpha)}")
+    correct = accountants.correct_at(rows, result, ["point", "step"])
+    accountants.finish(out, result, COLUMNS, "rdp", "baseline_rdp", ["step", "alpha"], correct)
+
+
+if __name__ == "__main__":
+    run_main(main)
