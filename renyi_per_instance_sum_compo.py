@@ -14,10 +14,6 @@ from perinstance.errors import UsageError, run_main
 from perinstance.options import Parser
 
 COLUMNS = ["point", "eps", "order", "baseline_eps", "delta", "steps"]
-# Dense where the best order of ε ≈ 1..20 lies: this grid gives Opacus's default-grid ε.
-DEFAULT_ORDERS = [1.25, 1.5, 1.75, 2, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8, 2.9, 3, 3.25, 3.5, 3.75, 4,
-                  4.5, 5, 5.5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96,
-                  112, 128, 160, 192, 224, 256]
 # Orders above this (from a small Hölder exponent b) make the bound meaningless.
 LARGEST_ORDER = 1e6
 
@@ -26,7 +22,7 @@ def parse_args(argv):
     parser = Parser(description=__doc__)
     accountants.add_input_arguments(parser)
     accountants.add_delta_argument(parser)
-    accountants.add_alpha_argument(parser, DEFAULT_ORDERS,
+    accountants.add_alpha_argument(parser, accounting.COMPOSITION_ORDERS,
                                    "Rényi orders λ > 1 to convert from (default 1.25..256, 47 orders)")
     accountants.add_holder_argument(parser, "3T", "Hölder exponent b in (1, inf]: a number, inf, or a multiple of "
                                     "the number of steps T such as 3T (default)")

@@ -41,6 +41,10 @@ COMPOSITION_ORDER_RATIO = 1.05
 # From this order on the composition grid uses integer orders: Opacus's integer-order formula is
 # an exact finite sum, cheaper than its fractional series and free of its cancellation.
 INTEGER_ORDERS_FROM = 10.0
+# Dense where the best order of ε ≈ 1..20 lies: this grid gives Opacus's default-grid ε.
+COMPOSITION_ORDERS = [1.25, 1.5, 1.75, 2, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8, 2.9, 3, 3.25, 3.5, 3.75, 4,
+                      4.5, 5, 5.5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 18, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96,
+                      112, 128, 160, 192, 224, 256]
 # Above this order Opacus's integer sum costs O(λ) terms and its binomials overflow near 1030;
 # such orders (only reached by composition with a small Hölder exponent) get λ/(2z²) instead.
 LARGEST_OPACUS_ORDER = 512

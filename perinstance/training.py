@@ -18,11 +18,10 @@ import opacus
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.accountants.utils import get_noise_multiplier
 from tqdm import tqdm
 
-from perinstance import checkpoints, clipping, fileio, gradients, results, sampling
+from perinstance import accounting, checkpoints, clipping, fileio, gradients, results, sampling
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.nets import build_model
@@ -35,7 +34,6 @@ DEFAULT_CHECKPOINTS = 10
 # Per-sample gradients are computed in chunks of this many examples; fixed so that the
 # summation order, hence every bit of the result, does not depend on the batch drawn.
 PHYSICAL_BATCH = 256
-RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512]
 # Flags that do not change what is trained, so a resumed run may differ in them.
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 METADATA_FORMAT = 1
@@ -190,18 +188,12 @@ def make_optimizer(args, params):
 
 
 def epsilon_curve(metadata):
-    """ε spent after t steps, t = 0..T, by Opacus's RDP accountant (the worst-case baseline)."""
+    """ε spent after t steps by the data-independent RDP accountant (the worst-case baseline)."""
     if metadata["dp"] == 0:
         return None
-    rdp_step = compute_rdp(q=metadata["sample_rate"], noise_multiplier=metadata["noise_multiplier"], steps=1,
-                           orders=RDP_ORDERS)
-
-    def spent(steps):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # early in training the best order is the largest
-            return get_privacy_spent(orders=RDP_ORDERS, rdp=rdp_step * steps, delta=metadata["delta"])[0]
-
-    return spent
+    orders = accounting.COMPOSITION_ORDERS
+    rdp_step = accounting.baseline_rdp(metadata["noise_multiplier"], metadata["sample_rate"], orders)
+    return lambda steps: float(accounting.rdp_to_eps(orders, rdp_step * steps, metadata["delta"])[0])
 
 
 @torch.no_grad()
@@ -216,6 +208,17 @@ def evaluate(model, inputs, labels, device, chunk=1024):
         loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(dim=1) == y).sum().item()
     return correct / len(labels), loss_sum / len(labels)
+
+
+@torch.no_grad()
+def per_class_accuracy(model, inputs, labels, num_classes, device, chunk=1024):
+    """Test accuracy of each class (nan for a class without test points)."""
+    model.eval()
+    predictions = torch.cat([model(inputs[start:start + chunk].to(device)).argmax(dim=1).cpu()
+                             for start in range(0, len(labels), chunk)])
+    hits = torch.bincount(labels[predictions == labels], minlength=num_classes).double()
+    counts = torch.bincount(labels, minlength=num_classes).double()
+    return (hits / counts).tolist()
 
 
 class Trainer:
@@ -395,7 +398,7 @@ def write_tracked_norms(run_dir, metadata, tracked_rows, dataset):
     frame["step"] = steps
     frame["stage"] = steps / metadata["total_steps"]
     frame["point"] = np.tile(points, len(tracked_rows))
-    frame["label"] = dataset.train_y[frame["point"].to_numpy()].numpy()
+    frame["label"] = dataset.train_y.numpy()[frame["point"].to_numpy()]
     frame["value"] = table[:, 0, :].ravel()
     frame["loss"] = table[:, 1, :].ravel()
     frame["correct"] = table[:, 2, :].ravel().astype(int)
