@@ -5,6 +5,8 @@ Step t (1..T) maps θ_{t−1} to θ_t. Its Poisson batch and its noise are drawn
 state and ends with the same bytes as an uninterrupted run.
 """
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -90,14 +92,21 @@ def _resolve_scaling(args):
         raise UsageError("--scale-s", f"must be > 0, got {args.scale_s:g}")
 
 
+def identity_args(args):
+    """The flags that determine what is trained (a resumed run must agree on all of them)."""
+    return {key: value for key, value in sorted(vars(args).items()) if key not in NON_IDENTITY_FLAGS}
+
+
 def default_save_name(args):
+    """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
     parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
     if args.id is not None:
         parts.append(str(args.id))
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(parts)).strip("-")
+    digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(parts)).strip("-") + f"_{digest}"
 
 
 def run_dir_for(args):
@@ -129,7 +138,7 @@ def plan_run(args, dataset):
     return {
         "format": METADATA_FORMAT,
         "run": os.path.basename(os.path.normpath(run_dir_for(args))),
-        "args": {key: value for key, value in sorted(vars(args).items()) if key not in NON_IDENTITY_FLAGS},
+        "args": identity_args(args),
         "seed": args.seed,
         "dataset": dataset.name,
         "dataset_fingerprint": dataset.fingerprint,
