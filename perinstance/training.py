@@ -35,7 +35,7 @@ DEFAULT_SCALE_S = 0.9
 DEFAULT_CHECKPOINTS = 10
 # Per-sample gradients are computed in chunks of this many examples; fixed so that the
 # summation order, hence every bit of the result, does not depend on the batch drawn.
-PHYSICAL_BATCH = 256
+PHYSICAL_BATCH = 1024
 # Flags that do not change what is trained, so a resumed run may differ in them.
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 METADATA_FORMAT = 1
