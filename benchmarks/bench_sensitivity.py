@@ -1,0 +1,192 @@
+"""Benchmark of the sensitivity engine on the embedded MNIST subset with LeNet-5 (not a test).
+
+    python benchmarks/bench_sensitivity.py [--rounds 5] [--reference-sets 5]
+
+1. Δ* of all 8,000 training points at one checkpoint: samples/s of the engine's ghost norms,
+   side by side (interleaved rounds) with Opacus GradSampleModule's materialised per-sample
+   gradients, torch.func (vmap of grad), Opacus's stock ghost clipping, and a plain
+   non-private forward+backward.
+2. The Rényi mean experiment with the paper's defaults (α = 8, 20 target batches × 100 sets
+   of α batches, batches of 128) for 10 points, both directions: the engine's seconds, and
+   the reference (one forward/backward per batch) timed on a slice and extrapolated.
+
+Timings do not depend on the weights, so the checkpoint is LeNet-5 at its initialisation.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from torch.func import functional_call, grad, vmap
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from perinstance import gradients, sensitivity  # noqa: E402
+from perinstance.data import load_dataset  # noqa: E402
+from perinstance.nets import build_model  # noqa: E402
+from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY, Pool, Transform  # noqa: E402
+
+TRANSFORM = Transform("flat", clip_norm=1.0)
+CHUNK = sensitivity.ROW_CHUNK
+BATCH_SIZE, ALPHA, NUM_ITERS, NUM_BATCHES, NUM_POINTS = 128, 8, 20, 100, 10
+
+
+def lenet(dataset):
+    torch.manual_seed(0)
+    return build_model("lenet5", 1, 32, dataset.num_classes)
+
+
+# --- 1. Δ* of every point ---------------------------------------------------------------------
+
+def engine_norms(model, x, y):
+    sensitivity.transformed_norms(model, x, y, TRANSFORM)
+
+
+def opacus_materialised_norms(model, x, y):
+    module = gradients.wrap_per_sample(model)
+    model.train()
+    for start in range(0, len(y), CHUNK):
+        grad_samples, _, _ = gradients.per_sample_gradients(module, x[start:start + CHUNK], y[start:start + CHUNK])
+        norms = gradients.grad_norms(grad_samples)
+        TRANSFORM.weights(norms) * norms
+    module.cleanup()
+
+
+def opacus_ghost_norms(model, x, y):
+    module = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum")
+    model.train()
+    for start in range(0, len(y), CHUNK):
+        F.cross_entropy(module(x[start:start + CHUNK]), y[start:start + CHUNK], reduction="sum").backward()
+        norms = module.get_norm_sample()
+        TRANSFORM.weights(norms) * norms
+        for param in model.parameters():
+            param.grad = None
+    module.cleanup()
+
+
+def torch_func_norms(model, x, y):
+    params = {name: param.detach() for name, param in model.named_parameters()}
+
+    def loss(params, example, label):
+        return F.cross_entropy(functional_call(model, params, (example[None],)), label[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
+    for start in range(0, len(y), CHUNK):
+        grads = per_sample(params, x[start:start + CHUNK], y[start:start + CHUNK])
+        norms = sum(part.reshape(len(part), -1).pow(2).sum(dim=1) for part in grads.values()).sqrt()
+        TRANSFORM.weights(norms) * norms
+
+
+def plain_forward_backward(model, x, y):
+    for start in range(0, len(y), CHUNK):
+        F.cross_entropy(model(x[start:start + CHUNK]), y[start:start + CHUNK]).backward()
+        model.zero_grad(set_to_none=True)
+
+
+NORM_METHODS = {
+    "engine (ghost norms)": engine_norms,
+    "Opacus GradSampleModule (materialised)": opacus_materialised_norms,
+    "torch.func vmap(grad)": torch_func_norms,
+    "Opacus ghost clipping (stock)": opacus_ghost_norms,
+    "plain forward+backward (non-private)": plain_forward_backward,
+}
+
+
+def bench_norms(dataset, rounds):
+    x, y = dataset.train_x, dataset.train_y
+    rates = {name: [] for name in NORM_METHODS}
+    for _ in range(rounds):
+        for name, method in NORM_METHODS.items():
+            model = lenet(dataset)
+            started = time.perf_counter()
+            method(model, x, y)
+            rates[name].append(len(y) / (time.perf_counter() - started))
+    engine = rates["engine (ghost norms)"]
+    print(f"\n1. Δ* of all {len(y)} training points, LeNet-5 ({sensitivity.parameter_count(lenet(dataset))} "
+          f"parameters), chunks of {CHUNK}, {rounds} interleaved rounds. Best round (least disturbed by other "
+          "processes), and the median over rounds of the same-round ratio:")
+    for name, rate in rates.items():
+        best_ratio = max(engine) / max(rate)
+        median_ratio = statistics.median(mine / theirs for mine, theirs in zip(engine, rate))
+        print(f"   {name:42s} {max(rate):8.0f} samples/s   engine is {best_ratio:5.2f}× this "
+              f"(median ratio {median_ratio:5.2f}×)")
+
+
+# --- 2. the Rényi mean experiment --------------------------------------------------------------
+
+def time_reference(model, dataset, pool, point, reference_sets):
+    """Seconds of the reference for one target batch and for one set of α batches (the fastest of
+    `reference_sets` timings: the least disturbed by other processes), and its S values."""
+    x, y = dataset.train_x, dataset.train_y
+    target = np.flatnonzero(pool.draw(1, RENYI_TARGET_KEY, 0)[0])
+    target = target[target != point]
+    target_seconds, set_seconds, values = [], [], []
+    for key in range(reference_sets):
+        started = time.perf_counter()
+        sensitivity.reference_batch_means(model, x, y, TRANSFORM, [target])
+        target_seconds.append(time.perf_counter() - started)
+        batches = [np.flatnonzero(mask) for mask in pool.draw(ALPHA, RENYI_SET_KEY, 0, key)]
+        started = time.perf_counter()
+        values.append(sensitivity.reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches])[0])
+        set_seconds.append(time.perf_counter() - started - target_seconds[-1])
+    return min(target_seconds), min(set_seconds), np.asarray(values)
+
+
+def bench_renyi(dataset, reference_sets):
+    x, y = dataset.train_x, dataset.train_y
+    size = len(y)
+    points = np.sort(np.random.default_rng(0).choice(size, NUM_POINTS, replace=False))
+    pool = Pool(seed=0, step=0, universe=size, sample_rate=BATCH_SIZE / size, train_columns=np.arange(size))
+    model = lenet(dataset)
+
+    # The reference is timed before and after the engine; the fastest timing counts, which keeps
+    # the extrapolated reference (and the speed-up) on the low side.
+    before = time_reference(model, dataset, pool, points[0], reference_sets)
+    started = time.perf_counter()
+    rows, point_gradients = sensitivity.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM)
+    gradient_seconds = time.perf_counter() - started
+    engine = sensitivity.renyi_statistics(rows, point_gradients, points, pool, ALPHA, NUM_ITERS, NUM_BATCHES)
+    engine_seconds = time.perf_counter() - started
+    del rows, point_gradients
+    after = time_reference(model, dataset, pool, points[0], reference_sets)
+    target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
+    per_direction = NUM_ITERS * (target_seconds + NUM_BATCHES * set_seconds)
+    reference_seconds = NUM_POINTS * len(sensitivity.DIRECTIONS) * per_direction
+    difference = np.max(np.abs(engine["remove"][0, 0, :reference_sets] - before[2]) / np.abs(before[2]))
+
+    sets = NUM_ITERS * NUM_BATCHES
+    print(f"\n2. Rényi mean experiment: α = {ALPHA}, {NUM_ITERS} target batches × {NUM_BATCHES} sets, batches of "
+          f"{BATCH_SIZE} (q = {BATCH_SIZE}/{size}), {NUM_POINTS} points, both directions:")
+    print(f"   engine: {engine_seconds:.1f} s ({gradient_seconds:.1f} s per-sample gradients of all {size} points, "
+          f"{engine_seconds - gradient_seconds:.1f} s for {sets * ALPHA + NUM_ITERS} "
+          "batch sums and the quadratic forms)")
+    print(f"   reference, fastest of {2 * reference_sets} timings for one point: {target_seconds:.2f} s per target "
+          f"batch, {set_seconds:.2f} s per set of {ALPHA} batches")
+    print(f"   reference extrapolated: {NUM_POINTS} points × 2 directions × {NUM_ITERS} × ({target_seconds:.2f} + "
+          f"{NUM_BATCHES} × {set_seconds:.2f}) s = {reference_seconds:.0f} s ({reference_seconds / 3600:.1f} h), "
+          f"i.e. {per_direction / 60:.1f} min per point and direction")
+    print(f"   speed-up: {reference_seconds / engine_seconds:.0f}×   (engine vs reference on the timed sets: "
+          f"max relative difference {difference:.1e})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reference-sets", type=int, default=5)
+    args = parser.parse_args()
+    dataset = load_dataset("mnist-embedded")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+    bench_norms(dataset, args.rounds)
+    bench_renyi(dataset, args.reference_sets)
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
+
+
+if __name__ == "__main__":
+    main()
