@@ -200,10 +200,7 @@ def require_finished(run, args):
 
 def check_same_run(run_dir, existing, planned):
     """The run on disk was trained with these flags on this dataset (fingerprints equal)."""
-    differing = sorted(key for key in set(existing.get("args", {})) | set(planned["args"])
-                       if existing.get("args", {}).get(key) != planned["args"].get(key))
-    if existing.get("dataset_fingerprint") != planned["dataset_fingerprint"]:
-        differing.append("dataset contents")
+    differing = training.run_differences(existing, planned)
     if differing:
         raise UsageError("--save-name", f"{run_dir} holds a run that differs in {', '.join(differing)}; "
                                         "give the flags it was trained with, or another --save-name")

@@ -327,16 +327,22 @@ class Trainer:
         return evaluate(self.model, self.test_x, self.test_y, self.device)[0]
 
 
+def run_differences(existing, planned):
+    """What differs between a run on disk and the run the flags describe: flag names, and the dataset."""
+    existing_args = existing.get("args", {})
+    differing = sorted(key for key in set(existing_args) | set(planned["args"])
+                       if existing_args.get(key) != planned["args"].get(key))
+    if existing.get("dataset_fingerprint") != planned["dataset_fingerprint"]:
+        differing.append("dataset contents")
+    return differing
+
+
 def prepare_run_dir(args, run_dir, metadata):
     """Create the run folder, or check that an existing one holds this same run."""
     if os.path.isdir(run_dir) and args.overwrite == 1:
         shutil.rmtree(run_dir)
     if os.path.exists(checkpoints.metadata_path(run_dir)):
-        existing = checkpoints.load_metadata(run_dir)
-        differing = sorted(key for key in set(existing.get("args", {})) | set(metadata["args"])
-                           if existing.get("args", {}).get(key) != metadata["args"].get(key))
-        if existing.get("dataset_fingerprint") != metadata["dataset_fingerprint"]:
-            differing.append("dataset contents")
+        differing = run_differences(checkpoints.load_metadata(run_dir), metadata)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
                              "use another --save-name or --overwrite 1")
