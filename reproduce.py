@@ -37,9 +37,9 @@ PRESETS = {
     },
     "quick": {  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
         "train": ["--dataset", "mnist-embedded", "--model", "lenet5", "--batch-size", "256", "--lr", "2.0",
-                  "--epochs", "4", "--eps", "10", "--save-freq", "25"],
-        "track": "random:200", "mean_batch_sizes": [64, 256, 1024], "mean_epochs": "1", "mean_points": "random:6",
-        "num_batches": 100, "renyi_batches": 10, "renyi_iters": 10,
+                  "--epochs", "4", "--eps", "10", "--save-freq", "10"],
+        "track": "random:200", "mean_batch_sizes": [64, 256, 1024], "mean_epochs": "1", "mean_points": "random:10",
+        "num_batches": 200, "renyi_batches": 20, "renyi_iters": 10,
     },
     "mnist": {  # paper scale, meant for a GPU
         "train": ["--dataset", "MNIST", "--model", "lenet5", "--batch-size", "256", "--lr", "2.0", "--epochs", "20",
