@@ -14,12 +14,20 @@ def atomic_path(path):
     os.makedirs(directory, exist_ok=True)
     handle, temp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     os.close(handle)
+    # mkstemp makes the file private (0600); give it the permissions a plain open() would.
+    os.chmod(temp_path, 0o666 & ~_current_umask())
     try:
         yield temp_path
         os.replace(temp_path, path)
     finally:
         if os.path.exists(temp_path):
             os.remove(temp_path)
+
+
+def _current_umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path, text):
