@@ -65,6 +65,10 @@ class Transform:
     def weights(self, grad_norms):
         return clipping.scale_weights(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
 
+    def norms(self, grad_norms):
+        """Δ* = ||h(g)||, capped at Γ against one-ulp rounding (clipping.transformed_norm)."""
+        return clipping.transformed_norm(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
+
 
 @dataclass
 class Predictions:
@@ -152,7 +156,7 @@ def transformed_norms(model, inputs, labels, transform, device="cpu", progress=N
         with _training_mode(model):
             for _, x, y in _chunks(inputs, labels, device):
                 grad_norms, losses, logits = gradients.per_sample_norms(module, x, y)
-                norms.append((transform.weights(grad_norms) * grad_norms).double().cpu())
+                norms.append(transform.norms(grad_norms).double().cpu())
                 predictions.append(_predictions(losses, logits, y))
                 _advance(progress, len(y))
     finally:
