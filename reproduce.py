@@ -177,7 +177,9 @@ def draw_figures(out_dir, metadata, run_dir, sensitivities, per_step, composed, 
     final_step = max(checkpoints.saved_steps(run_dir))
     at_end = final_rows(sensitivities, final_step).set_index("point")
     findings = {"headlines": []}
-    path = lambda name: os.path.join(out_dir, name)  # noqa: E731
+
+    def path(name):
+        return os.path.join(out_dir, name)
 
     # Figure 1: per-step ε of every point at the final checkpoint.
     step_eps = final_rows(per_step, final_step).set_index("point")
@@ -214,7 +216,8 @@ def draw_figures(out_dir, metadata, run_dir, sensitivities, per_step, composed, 
                                                            COMPOSITION_DELTA)
 
     # Figure 5: individual accounting of every point vs its final loss; classes.
-    model, _ = training.load_model(metadata, run_dir, final_step, device)
+    model, payload = training.load_model(metadata, run_dir, final_step, device)
+    findings["test_accuracy"] = payload["test_accuracy"]
     dataset = load_dataset(metadata["dataset"], "./data", metadata["less_point"])
     class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
     findings["individual"] = plots.plot_individual_accounting(
@@ -316,18 +319,12 @@ def write_report(args, preset, metadata, findings, seconds):
             f"Run `{metadata['run']}`: `{settings}`; σ = {metadata['noise_multiplier']:.4g}, q = "
             f"{metadata['sample_rate']:.4g}, T = {metadata['total_steps']}, Γ = {metadata['clip_bound']:g}, "
             f"N = {metadata['dataset_size']}; test accuracy at the end "
-            f"{findings_accuracy(metadata):.4f}. Took {seconds:.0f} s.", "", "## Findings", ""]
+            f"{findings['test_accuracy']:.4f}. Took {seconds:.0f} s.", "", "## Findings", ""]
     text += [f"{index}. {line}" for index, line in enumerate(lines, 1)]
     text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in figures]
     path = os.path.join(args.out_dir, "report.md")
     fileio.write_text(path, "\n".join(text) + "\n")
     return path
-
-
-def findings_accuracy(metadata):
-    run_dir = os.path.join("models", metadata["run"])
-    step = max(checkpoints.saved_steps(run_dir))
-    return checkpoints.load_checkpoint(run_dir, step)["test_accuracy"]
 
 
 if __name__ == "__main__":
