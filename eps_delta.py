@@ -1,54 +1,173 @@
-"""Per-step per-instance (ε, δ) guarantees of DP-SGD (docs/accounting.md §3.3).
+"""Per-step per-instance (ε, δ) guarantees of DP-SGD, both update rules (docs/accounting.md §3.3).
 
-Reads `grad_norm` rows (sum rule: Δ*, one per point and checkpoint) or `batch_sensitivity` rows
-(mean rule: Δ_B, one per drawn batch) from compute_sensitivity.py and writes, per point and
-checkpoint, the (ε, δ) of one step next to the data-independent baseline (Δ = Γ).
+    python eps_delta.py --res-name lenet_sum
+    python eps_delta.py --res-name lenet_mean --delta 1e-5
+    python eps_delta.py --res-name lenet_sum --method holder --holder-p 1e4     # GLA's formula
+
+Sum rule (`grad_norm` rows, Δ* per point and checkpoint): the exact hockey-stick of the
+subsampled Gaussian at Δ*, per direction (remove, add) and their max; `kind` certified, next to
+the baseline at Δ = Γ. Mean rule (`center_distance`, `spread`, `max_deviation` and `batch_sensitivity`
+rows of compute_sensitivity.py --reduction mean): the coupling bound averaged over batch sizes,
+as an estimate from the Δ_B samples (with its min..max over Monte-Carlo blocks), a certified bound
+from the dataset statistics, and the mean rule's own baseline, each with k_min and delta_fail:
+the reported δ includes delta_fail (§3.4).
 """
 
+import math
+
 import numpy as np
+import pandas as pd
 
 from perinstance import accountants, accounting
-from perinstance.errors import run_main
+from perinstance.errors import UsageError, run_main
 from perinstance.options import Parser
 
-COLUMNS = ["point", "step", "reduction", "eps", "baseline_eps", "delta"]
+COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
+           "k_min", "samples", "method"]
+KEYS = ["point", "step"]
+DIRECTIONS = ("remove", "add")
 
 
 def parse_args(argv):
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
     accountants.add_input_arguments(parser)
     accountants.add_delta_argument(parser)
+    parser.add_argument("--method", choices=["exact", "holder"], default="exact",
+                        help="exact: the hockey-stick of §3.3 by convexity (default); holder: GLA's Hölder formula "
+                             "(sum rule only, for reproducing the paper; never tighter)")
     accountants.add_holder_argument(parser, "1e4",
-                                    "Hölder exponent p in (1, inf]: a number or inf (default 1e4, the paper's)")
+                                    "--method holder: Hölder exponent p in (1, inf], a number or inf (default 1e4, GLA's)")
     accountants.add_gaussian_argument(parser)
+    parser.add_argument("--failure", type=float, default=None,
+                        help="mean rule: β of the certified event (default δ_size, or delta/(10·T) when k_min = 0)")
     args = parser.parse_args(argv)
     accountants.check_delta(args.delta)
     return args
 
 
+def rows_for(index, kind, eps_by_direction, delta, **columns):
+    """Long rows for one kind: one per (point, step) and direction remove, add, max."""
+    frames = []
+    for direction in (*DIRECTIONS, "max"):
+        eps = eps_by_direction[direction]
+        frame = index.to_frame(index=False).assign(direction=direction, kind=kind, delta=delta,
+                                                   **{name: (value[direction] if isinstance(value, dict) else value)
+                                                      for name, value in columns.items()})
+        frame["eps"] = eps
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def exact(mu, delta, sample_rate, weights=None, delta_fail=0.0):
+    """ε per direction (remove, add) and their max for mixtures of one-dimensional pairs (§3.3)."""
+    eps = {direction: accounting.per_step_eps(mu, delta, sample_rate, weights, delta_fail, direction)
+           for direction in DIRECTIONS}
+    eps["max"] = np.maximum(eps["remove"], eps["add"])
+    return eps
+
+
+def sum_rule(loaded, args):
+    config = loaded.config
+    accountants.check_unique(loaded, KEYS)
+    rows = loaded.rows.sort_values(KEYS)
+    index = pd.MultiIndex.from_frame(rows[KEYS])
+    if args.method == "holder":
+        holder_p = accountants.parse_holder(args.holder_p, config.total_steps)
+        eps = accounting.eps_delta_holder(rows["value"].to_numpy()[:, None], config.noise_std, config.sample_rate,
+                                          args.delta, holder_p, args.gaussian)
+        baseline = accounting.baseline_eps_delta(config.noise_multiplier, config.sample_rate, args.delta, args.gaussian)
+        both = {direction: eps for direction in (*DIRECTIONS, "max")}
+        worst = {direction: np.full(len(rows), baseline) for direction in (*DIRECTIONS, "max")}
+        method = f"holder p={holder_p:g}"
+    else:
+        both = exact(rows["value"].to_numpy()[:, None] / config.noise_std, args.delta, config.sample_rate)
+        worst_one = exact(np.array([[1.0 / config.noise_multiplier]]), args.delta, config.sample_rate)
+        worst = {direction: np.full(len(rows), value[0]) for direction, value in worst_one.items()}
+        method = "exact"
+    common = dict(reduction="sum", delta_fail=0.0, k_min=math.nan, samples=1, method=method,
+                  eps_min=math.nan, eps_max=math.nan)
+    print(f"per-step (eps, delta) of {rows['point'].nunique()} points, sum rule, noise std {config.noise_std:.4g}, "
+          f"q={config.sample_rate:.4g}, method {method}, delta={args.delta:g}")
+    return pd.concat([rows_for(index, "certified", both, args.delta, **common),
+                      rows_for(index, "baseline", worst, args.delta, **common)], ignore_index=True)
+
+
+def mean_rule(loaded, args):
+    if args.method == "holder":
+        raise UsageError("--method", "GLA's Hölder formula is kept for the sum rule only; the mean rule uses the "
+                         "exact coupling bound (allowed here: exact)")
+    config = loaded.config
+    sizes = accountants.size_model(loaded, args.failure, args.delta / (10 * config.total_steps))
+    statistics = accountants.mean_statistics(loaded)
+    samples = accountants.mean_samples(loaded)
+    grid, log_weights = sizes.grid()
+    weights = np.exp(log_weights)
+    common = dict(reduction="mean", k_min=sizes.k_min, method="exact")
+    frames = []
+    if statistics is not None:
+        index = statistics.index
+        bound = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
+                                                 statistics["max_deviation"], config.clip_bound, grid, sizes.failure)
+        fail = sizes.delta_fail("certified")
+        eps = exact(bound / config.noise_std, args.delta, config.sample_rate, weights, fail)
+        frames.append(rows_for(index, "certified", eps, args.delta, delta_fail=fail, samples=0, eps_min=math.nan,
+                               eps_max=math.nan, **common))
+        baseline_index = index
+    else:
+        baseline_index = None
+    if samples is not None:
+        index, values, batch_sizes, blocks = samples
+        sample_grid = accountants.sample_grid(batch_sizes, sizes, loaded)
+        sample_weights = sample_grid_weights(batch_sizes, sample_grid, sizes)
+        fail = sizes.delta_fail("estimate")
+        mu = values / config.noise_std
+        eps = exact(mu, args.delta, config.sample_rate, sample_weights, fail)
+        per_block = [exact(np.where(blocks == block, mu, np.nan), args.delta, config.sample_rate,
+                           sample_grid_weights(np.where(blocks == block, batch_sizes, np.nan), sample_grid, sizes),
+                           fail)
+                     for block in np.unique(blocks[~np.isnan(blocks)])]
+        spread = {name: {direction: reducer([block[direction] for block in per_block], axis=0)
+                         for direction in (*DIRECTIONS, "max")} for name, reducer in (("eps_min", np.min),
+                                                                                     ("eps_max", np.max))}
+        frames.append(rows_for(index, "estimate", eps, args.delta, delta_fail=fail,
+                               samples=(~np.isnan(values)).sum(axis=1), **spread, **common))
+        baseline_index = index if baseline_index is None else baseline_index.union(index)
+    worst_bound = accounting.baseline_mean_sensitivity(config.clip_bound, grid)[None, :]
+    worst_fail = sizes.delta_fail("baseline")
+    worst_one = exact(worst_bound / config.noise_std, args.delta, config.sample_rate, weights, worst_fail)
+    worst = {direction: np.full(len(baseline_index), value[0]) for direction, value in worst_one.items()}
+    frames.append(rows_for(baseline_index, "baseline", worst, args.delta, delta_fail=worst_fail, samples=0,
+                           eps_min=math.nan, eps_max=math.nan, **common))
+    print(f"per-step (eps, delta) of {baseline_index.get_level_values('point').nunique()} points, mean rule "
+          f"(coupling, §3.2-§3.4), noise std {config.noise_std:.4g}, q={config.sample_rate:.4g}, n={sizes.n}, "
+          f"k_min={sizes.k_min} (delta_size={sizes.delta_size:.3g}), beta={sizes.failure:.3g}, delta={args.delta:g} "
+          "including delta_fail")
+    if sizes.k_min == 0:
+        accountants.warn("k_min = 0: batches without any other point are in the guarantee, and the realised-size "
+                         "mean rule then has no useful bound (accounting.md §3.4)")
+    return pd.concat(frames, ignore_index=True)
+
+
+def sample_grid_weights(batch_sizes, sample_grid, sizes):
+    """Weight of each Δ_B sample (NaN size = absent) in the stratified expectation of §3.2: its
+    size's lumped probability split equally over that point's samples of that size."""
+    log_weights = accounting.lumped_size_log_weights(sample_grid, sizes.n, sizes.sample_rate)
+    present = ~np.isnan(batch_sizes)
+    position = np.searchsorted(sample_grid, np.where(present, batch_sizes, sample_grid[0]))
+    counts = np.stack([((position == column) & present).sum(axis=1) for column in range(len(sample_grid))], axis=1)
+    share = np.exp(log_weights)[position] / np.maximum(np.take_along_axis(counts, position, axis=1), 1)
+    return np.where(present, share, 0.0)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    loaded = accountants.load(args, ["grad_norm", "batch_sensitivity"], one_run=True, integer_columns={"sample": 0})
-    accountants.check_unique(loaded, ["point", "step", "sample"])
-    config = loaded.config
-    holder_p = accountants.parse_holder(args.holder_p, config.total_steps)
+    loaded = accountants.load(args, ["grad_norm", *accountants.COUPLING_QUANTITIES], one_run=True,
+                              integer_columns={"sample": 0})
     out = accountants.output_path(args, "eps_delta")
-
-    # One row per (point, step), one column per sensitivity sample (NaN where a point has fewer).
-    samples = loaded.rows.pivot(index=["point", "step"], columns="sample", values="value")
-    eps = accounting.eps_delta_holder(samples.to_numpy(), config.noise_std, config.sample_rate, args.delta,
-                                      holder_p, args.gaussian)
-    baseline = accounting.baseline_eps_delta(config.noise_multiplier, config.sample_rate, args.delta, args.gaussian)
-    result = samples.index.to_frame(index=False).assign(
-        reduction=config.reduction, eps=eps, baseline_eps=baseline, delta=args.delta)
-
-    print(f"per-step (eps, delta) of {result['point'].nunique()} points, {config.reduction} rule, "
-          f"noise std {config.noise_std:.4g}, q={config.sample_rate:.4g}, Hölder p={holder_p:g}, "
-          f"{args.gaussian} Gaussian, delta={args.delta:g}")
-    if args.gaussian == "classic" and np.any(result["eps"] >= 1):
-        accountants.warn("the classic Gaussian formula is a valid bound only below eps 1; some values are above")
-    correct = accountants.correct_at(loaded.rows, result, ["point", "step"])
-    accountants.finish(out, result, COLUMNS, "eps", "baseline_eps", ["step"], correct)
+    result = sum_rule(loaded, args) if loaded.config.reduction == "sum" else mean_rule(loaded, args)
+    result = result.sort_values(["point", "step", "direction", "kind"], kind="mergesort")[COLUMNS]
+    correct = accountants.correct_table(loaded.rows, KEYS)
+    accountants.report(out, result, "eps", KEYS, ["step"], correct)
 
 
 if __name__ == "__main__":

@@ -1,78 +1,183 @@
-"""Per-step per-instance Rényi DP of DP-SGD's mean rule (docs/accounting.md §3.2).
+"""Per-step per-instance Rényi DP of DP-SGD's mean rule (docs/accounting.md §3.2, §3.4).
 
-Reads `renyi_statistic` rows (the statistic S of §2, per target batch, sample, direction and
-integer order α) from compute_sensitivity.py and writes, per point, checkpoint, order and
-direction (remove, add and their max), the Monte-Carlo bound ρ̂(α) of one step next to the
-data-independent baseline RDP_SGM(q, σ, α).
+    python renyi_per_instance_mean.py --res-name lenet_mean --alpha 2 8
+    python renyi_per_instance_mean.py --res-name lenet_jensen --estimator jensen   # GLA's statistic
+
+Default (coupling): from the rows of compute_sensitivity.py --reduction mean, per point, checkpoint,
+order α and direction (remove, add capped at log(1/(1−q)), and their max), three numbers side by side:
+`estimate` (stratified Monte Carlo over the Δ_B samples, with its min..max over blocks: not a bound),
+`certified` (from d*, v_X and b_X; valid with probability 1 − delta_fail) and `baseline` (the mean
+rule's own data-independent bound). Every row carries k_min, delta_fail and the dominant size k*.
+--estimator jensen: GLA's statistic S (rows of --estimator jensen), kind gla_statistic, for
+reproducing the paper only: it is not a measure of the point's influence (§3.2).
 """
 
+import math
+
+import numpy as np
 import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
 from perinstance.options import Parser
 
-COLUMNS = ["point", "step", "alpha", "direction", "rdp", "baseline_rdp", "aggregate"]
-KEYS = ["point", "step", "alpha", "direction"]
+COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
+           "k_star_at_k_min", "delta_fail", "estimator"]
+KEYS = ["point", "step", "alpha"]
 AGGREGATE_LABEL = {"joint": "joint", "per-target": "per-target (not an upper bound)"}
 
 
 def parse_args(argv):
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
     accountants.add_input_arguments(parser)
-    accountants.add_alpha_argument(parser, [8.0],
-                                   "integer Rényi orders α >= 2 measured by compute_sensitivity.py (default 8)")
+    accountants.add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
+    parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
+                        help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=["joint", "per-target"], default="joint",
-                        help="joint: Monte-Carlo mean over all samples, the bound's estimator (default); "
-                             "per-target: the paper's average over target batches, NOT an upper bound")
+                        help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
+    parser.add_argument("--failure", type=float, default=None,
+                        help="β of the certified event (default δ_size, or 1e-6/T when k_min = 0)")
     args = parser.parse_args(argv)
     args.alpha = accountants.check_orders(args.alpha)
     return args
 
 
-def estimate(rows, noise_std, aggregate):
-    """ρ̂ per point, step, direction and order (§3.2), and direction `max` where both were measured."""
-    def one(group):
-        alpha = dict(zip(KEYS, group.name, strict=True))["alpha"]
-        return accounting.rdp_mean_rule(group["value"].to_numpy(), noise_std, alpha, aggregate,
-                                        group["target_batch"].to_numpy())
-
-    per_direction = rows.groupby(KEYS).apply(one, include_groups=False).rename("rdp").reset_index()
-    both = per_direction.groupby(["point", "step", "alpha"]).filter(lambda group: len(group) == 2)
-    maximum = both.groupby(["point", "step", "alpha"], as_index=False)["rdp"].max().assign(direction="max")
-    return pd.concat([per_direction, maximum], ignore_index=True).sort_values(KEYS)
+def with_directions(frame, sample_rate):
+    """§3.2: the coupling value bounds both directions; the add direction is also at most log(1/(1−q))."""
+    cap = accounting.add_direction_cap(sample_rate)
+    added = frame.assign(direction="add")
+    for column in ("rdp", "rdp_min", "rdp_max"):
+        added[column] = np.minimum(added[column], cap)
+    return pd.concat([frame.assign(direction="remove"), added, frame.assign(direction="max")], ignore_index=True)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    loaded = accountants.load(args, ["renyi_statistic"], one_run=True,
-                              integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
+def coupling(loaded, args):
+    config = loaded.config
+    sizes = accountants.size_model(loaded, args.failure, 1e-6 / config.total_steps)
+    statistics = accountants.mean_statistics(loaded)
+    samples = accountants.mean_samples(loaded)
+    grid, log_weights = sizes.grid()
+    needed = [accounting.baseline_mean_sensitivity(config.clip_bound, grid)]
+    if statistics is not None:
+        certified = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
+                                                     statistics["max_deviation"], config.clip_bound, grid,
+                                                     sizes.failure)
+        needed.append(certified)
+    if samples is not None:
+        index, values, batch_sizes, blocks = samples
+        needed.append(values[~np.isnan(values)])
+    table = accountants.mean_rule_table(config, args.alpha, needed)
+    frames = []
+    common = dict(k_min=sizes.k_min, estimator="coupling")
+    point_index = None
+    for order_column, alpha in enumerate(table.orders):
+        def moments(sensitivity, column=order_column):
+            return table.log_moments(np.asarray(sensitivity) / config.clip_bound)[..., column]
+        if statistics is not None:
+            fail = sizes.delta_fail("certified")
+            log_terms = moments(certified) + log_weights
+            rdp = accounting.mixture_rdp(moments(certified), log_weights, math.log(1 - fail), alpha)
+            frames.append(statistics.index.to_frame(index=False).assign(
+                alpha=alpha, kind="certified", rdp=rdp, rdp_min=math.nan, rdp_max=math.nan, samples=0,
+                k_star=grid[np.argmax(log_terms, axis=1)], delta_fail=fail, **common))
+            point_index = statistics.index
+        if samples is not None:
+            frames.append(estimate(index, values, batch_sizes, blocks, moments, sizes, alpha, loaded)
+                          .assign(alpha=alpha, **common))
+            point_index = index if point_index is None else point_index.union(index)
+        baseline_terms = moments(needed[0]) + log_weights
+        fail = sizes.delta_fail("baseline")
+        frames.append(point_index.to_frame(index=False).assign(
+            alpha=alpha, kind="baseline", rdp=accounting.mixture_rdp(moments(needed[0]), log_weights,
+                                                                     math.log(1 - fail), alpha),
+            rdp_min=math.nan, rdp_max=math.nan, samples=0, k_star=grid[np.argmax(baseline_terms)], delta_fail=fail,
+            **common))
+    result = pd.concat(frames, ignore_index=True)
+    result["k_star_at_k_min"] = (result["k_star"] == sizes.k_min).astype(int)
+    print(f"per-step Rényi DP of {point_index.get_level_values('point').nunique()} points, mean rule (coupling), "
+          f"noise std {config.noise_std:.4g}, q={config.sample_rate:.4g}, n={sizes.n}, k_min={sizes.k_min} "
+          f"(delta_size={sizes.delta_size:.3g}), beta={sizes.failure:.3g}")
+    flagged = result.loc[result["kind"] != "baseline", "k_star_at_k_min"].sum()
+    if flagged:
+        accountants.warn(f"{flagged} values are dominated by the smallest size k_min: they mostly reflect the chosen "
+                         "δ_size, not the data (column k_star_at_k_min)")
+    if sizes.k_min == 0:
+        accountants.warn("k_min = 0: the realised-size mean rule has no useful guarantee here (accounting.md §3.4)")
+    return with_directions(result, config.sample_rate)
+
+
+def estimate(index, values, batch_sizes, blocks, moments, sizes, alpha, loaded):
+    """§3.2 estimate per point, pooled over blocks, with the min and max of the per-block estimates."""
+    grid = accountants.sample_grid(batch_sizes, sizes, loaded)
+    log_weights = accounting.lumped_size_log_weights(grid, sizes.n, sizes.sample_rate)
+    log_moments = np.where(np.isnan(values), np.nan, moments(np.nan_to_num(values)))
+    log_mass = math.log(1 - sizes.delta_fail("estimate"))
+
+    def rho(mask):
+        means, counts = accounting.stratified_log_means(np.where(mask, log_moments, np.nan), batch_sizes, grid)
+        return accounting.mixture_rdp(means, log_weights, log_mass, alpha), means, counts
+
+    pooled, means, counts = rho(np.ones(values.shape, dtype=bool))
+    per_block = np.array([rho(blocks == block)[0] for block in np.unique(blocks[~np.isnan(blocks)])])
+    if (counts == 0).any():
+        accountants.warn(f"{int((counts == 0).any(axis=1).sum())} points lack samples at some size: their estimate "
+                         "is NaN (measure more --num-batches)")
+    return index.to_frame(index=False).assign(
+        kind="estimate", rdp=pooled, rdp_min=per_block.min(axis=0), rdp_max=per_block.max(axis=0),
+        samples=(~np.isnan(values)).sum(axis=1), k_star=grid[np.argmax(np.nan_to_num(means, nan=-np.inf)
+                                                                         + log_weights, axis=1)],
+        delta_fail=sizes.delta_fail("estimate"))
+
+
+def jensen(loaded, args):
+    """GLA's statistic (§3.2, kept to reproduce the paper): ρ̂_J per point, step, order and direction."""
     accountants.check_values(loaded, ~loaded.rows["direction"].isin(["remove", "add"]),
                              lambda row: f"direction {row['direction']!r} is neither remove nor add")
-    accountants.check_unique(loaded, KEYS + ["target_batch", "sample"])
-    config, rows = loaded.config, loaded.rows
+    accountants.check_unique(loaded, KEYS + ["direction", "target_batch", "sample"])
+    rows = loaded.rows
     missing = sorted(set(args.alpha) - set(rows["alpha"]))
     if missing:
         raise UsageError("--alpha", f"no renyi_statistic rows at order {missing[0]:g} (measured: "
                          f"{', '.join(str(order) for order in sorted(rows['alpha'].unique()))})")
-    out = accountants.output_path(args, "renyi_per_instance_mean")
-
     rows = rows[rows["alpha"].isin(args.alpha)]
-    result = estimate(rows, config.noise_std, args.aggregate)
-    baseline = accounting.rdp_sgm(config.sample_rate, config.noise_multiplier, args.alpha)
-    result = result.assign(baseline_rdp=result["alpha"].map(dict(zip(args.alpha, baseline, strict=True))),
-                           aggregate=AGGREGATE_LABEL[args.aggregate])
+    keys = KEYS + ["direction"]
 
-    print(f"per-step Rényi DP of {rows['point'].nunique()} points, mean rule, noise std {config.noise_std:.4g}, "
-          f"q={config.sample_rate:.4g}, {rows.groupby(KEYS).size().median():.0f} samples of S per estimate, "
-          f"aggregate {AGGREGATE_LABEL[args.aggregate]}")
+    def one(group):
+        alpha = dict(zip(keys, group.name, strict=True))["alpha"]
+        return accounting.rdp_mean_rule(group["value"].to_numpy(), loaded.config.noise_std, alpha, args.aggregate,
+                                        group["target_batch"].to_numpy())
+
+    per_direction = rows.groupby(keys).apply(one, include_groups=False).rename("rdp").reset_index()
+    both = per_direction.groupby(KEYS).filter(lambda group: len(group) == 2)
+    maximum = both.groupby(KEYS, as_index=False)["rdp"].max().assign(direction="max")
+    result = pd.concat([per_direction, maximum], ignore_index=True).assign(
+        kind="gla_statistic", rdp_min=math.nan, rdp_max=math.nan, samples=rows.groupby(keys).size().median(),
+        k_min=math.nan, k_star=math.nan, k_star_at_k_min=0, delta_fail=math.nan,
+        estimator=f"jensen {AGGREGATE_LABEL[args.aggregate]}")
+    print(f"GLA's statistic for {rows['point'].nunique()} points (mean rule, noise std {loaded.config.noise_std:.4g}, "
+          f"aggregate {AGGREGATE_LABEL[args.aggregate]}): not a measure of the point's influence and not the mean "
+          "rule's guarantee (accounting.md §3.2)")
     if args.aggregate == "per-target":
-        accountants.warn("--aggregate per-target averages per-target-batch values (the paper's way): "
-                         "by Jensen it is never above the joint estimate and is NOT an upper bound")
+        accountants.warn("--aggregate per-target averages per-target-batch values (GLA's way): by Jensen it is "
+                         "never above the joint estimate and is NOT an upper bound")
     if "max" not in set(result["direction"]):
         accountants.warn("only one direction was measured: no max over directions is reported")
-    correct = accountants.correct_at(rows, result, ["point", "step"])
-    accountants.finish(out, result, COLUMNS, "rdp", "baseline_rdp", ["step", "alpha", "direction"], correct)
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.estimator == "jensen":
+        loaded = accountants.load(args, ["renyi_statistic"], one_run=True,
+                                  integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
+        result = jensen(loaded, args)
+    else:
+        loaded = accountants.load(args, accountants.COUPLING_QUANTITIES, one_run=True, integer_columns={"sample": 0})
+        result = coupling(loaded, args)
+    out = accountants.output_path(args, "renyi_per_instance_mean")
+    result = result.sort_values(KEYS + ["direction", "kind"], kind="mergesort")[COLUMNS]
+    accountants.report(out, result, "rdp", KEYS, ["step", "alpha"],
+                       accountants.correct_table(loaded.rows, ["point", "step"]))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Per-step per-instance Rényi DP of DP-SGD's sum rule (docs/accounting.md §3.1).
 
+    python renyi_per_instance_sum.py --res-name lenet_sum --alpha 2 8 32
+
 Reads `grad_norm` rows (Δ*, one per point and checkpoint) from compute_sensitivity.py and writes,
-per point, checkpoint and order λ, ρ(λ) = RDP_SGM(q, σΓ/Δ*, λ) of one step next to the
-data-independent baseline RDP_SGM(q, σ, λ).
+per point, checkpoint and order λ, ρ(λ) = RDP_SGM(q, σΓ/Δ*, λ) of one step (kind certified: a bound
+for both directions) next to the data-independent baseline RDP_SGM(q, σ, λ) (kind baseline).
 """
 
 import numpy as np
@@ -12,11 +14,12 @@ from perinstance import accountants, accounting
 from perinstance.errors import run_main
 from perinstance.options import Parser
 
-COLUMNS = ["point", "step", "alpha", "rdp", "baseline_rdp"]
+COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp"]
+KEYS = ["point", "step", "alpha"]
 
 
 def parse_args(argv):
-    parser = Parser(description=__doc__)
+    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
     accountants.add_input_arguments(parser)
     accountants.add_alpha_argument(parser, [8.0], "Rényi orders λ > 1, fractional allowed (default 8)")
     args = parser.parse_args(argv)
@@ -34,20 +37,17 @@ def main(argv=None):
     rdp = accounting.rdp_sum_rule(rows["value"].to_numpy(), config.clip_bound, config.noise_multiplier,
                                   config.sample_rate, args.alpha)
     baseline = accounting.rdp_sgm(config.sample_rate, config.noise_multiplier, args.alpha)
-    # Long format: for each (point, step) one row per order.
-    result = pd.DataFrame({
-        "point": np.repeat(rows["point"].to_numpy(), len(args.alpha)),
-        "step": np.repeat(rows["step"].to_numpy(), len(args.alpha)),
-        "alpha": np.tile(args.alpha, len(rows)),
-        "rdp": rdp.ravel(),
-        "baseline_rdp": np.tile(baseline, len(rows)),
-    })
+    keys = pd.DataFrame({"point": np.repeat(rows["point"].to_numpy(), len(args.alpha)),
+                         "step": np.repeat(rows["step"].to_numpy(), len(args.alpha)),
+                         "alpha": np.tile(args.alpha, len(rows)), "direction": "max"})
+    result = pd.concat([keys.assign(kind="certified", rdp=rdp.ravel()),
+                        keys.assign(kind="baseline", rdp=np.tile(baseline, len(rows)))], ignore_index=True)
 
     print(f"per-step Rényi DP of {rows['point'].nunique()} points, sum rule, sigma={config.noise_multiplier:g}, "
           f"clip bound {config.clip_bound:g}, q={config.sample_rate:.4g}, "
           f"orders {', '.join(f'{alpha:g}' for alpha in args.alpha)}")
-    correct = accountants.correct_at(rows, result, ["point", "step"])
-    accountants.finish(out, result, COLUMNS, "rdp", "baseline_rdp", ["step", "alpha"], correct)
+    result = result.sort_values(KEYS + ["kind"], kind="mergesort")[COLUMNS]
+    accountants.report(out, result, "rdp", KEYS, ["step", "alpha"], accountants.correct_table(rows, ["point", "step"]))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Flags, reading and checking the sensitivity CSV (perinstance/results.py), the pr
 summary, and the atomic write of the output. The mathematics is in perinstance/accounting.py.
 """
 
+import argparse
+import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -11,17 +14,17 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting
+from perinstance import accounting, fileio
 from perinstance.errors import UsageError
-from perinstance.fileio import write_csv
-from perinstance.options import parse_points
+from perinstance.options import finite_float, parse_points, probability
 from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path
 
 TABLE_ROWS = 20
-# Δ* and Δ_B may exceed Γ by float rounding only (accounting.md §2).
-NORM_TOLERANCE = 1e-6
+# Keeps the example commands of each script's docstring as written in --help.
+HELP_FORMAT = argparse.RawDescriptionHelpFormatter
 # Which update rule each quantity is measured for (results.QUANTITIES).
-REDUCTION_OF = {"grad_norm": "sum", "batch_sensitivity": "mean", "renyi_statistic": "mean"}
+REDUCTION_OF = {"grad_norm": "sum", "batch_sensitivity": "mean", "renyi_statistic": "mean",
+                "center_distance": "mean", "spread": "mean", "max_deviation": "mean"}
 NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
                    "batch_size", "dataset_size", "noise_std"]
 
@@ -58,14 +61,16 @@ def add_input_arguments(parser):
     parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
                         help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
     parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+    parser.add_argument("--overwrite", type=int, nargs="?", const=1, default=0, choices=(0, 1),
+                        help="replace an existing --out even if it is not this script's earlier output for this input")
 
 
 def add_delta_argument(parser):
-    parser.add_argument("--delta", type=float, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
+    parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
 
 
 def add_alpha_argument(parser, default, help):
-    parser.add_argument("--alpha", type=float, nargs="+", default=default, metavar="ORDER", help=help)
+    parser.add_argument("--alpha", type=finite_float, nargs="+", default=default, metavar="ORDER", help=help)
 
 
 def add_holder_argument(parser, default, help):
@@ -78,7 +83,7 @@ def add_gaussian_argument(parser):
 
 
 def check_delta(delta):
-    """--delta: a probability strictly between 0 and 1."""
+    """--delta: a probability strictly between 0 and 1 (NaN is not)."""
     if not 0 < delta < 1:
         raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
 
@@ -226,8 +231,10 @@ def _check_rows(rows, config, path, flag):
     _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= config.dataset_size), path, flag,
                lambda row: f"point {row['point']} is not an index in 0..{config.dataset_size - 1}")
     is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity"])
-    _first_bad(rows, is_norm & (value < 0), path, flag, lambda row: f"{row['quantity']} {row['value']} is negative")
-    _first_bad(rows, is_norm & (value > config.clip_bound * (1 + NORM_TOLERANCE)), path, flag,
+    is_statistic = rows["quantity"].isin(list(STATISTICS))
+    _first_bad(rows, (is_norm | is_statistic) & (value < 0), path, flag,
+               lambda row: f"{row['quantity']} {row['value']} is negative")
+    _first_bad(rows, is_norm & (value > config.clip_bound), path, flag,
                lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {config.clip_bound} (the bound Γ)")
 
 
@@ -323,8 +330,21 @@ def correct_at_end(rows, result):
 
 # --- output ---------------------------------------------------------------------------------
 
+# An output's provenance (the script and input it comes from, its checksum) lives beside it.
+PROVENANCE_FORMAT = 1
+# output path (absolute) -> (script, input path), recorded by output_path for write_output.
+_OUTPUT_SOURCES = {}
+
+
 def output_path(args, script):
-    """--out, or res/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file."""
+    """--out, or res/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file; checked
+    before any work so that an output never clobbers a file.
+
+    Refused (one line naming --out): the input file itself, a folder, a destination folder that
+    is missing, read-only or a file, and an existing file that is not this script's own earlier
+    output for this same input (its provenance file says so and its checksum still matches)
+    unless --overwrite 1.
+    """
     if args.out:
         path = args.out
     elif args.res_name is not None:
@@ -333,9 +353,51 @@ def output_path(args, script):
         stem = os.path.splitext(os.path.basename(args.res_file))[0]
         path = os.path.join(os.path.dirname(args.res_file), f"{stem}_{script}.csv")
     source = results_path(args.res_name) if args.res_name is not None else args.res_file
-    if os.path.abspath(path) == os.path.abspath(source):
+    if _same_file(path, source):
         raise UsageError("--out", f"{path} is the input file; choose another output")
+    if os.path.isdir(path):
+        raise UsageError("--out", f"{path} is a folder; give the output a file name")
+    fileio.check_folder(os.path.dirname(path) or ".", "--out", must_exist=True)
+    if os.path.lexists(path) and not getattr(args, "overwrite", 0) and not _own_output(path, script, source):
+        raise UsageError("--out", f"{path} exists and is not {script}.py's earlier output for {source}; refusing to "
+                                  "replace it (use another --out, or --overwrite 1)")
+    _OUTPUT_SOURCES[os.path.abspath(path)] = (script, source)
     return path
+
+
+def _same_file(path, other):
+    if os.path.exists(path) and os.path.exists(other):
+        return os.path.samefile(path, other)
+    return os.path.realpath(path) == os.path.realpath(other)
+
+
+def provenance_path(path):
+    """The hidden file beside an output that records where it comes from."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.provenance.json")
+
+
+def _own_output(path, script, source):
+    """`path` is what `script` wrote from `source` and nobody has changed it since."""
+    try:
+        with open(provenance_path(path), encoding="utf-8") as handle:
+            provenance = json.load(handle)
+        return (isinstance(provenance, dict) and provenance.get("script") == script
+                and provenance.get("input") == os.path.realpath(source)
+                and provenance.get("sha256") == fileio.sha256_of(path))
+    except (OSError, ValueError):
+        return False
+
+
+def write_output(path, frame):
+    """Write the output CSV atomically, then its provenance beside it (what lets the same script
+    on the same input replace it next time without --overwrite)."""
+    text = fileio.csv_text(frame)
+    fileio.write_text(path, text, flag="--out")
+    script, source = _OUTPUT_SOURCES.get(os.path.abspath(path), (None, None))
+    if script is not None:
+        fileio.write_json(provenance_path(path), {
+            "format": PROVENANCE_FORMAT, "script": script, "input": os.path.realpath(source),
+            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}, flag="--out")
 
 
 def warn(message):
@@ -349,7 +411,7 @@ def finish(path, result, columns, value, baseline, groups, correct=None):
     """
     print_table(result, columns, value, baseline, path)
     print_summary(result, value, baseline, groups, correct)
-    write_csv(path, result[columns])
+    write_output(path, result[columns])
     print(f"wrote {path}")
 
 
@@ -382,3 +444,160 @@ def _summarise(group, value, baseline):
     return pd.Series({"points": len(values), "median": np.median(values), "q10": np.quantile(values, 0.1),
                       "q90": np.quantile(values, 0.9), "baseline": np.median(baselines),
                       "2x below": np.mean(values <= baselines / 2)})
+
+
+# --- the mean rule by coupling (accounting.md §3.2, §3.4) -----------------------------------
+
+STATISTICS = {"center_distance": "center_distance", "spread": "spread", "max_deviation": "max_deviation"}
+COUPLING_QUANTITIES = ["batch_sensitivity", *STATISTICS]
+# Sizes at which the certified bound and the baseline are evaluated (each size's probability is
+# lumped onto the grid size below it, which keeps the bound valid: accounting.size_grid).
+CERTIFIED_SIZES = 64
+# Sensitivities are rounded up onto a geometric grid with this relative step before RDP_SGM is
+# looked up (accounting.geometric_levels): at most 0.1% on Δ, an upper bound.
+LEVEL_STEP = 1e-3
+
+
+@dataclass(frozen=True)
+class SizeModel:
+    """The batch sizes of one mean-rule configuration (§3.4): n = |X|, q, k_min and what it costs."""
+
+    n: int
+    sample_rate: float
+    k_min: int
+    delta_size: float
+    failure: float  # β of the certified event
+
+    @property
+    def log_kept(self):
+        """log P(k ≥ k_min)."""
+        return float(np.log1p(-self.delta_size))
+
+    def grid(self):
+        """Sizes and lumped log-probabilities at which certified bounds and baselines are evaluated."""
+        sizes = accounting.size_grid(self.n, self.sample_rate, self.k_min, CERTIFIED_SIZES)
+        return sizes, accounting.lumped_size_log_weights(sizes, self.n, self.sample_rate)
+
+    def delta_fail(self, kind):
+        """§3.4: δ_size for the estimate and the baseline, δ_size + β for the certified bound."""
+        return self.delta_size + (self.failure if kind == "certified" else 0.0)
+
+
+def size_model(loaded, failure=None, default_failure=None):
+    """§3.4 from the rows: k_min as measured (column k_min), n = N − 1 points besides x*.
+
+    failure: β (default δ_size; default_failure when k_min = 0 forces δ_size = 0)."""
+    k_mins = pd.to_numeric(loaded.rows["k_min"], errors="coerce").dropna().unique()
+    if len(k_mins) != 1:
+        raise UsageError(loaded.flag, f"{loaded.path}: mean-rule rows need one k_min (found "
+                         f"{', '.join(f'{value:g}' for value in k_mins) or 'none'}); measure them with "
+                         "compute_sensitivity.py --reduction mean")
+    config = loaded.config
+    n = config.dataset_size - 1
+    k_min = int(k_mins[0])
+    delta_size = accounting.size_failure(n, config.sample_rate, k_min)
+    if failure is None:
+        failure = delta_size if delta_size > 0 else default_failure
+    return SizeModel(n=n, sample_rate=config.sample_rate, k_min=k_min, delta_size=delta_size, failure=failure)
+
+
+def mean_statistics(loaded):
+    """d*, v_X, b_X per (point, step): a frame with one column per statistic."""
+    rows = loaded.rows[loaded.rows["quantity"].isin(list(STATISTICS))]
+    if rows.empty:
+        return None
+    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "quantity"])
+    table = rows.pivot(index=["point", "step"], columns="quantity", values="value")
+    missing = table.isna().any(axis=1) | (len(table.columns) < len(STATISTICS))
+    if missing.any():
+        point, step = table.index[np.argmax(missing.to_numpy())]
+        raise UsageError(loaded.flag, f"{loaded.path}: point {point} at step {step} lacks one of "
+                         f"{', '.join(STATISTICS)} (measure with compute_sensitivity.py --reduction mean)")
+    return table
+
+
+def mean_samples(loaded):
+    """Δ_B samples per (point, step): index, and (P, S) arrays of value, size k and block (NaN = absent)."""
+    rows = loaded.rows[loaded.rows["quantity"] == "batch_sensitivity"]
+    if rows.empty:
+        return None
+    sizes = pd.to_numeric(rows["k"], errors="coerce")
+    _first_bad(rows, sizes.isna().to_numpy() | (sizes < 0).to_numpy(), loaded.path, loaded.flag,
+               lambda row: f"batch_sensitivity row without a batch size k ({row['k']!r}); re-measure with "
+               "compute_sensitivity.py --reduction mean (Δ_B samples must carry k, accounting.md §2)")
+    rows = rows.assign(k=sizes.astype(int), block=pd.to_numeric(rows["block"], errors="coerce").fillna(0).astype(int))
+    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "block", "sample"])
+    rows = rows.assign(column=rows.groupby(["point", "step"]).cumcount())
+    index = pd.MultiIndex.from_frame(rows[["point", "step"]].drop_duplicates().sort_values(["point", "step"]))
+    def dense(column):
+        return rows.pivot(index=["point", "step"], columns="column", values=column).reindex(index).to_numpy(float)
+    return index, dense("value"), dense("k"), dense("block")
+
+
+def sample_grid(batch_sizes, sizes, loaded):
+    """The sizes the Δ_B samples were drawn at (§3.2), checked against k_min."""
+    grid = np.unique(batch_sizes[~np.isnan(batch_sizes)]).astype(int)
+    if len(grid) and grid[0] < sizes.k_min:
+        raise UsageError(loaded.flag, f"{loaded.path}: Δ_B samples at size {grid[0]} below k_min={sizes.k_min}")
+    return grid
+
+
+def mean_rule_table(config, orders, sensitivities, relative_step=LEVEL_STEP):
+    """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
+    sensitivities round up to (§5)."""
+    ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / config.clip_bound for values in sensitivities])
+    levels = accounting.geometric_levels(ratios, relative_step)
+    return accounting.RdpTable(config.sample_rate, config.noise_multiplier / config.batch_size, orders, levels)
+
+
+# --- output: one row per value, each labelled with its kind (§3.5) ---------------------------
+
+KINDS = ("estimate", "certified", "baseline", "gla_statistic")
+KIND_LABEL = {"estimate": "estimate (Monte Carlo, not a bound)", "certified": "certified bound",
+              "baseline": "data-independent baseline", "gla_statistic": "GLA statistic (loose)"}
+
+
+def report(path, result, value, keys, groups, correct=None):
+    """Print the guarantee (direction max) with its kinds side by side and a summary, then write
+    `result` (long format: one row per key and kind) to `path`."""
+    shown = result[result["direction"] == "max"] if "direction" in result else result
+    wide = shown.pivot_table(index=keys, columns="kind", values=value, aggfunc="first").reset_index()
+    kinds = [kind for kind in KINDS if kind in wide.columns]
+    main = next(kind for kind in ("certified", "estimate", "gla_statistic", "baseline") if kind in kinds)
+    if "baseline" in kinds and main != "baseline":
+        wide["ratio"] = wide[main] / wide["baseline"]
+    print(wide.head(TABLE_ROWS).to_string(index=False, float_format=lambda number: f"{number:.4g}"))
+    if len(wide) > TABLE_ROWS:
+        print(f"... {len(wide) - TABLE_ROWS} more rows in {path}")
+    print("kinds: " + "; ".join(f"{kind} = {KIND_LABEL[kind]}" for kind in kinds))
+    if correct is not None:
+        correct = wide[keys].merge(correct, on=[key for key in keys if key in correct.columns], how="left")["correct"]
+    frame = wide.assign(subset="all")
+    if correct is not None and set(correct.dropna().unique()) >= {0, 1}:
+        labelled = wide.assign(subset=np.where(correct.to_numpy() == 1, "correct", "misclassified"))
+        frame = pd.concat([frame, labelled], ignore_index=True)
+    summary = frame.groupby(groups + ["subset"], sort=True).apply(_summarise_kinds, kinds, main,
+                                                                  include_groups=False).reset_index()
+    print(f"\nsummary of {value} ({main}; medians; '2x below': share of points with {main} <= baseline/2)")
+    print(summary.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
+    write_output(path, result)
+    print(f"wrote {path}")
+
+
+def _summarise_kinds(group, kinds, main):
+    summary = {"points": len(group)}
+    for kind in kinds:
+        summary[kind] = np.nanmedian(group[kind].to_numpy(dtype=float))
+    summary[f"{main} q10"] = np.nanquantile(group[main].to_numpy(dtype=float), 0.1)
+    summary[f"{main} q90"] = np.nanquantile(group[main].to_numpy(dtype=float), 0.9)
+    if "baseline" in kinds and main != "baseline":
+        summary["2x below"] = np.mean(group[main].to_numpy(dtype=float) <= group["baseline"].to_numpy(dtype=float) / 2)
+    return pd.Series(summary)
+
+
+def correct_table(rows, keys):
+    """`correct` per `keys` from the measured rows (None when the rows do not all record it)."""
+    correct = pd.to_numeric(rows["correct"], errors="coerce")
+    if correct.isna().any():
+        return None
+    return rows[keys].assign(correct=correct).groupby(keys, as_index=False)["correct"].first()

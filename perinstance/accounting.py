@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 from scipy.special import log_ndtr, logsumexp
+from scipy.stats import binom
 
 
 def _load_opacus_rdp():
@@ -72,6 +73,9 @@ def rdp_sgm(sample_rate, noise_multiplier, orders):
     upper bound, close to the exact value (§5: bounds may only be rounded up).
     Orders above LARGEST_OPACUS_ORDER get the unsubsampled Gaussian's λ/(2z²), an upper bound.
     """
+    _check_sample_rate(sample_rate)
+    _check_noise(noise_multiplier)
+    _check_orders(orders)
     orders = np.atleast_1d(np.asarray(orders, dtype=float))
     if np.isinf(noise_multiplier) or sample_rate == 0:
         return np.zeros_like(orders)
@@ -98,6 +102,9 @@ def rdp_sum_rule(grad_norm, clip_bound, noise_multiplier, sample_rate, orders):
 
     Δ* above Γ by rounding only (the caller validates) is taken as Γ.
     """
+    _check_positive("clip_bound", clip_bound)
+    if np.any(np.asarray(grad_norm, dtype=float) < 0):
+        raise ValueError("grad_norm must be >= 0")
     grad_norm = np.minimum(np.atleast_1d(np.asarray(grad_norm, dtype=float)), clip_bound)
     orders = np.atleast_1d(np.asarray(orders, dtype=float))
     distinct, position = np.unique(grad_norm, return_inverse=True)
@@ -129,9 +136,11 @@ def rdp_mean_rule(statistics, noise_std, alpha, aggregate="joint", target_batch=
     """§3.2: Monte-Carlo Rényi bound of the mean rule at integer order α from K values of S.
 
     aggregate="joint": ρ̂ = (logsumexp_k(−S_k/(2 s_m²)) − log K)/(α−1), the estimator of the bound.
-    aggregate="per-target": the seed scripts' average over target batches B_0 (`target_batch`
+    aggregate="per-target": GLA's published code's average over target batches B_0 (`target_batch`
     labels each S) of the per-B_0 value; by Jensen never larger, so *not* an upper bound.
     """
+    _check_positive("noise_std", noise_std)
+    _check_orders([alpha])
     log_terms = -np.asarray(statistics, dtype=float) / (2.0 * noise_std**2)
     if aggregate == "joint":
         return _log_mean_exp(log_terms) / (alpha - 1)
@@ -173,6 +182,10 @@ def gaussian_eps(sensitivity, noise_std, delta, method="analytic"):
     method="analytic": exact (Balle & Wang 2018). method="classic": Δ·sqrt(2 ln(1.25/δ))/s, valid
     only below 1. Δ = 0, or δ at least the mechanism's δ(0), gives 0. NaN stays NaN.
     """
+    _check_positive("noise_std", noise_std)
+    _check_probability("delta", delta)
+    if np.any(np.asarray(sensitivity, dtype=float) < 0):
+        raise ValueError("sensitivity must be >= 0")
     ratio = np.asarray(sensitivity, dtype=float) / noise_std
     if method == "classic":
         return ratio * math.sqrt(2 * max(math.log(1.25 / delta), 0.0))
@@ -193,6 +206,11 @@ def eps_delta_holder(sensitivities, noise_std, sample_rate, delta, holder_p, met
     p = ∞: δ_G = δ/q, ε = log(1 − q + q·exp(max_i ε_G(Δ_i))).
     sensitivities: (..., n); NaN entries are absent samples (unequal n per point).
     """
+    if not holder_p > 1:
+        raise ValueError(f"holder_p must be > 1, not {holder_p!r}")
+    _check_probability("delta", delta)
+    if not 0 < sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in (0, 1], not {sample_rate!r}")
     sensitivities = np.asarray(sensitivities, dtype=float)
     present = ~np.isnan(sensitivities)
     if np.isinf(holder_p):
@@ -211,10 +229,288 @@ def baseline_eps_delta(noise_multiplier, sample_rate, delta, method="analytic"):
     return float(eps_delta_holder([1.0], noise_multiplier, sample_rate, delta, math.inf, method))
 
 
+# --- §3.3: exact per-step (ε, δ) of the subsampled Gaussian, by convexity --------------------
+
+def _log_sub(log_large, log_small):
+    """log(exp(a) − exp(b)) for a ≥ b, −inf where they are equal."""
+    gap = np.minimum(log_small - log_large, 0.0)
+    with np.errstate(divide="ignore"):
+        return log_large + np.log(-np.expm1(gap))
+
+
+def delta_remove(eps, mu, sample_rate):
+    """§3.3 remove direction: H_{e^ε}((1−q)N(0,1) + qN(μ,1) || N(0,1)), elementwise.
+
+    δ = q·Φ̄(x₀ − μ) − (e^ε − 1 + q)·Φ̄(x₀), x₀ = log((e^ε − 1 + q)/q)/μ + μ/2; 0 at μ = 0.
+    """
+    eps, mu = np.broadcast_arrays(np.asarray(eps, dtype=float), np.asarray(mu, dtype=float))
+    _check_sample_rate(sample_rate)
+    if sample_rate == 0:
+        return np.zeros(eps.shape)
+    log_factor = np.log(np.expm1(eps) + sample_rate)
+    moving = mu > 0
+    safe_mu = np.where(moving, mu, 1.0)
+    threshold = (log_factor - math.log(sample_rate)) / safe_mu + safe_mu / 2
+    log_delta = _log_sub(math.log(sample_rate) + log_ndtr(safe_mu - threshold), log_factor + log_ndtr(-threshold))
+    return np.where(moving, np.exp(log_delta), 0.0)
+
+
+def delta_add(eps, mu, sample_rate):
+    """§3.3 add direction: H_{e^ε}(N(0,1) || (1−q)N(0,1) + qN(μ,1)), elementwise.
+
+    c = 1 − e^ε(1−q); δ = 0 if c ≤ 0, else c·Φ(x₁) − e^ε·q·Φ(x₁ − μ), x₁ = log(c/(e^ε q))/μ + μ/2.
+    """
+    eps, mu = np.broadcast_arrays(np.asarray(eps, dtype=float), np.asarray(mu, dtype=float))
+    _check_sample_rate(sample_rate)
+    if sample_rate == 0:
+        return np.zeros(eps.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # log c = log(1 − e^{ε + log(1−q)}); −inf or NaN where c ≤ 0.
+        log_c = np.log(-np.expm1(np.minimum(eps + math.log1p(-sample_rate), 0.0))) if sample_rate < 1 \
+            else np.full(eps.shape, -np.inf)
+    live = (mu > 0) & np.isfinite(log_c)
+    safe_mu = np.where(live, mu, 1.0)
+    safe_log_c = np.where(live, log_c, 0.0)
+    threshold = (safe_log_c - eps - math.log(sample_rate)) / safe_mu + safe_mu / 2
+    log_delta = _log_sub(safe_log_c + log_ndtr(threshold), eps + math.log(sample_rate) + log_ndtr(threshold - safe_mu))
+    return np.where(live, np.exp(log_delta), 0.0)
+
+
+DIRECTION_DELTAS = {"remove": delta_remove, "add": delta_add}
+
+
+def mixture_delta(eps, mu, weights, sample_rate, direction):
+    """Σ_j w_j·δ_direction(ε; μ_j) over the last axis (absent samples: NaN μ or weight 0)."""
+    mu = np.asarray(mu, dtype=float)
+    present = ~np.isnan(mu)
+    terms = DIRECTION_DELTAS[direction](np.asarray(eps, dtype=float)[..., None], np.where(present, mu, 0.0),
+                                        sample_rate)
+    return np.sum(np.where(present, weights * terms, 0.0), axis=-1)
+
+
+def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction="max"):
+    """§3.3: the smallest ε ≥ 0 with δ(ε) ≤ δ, by bisection (δ(ε) is nonincreasing).
+
+    δ(ε) = Σ_j w_j·δ_dir(ε; μ_j) + δ_fail for direction "remove" or "add"; "max" takes the larger
+    of the two sums. mu: (..., S) values Δ/s of the one-dimensional pair for each batch (mixture
+    component; NaN = absent); weights: (..., S), the probability of each component (default 1/S
+    over the present ones; they may sum to less than 1 when the rest is in δ_fail). Returns (...):
+    ε, or inf where δ ≤ δ_fail leaves nothing to spend.
+    """
+    _check_probability("delta", delta)
+    _check_sample_rate(sample_rate)
+    if not 0 <= delta_fail < 1 or not math.isfinite(delta_fail):
+        raise ValueError(f"delta_fail must be in [0, 1), not {delta_fail!r}")
+    if direction not in ("remove", "add", "max"):
+        raise ValueError(f"direction must be 'remove', 'add' or 'max', not {direction!r}")
+    mu = np.asarray(mu, dtype=float)
+    if mu.ndim == 0:
+        mu = mu[None]
+    if np.any(mu < 0):
+        raise ValueError("mu (sensitivity / noise std) must be >= 0")
+    present = ~np.isnan(mu)
+    if weights is None:
+        weights = present / np.maximum(present.sum(axis=-1, keepdims=True), 1)
+    weights = np.broadcast_to(np.asarray(weights, dtype=float), mu.shape)
+    budget = delta - delta_fail
+    shape = mu.shape[:-1]
+    if budget <= 0:
+        return np.full(shape, np.inf)
+    chosen = ("remove", "add") if direction == "max" else (direction,)
+
+    def excess(eps):
+        return np.max([mixture_delta(eps, mu, weights, sample_rate, name) for name in chosen], axis=0) - budget
+
+    needs = excess(np.zeros(shape)) > 0
+    high = np.ones(shape)
+    for _ in range(64):
+        still = needs & (excess(high) > 0)
+        if not still.any():
+            break
+        high = np.where(still, 2 * high, high)
+    low = np.zeros(shape)
+    for _ in range(60):
+        middle = (low + high) / 2
+        too_small = excess(middle) > 0
+        low = np.where(too_small, middle, low)
+        high = np.where(too_small, high, middle)
+        if np.all(high - low <= 1e-9 * np.maximum(high, 1e-3)):
+            break
+    return np.where(needs, high, 0.0)
+
+
+# --- §3.4: batch sizes of the mean rule ------------------------------------------------------
+
+SIZE_TAIL = 1e-12
+
+
+def size_log_pmf(sizes, n, sample_rate):
+    """log π_k = log P(Bin(n, q) = k)."""
+    return binom.logpmf(np.asarray(sizes), n, sample_rate)
+
+
+def size_threshold(n, sample_rate, size_delta):
+    """§3.4: k_min, the largest k with δ_size = P(Bin(n, q) < k) ≤ size_delta (0 if none)."""
+    _check_sample_rate(sample_rate)
+    if not 0 <= size_delta < 1:
+        raise ValueError(f"size_delta must be in [0, 1), not {size_delta!r}")
+    if n < 0 or int(n) != n:
+        raise ValueError(f"n must be a nonnegative integer, not {n!r}")
+    if sample_rate == 0:
+        return 0
+    sizes = np.arange(int(n) + 2)
+    below = np.concatenate([[0.0], binom.cdf(sizes[:-1], n, sample_rate)])  # P(k < size)
+    return int(sizes[below <= size_delta].max())
+
+
+def size_failure(n, sample_rate, k_min):
+    """§3.4: δ_size = P(Bin(n, q) < k_min)."""
+    return 0.0 if k_min <= 0 else float(binom.cdf(k_min - 1, n, sample_rate))
+
+
+def size_upper(n, sample_rate):
+    """k_hi: the smallest k with P(Bin(n, q) > k) ≤ SIZE_TAIL (§3.2)."""
+    return int(binom.isf(SIZE_TAIL, n, sample_rate)) if sample_rate > 0 else 0
+
+
+def size_grid(n, sample_rate, k_min, max_sizes):
+    """§3.2: the sizes at which the mean rule is evaluated: every size in [k_min, k_hi] if there are at
+    most max_sizes of them, else max_sizes sizes, denser near k_min where the bound is decided."""
+    k_hi = max(size_upper(n, sample_rate), k_min)
+    if k_hi - k_min + 1 <= max_sizes:
+        return np.arange(k_min, k_hi + 1)
+    spread = (np.linspace(0.0, 1.0, max_sizes) ** 2) * (k_hi - k_min)
+    return np.unique(np.concatenate([[k_min, k_hi], k_min + np.floor(spread).astype(int)]))
+
+
+def lumped_size_log_weights(grid_sizes, n, sample_rate):
+    """log of each grid size's probability with the sizes up to the next grid size lumped onto it
+    (the last takes the whole tail): a size is always evaluated at a grid size *below* it, where
+    the sensitivity bound is larger, so the lumping keeps bounds valid (§3.2)."""
+    grid_sizes = np.asarray(grid_sizes, dtype=int)
+    below_next = binom.logcdf(np.append(grid_sizes[1:] - 1, n), n, sample_rate)
+    below_this = binom.logcdf(grid_sizes - 1, n, sample_rate)
+    below_this = np.where(grid_sizes > 0, below_this, -np.inf)
+    return _log_sub(below_next, below_this)
+
+
+# --- §3.2: the mean rule's coupling bound ----------------------------------------------------
+
+def certified_sensitivity(center_distance, spread, max_deviation, clip_bound, sizes, failure):
+    """§3.2 certified: Δ̄_k = min(2Γ, d* + r_k)/(k+1), r_k = sqrt(v_X/k) + b_X·sqrt(2·log(1/β)/k),
+    which bounds Δ_B with probability ≥ 1 − β over uniform k-subsets B; Δ̄_0 = Γ.
+
+    center_distance d*, spread v_X, max_deviation b_X: (P,) per point; sizes (K,). Returns (P, K).
+    """
+    if not 0 < failure < 1:
+        raise ValueError(f"failure must be in (0, 1), not {failure!r}")
+    _check_positive("clip_bound", clip_bound)
+    center_distance, spread, max_deviation = (np.asarray(value, dtype=float)[:, None]
+                                              for value in (center_distance, spread, max_deviation))
+    for name, value in (("center_distance", center_distance), ("spread", spread), ("max_deviation", max_deviation)):
+        if np.any(~(value >= 0)):
+            raise ValueError(f"{name} must be >= 0")
+    sizes = np.asarray(sizes, dtype=float)[None, :]
+    safe = np.maximum(sizes, 1.0)
+    radius = np.sqrt(spread / safe) + max_deviation * np.sqrt(2 * math.log(1 / failure) / safe)
+    bound = np.minimum(2 * clip_bound, center_distance + radius) / (sizes + 1)
+    return np.where(sizes > 0, bound, clip_bound)
+
+
+def baseline_mean_sensitivity(clip_bound, sizes):
+    """§3.2 baseline of the mean rule: Δ̄_k = 2Γ/(k+1), Δ̄_0 = Γ (data-independent)."""
+    _check_positive("clip_bound", clip_bound)
+    sizes = np.asarray(sizes, dtype=float)
+    return np.where(sizes > 0, 2 * clip_bound / (sizes + 1), clip_bound)
+
+
+def mixture_rdp(log_moments, log_weights, log_mass, alpha):
+    """§3.2: (1/(α−1))·(log Σ_k w_k·exp(M_k) − log mass), with M_k = (α−1)·RDP_SGM at component k.
+
+    log_moments (..., K), log_weights broadcastable to it, log_mass the log of the probability the
+    weights are normalised by (P(k ≥ k_min) for the estimate, P(k ≥ k_min) − β certified).
+    """
+    _check_orders([alpha])
+    return (logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1)
+
+
+def stratified_log_means(log_moments, sizes, grid_sizes):
+    """§3.2 estimate: log Ê_k = log mean exp(M_b) over the samples b of each grid size k.
+
+    log_moments (P, S) with NaN for absent samples, sizes (S,) or (P, S). Returns (P, K) and the
+    number of samples per point and size (P, K); a size with no sample gives NaN.
+    """
+    log_moments = np.asarray(log_moments, dtype=float)
+    sizes = np.broadcast_to(np.asarray(sizes), log_moments.shape)
+    grid_sizes = np.asarray(grid_sizes)
+    means = np.full((log_moments.shape[0], len(grid_sizes)), np.nan)
+    counts = np.zeros(means.shape, dtype=int)
+    for column, size in enumerate(grid_sizes):
+        chosen = (sizes == size) & ~np.isnan(log_moments)
+        counts[:, column] = chosen.sum(axis=1)
+        values = np.where(chosen, log_moments, -np.inf)
+        with np.errstate(divide="ignore"):
+            means[:, column] = logsumexp(values, axis=1) - np.log(np.maximum(counts[:, column], 1))
+    means[counts == 0] = np.nan
+    return means, counts
+
+
+def add_direction_cap(sample_rate):
+    """§3.2: D_α(Q||P) ≤ log(1/(1−q)) for every α, because P ≥ (1−q)·Q pointwise."""
+    return -math.log1p(-sample_rate) if sample_rate < 1 else math.inf
+
+
+def geometric_levels(sensitivity_ratio, relative_step):
+    """§5: each Δ/Γ rounded up onto the grid (1 + relative_step)^j; the distinct levels used, plus 0.
+
+    Rounding a sensitivity up keeps every bound valid; the grid makes a table of a few thousand
+    levels serve millions of samples."""
+    ratio = np.ravel(np.asarray(sensitivity_ratio, dtype=float))
+    ratio = ratio[~np.isnan(ratio) & (ratio > 0)]
+    log_step = math.log1p(relative_step)
+    rounded = np.exp(np.ceil(np.log(ratio) / log_step - 1e-12) * log_step)
+    return np.unique(np.concatenate([[0.0], np.maximum(rounded, ratio)]))
+
+
+# --- domain checks (the math refuses nonsense at its boundary, as dp_accounting does) --------
+
+def _check_sample_rate(sample_rate):
+    if not 0 <= sample_rate <= 1:
+        raise ValueError(f"sample_rate must be in [0, 1], not {sample_rate!r}")
+
+
+def _check_probability(name, value):
+    if not 0 < value < 1:
+        raise ValueError(f"{name} must be in (0, 1), not {value!r}")
+
+
+def _check_positive(name, value):
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and > 0, not {value!r}")
+
+
+def _check_noise(noise_multiplier):
+    if not noise_multiplier > 0:
+        raise ValueError(f"noise_multiplier must be > 0, not {noise_multiplier!r}")
+
+
+def _check_holder_b(holder_b):
+    if not holder_b > 1:
+        raise ValueError(f"holder_b must be > 1, not {holder_b!r}")
+
+
+def _check_orders(orders):
+    orders = np.asarray(orders, dtype=float)
+    if orders.size and not np.all(orders > 1):
+        raise ValueError(f"orders must be > 1, not {orders[~(orders > 1)][0]!r}")
+
+
 # --- §4: composition over a training run ----------------------------------------------------
 
 def holder_orders(alpha, steps, holder_b):
     """§4: λ_k = 1 + (λ−1)·a^k for k = 0..steps−1 with a = b/(b−1); b = ∞ gives λ_k = λ."""
+    _check_holder_b(holder_b)
+    _check_orders([alpha])
     growth = 1.0 if np.isinf(holder_b) else holder_b / (holder_b - 1)
     # Written so that λ_0 is exactly λ (it must match the grid order λ bit for bit).
     return alpha + (alpha - 1.0) * (growth ** np.arange(steps) - 1.0)
@@ -237,6 +533,8 @@ def composition_orders(orders, total_steps, holder_b):
 def sensitivity_levels(rounding, sensitivity_ratio):
     """§5: the Δ/Γ values at which composition computes RDP: each observed ratio rounded up to a
     multiple of `rounding` (0: the ratios themselves), plus 0 and 1 (the worst case Γ)."""
+    if not 0 <= rounding <= 1:
+        raise ValueError(f"rounding must be in [0, 1], not {rounding!r}")
     observed = np.ravel(np.asarray(sensitivity_ratio, dtype=float))
     observed = np.clip(observed[~np.isnan(observed)], 0.0, 1.0)
     if rounding == 0:
@@ -255,6 +553,9 @@ class RdpTable:
     """
 
     def __init__(self, sample_rate, noise_multiplier, orders, levels):
+        _check_orders(orders)
+        if np.any(~(np.asarray(levels, dtype=float) >= 0)):
+            raise ValueError("levels must be >= 0")
         self.orders = np.unique(np.asarray(orders, dtype=float))
         self.levels = np.asarray(levels, dtype=float)
         self.rdp = np.zeros((len(self.levels), len(self.orders)))
@@ -264,9 +565,13 @@ class RdpTable:
         self.log_moment = self.rdp * (self.orders - 1.0)
 
     def level_index(self, sensitivity_ratio):
-        """Index of the smallest level ≥ Δ/Γ (ratios above 1 by rounding map to level 1)."""
-        ratio = np.minimum(np.asarray(sensitivity_ratio, dtype=float), 1.0)
+        """Index of the smallest level ≥ Δ/Γ (ratios above the largest level by rounding map to it)."""
+        ratio = np.minimum(np.asarray(sensitivity_ratio, dtype=float), self.levels[-1])
         return np.searchsorted(self.levels, ratio, side="left")
+
+    def log_moments(self, sensitivity_ratio):
+        """(λ−1)·RDP_SGM at the level rounded up from each Δ/Γ: shape (*ratio.shape, orders)."""
+        return self.log_moment[self.level_index(sensitivity_ratio)]
 
 
 def carry_forward(sensitivity_ratio):
@@ -356,6 +661,8 @@ def compose_rdp(table, sensitivity_ratio, checkpoint_steps, total_steps, orders,
     sensitivity_ratio: (R, C, P) Δ/Γ per run, checkpoint (checkpoint_steps, sorted) and point,
     without gaps (see carry_forward). Returns (P, O).
     """
+    _check_holder_b(holder_b)
+    _check_orders(orders)
     orders = np.asarray(orders, dtype=float)
     runs, _, points = sensitivity_ratio.shape
     chord_weights = _chord_weights(table.orders, orders, total_steps, holder_b)
@@ -379,7 +686,11 @@ def rdp_to_eps(orders, rdp, delta):
 
     Returns (eps, best_order) arrays of shape (...). ε is floored at 0.
     """
+    _check_probability("delta", delta)
+    _check_orders(orders)
     rdp = np.asarray(rdp, dtype=float)
+    if np.any(rdp < 0):
+        raise ValueError("rdp must be >= 0")
     flat = rdp.reshape(-1, rdp.shape[-1])
     eps = np.empty(len(flat))
     best_order = np.empty(len(flat))

@@ -1,0 +1,342 @@
+"""The mean update rule by coupling (accounting.md §3.2-§3.4, §6 identities 3, 5, 6 and 8).
+
+Exact enumeration of every batch on one-dimensional toys is the independent computation that
+the coupling, certified and baseline bounds are held against.
+"""
+
+import itertools
+import math
+import os
+
+import dp_accounting
+import numpy as np
+import pandas as pd
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+from scipy import integrate, stats
+from scipy.special import logsumexp
+
+from perinstance import accounting
+from perinstance.results import COLUMNS
+
+# --- exact enumeration (identity 5) ---------------------------------------------------------
+
+
+def enumerate_batches(others, sample_rate):
+    """Every batch B ⊆ X with its Poisson probability: (members, probability) pairs."""
+    for mask in itertools.product([0, 1], repeat=len(others)):
+        chosen = np.asarray(mask, dtype=bool)
+        yield others[chosen], sample_rate ** chosen.sum() * (1 - sample_rate) ** (~chosen).sum()
+
+
+def mean_of(values):
+    return float(np.mean(values)) if len(values) else 0.0
+
+
+def mixtures(target, others, sample_rate, noise_std):
+    """Components (location, weight) of P (x* in the training set) and Q (without) in one dimension."""
+    with_point, without = [], []
+    for batch, probability in enumerate_batches(others, sample_rate):
+        without.append((mean_of(batch), probability))
+        with_point.append((mean_of(batch), probability * (1 - sample_rate)))
+        with_point.append((mean_of(np.append(batch, target)), probability * sample_rate))
+    return with_point, without
+
+
+def log_densities(components, noise_std, grid):
+    """log of the mixture density on a grid of points (vectorised over the grid)."""
+    locations = np.array([location for location, _ in components])
+    log_weights = np.log([weight for _, weight in components])
+    return logsumexp(log_weights[:, None] + stats.norm.logpdf(grid[None, :], locations[:, None], noise_std), axis=0)
+
+
+def integration_grid(noise_std):
+    """Fine enough that the trapezoid rule is exact to ~1e-10 on these Gaussian mixtures."""
+    span = 2 + 12 * noise_std
+    return np.linspace(-span, span, 40_001)
+
+
+class Pair:
+    """The two laws P (x* in the training set) and Q (without) of one toy, on an integration grid."""
+
+    def __init__(self, target, others, sample_rate, noise_std):
+        with_point, without = mixtures(target, others, sample_rate, noise_std)
+        self.grid = integration_grid(noise_std)
+        self.log_p = log_densities(with_point, noise_std, self.grid)
+        self.log_q = log_densities(without, noise_std, self.grid)
+
+    def laws(self, direction):
+        return (self.log_p, self.log_q) if direction == "remove" else (self.log_q, self.log_p)
+
+    def renyi(self, alpha, direction):
+        first, second = self.laws(direction)
+        return math.log(integrate.trapezoid(np.exp(alpha * first + (1 - alpha) * second), self.grid)) / (alpha - 1)
+
+    def hockey_stick(self, eps, direction):
+        first, second = self.laws(direction)
+        return integrate.trapezoid(np.maximum(np.exp(first) - math.exp(eps) * np.exp(second), 0.0), self.grid)
+
+
+def batch_sensitivities(target, others, sample_rate):
+    """Δ_B, |B|, and probability for every B ⊆ X (§2)."""
+    return [(abs(target - mean_of(batch)) / (len(batch) + 1) if len(batch) else abs(target), len(batch), probability)
+            for batch, probability in enumerate_batches(others, sample_rate)]
+
+
+def coupling_rdp_exact(target, others, sample_rate, noise_std, alpha):
+    """§3.2 coupling bound with the exact expectation over every batch (k_min = 0)."""
+    terms = [math.log(probability) + (alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / delta, [alpha])[0])
+             if delta > 0 else math.log(probability)
+             for delta, _, probability in batch_sensitivities(target, others, sample_rate)]
+    return logsumexp(terms) / (alpha - 1)
+
+
+def certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure):
+    """§3.2 certified bound with k_min = 0 and every size evaluated."""
+    center = np.mean(others)
+    spread = np.mean((others - center) ** 2)
+    deviation = np.max(np.abs(others - center))
+    sizes = np.arange(len(others) + 1)
+    bound = accounting.certified_sensitivity([abs(target - center)], [spread], [deviation], clip_bound, sizes,
+                                             failure)[0]
+    return mixture_bound(bound, sizes, len(others), sample_rate, noise_std, alpha, math.log(1 - failure))
+
+
+def baseline_rdp(clip_bound, n, sample_rate, noise_std, alpha):
+    sizes = np.arange(n + 1)
+    return mixture_bound(accounting.baseline_mean_sensitivity(clip_bound, sizes), sizes, n, sample_rate, noise_std,
+                         alpha, 0.0)
+
+
+def mixture_bound(bound, sizes, n, sample_rate, noise_std, alpha, log_mass):
+    moments = np.array([(alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
+                        for value in bound])
+    return float(accounting.mixture_rdp(moments, accounting.size_log_pmf(sizes, n, sample_rate), log_mass, alpha))
+
+
+def toys(count, seed=0):
+    """One-dimensional populations: N − 1 ≤ 5 other points, h in [−Γ, Γ], varied q and σ."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        n = int(rng.integers(1, 6))
+        clip_bound = 1.0
+        others = rng.uniform(-1, 1, n) * rng.choice([0.1, 0.5, 1.0])
+        target = float(rng.uniform(-1, 1))
+        sample_rate = float(rng.choice([0.1, 0.3, 0.5, 0.8]))
+        batch_size = max(sample_rate * (n + 1), 0.5)
+        sigma = float(rng.choice([0.7, 1.0, 2.0]))
+        yield target, others, clip_bound, sample_rate, sigma * clip_bound / batch_size, sigma
+
+
+@pytest.mark.parametrize("alpha", [2.0, 4.0])
+def test_exact_renyi_below_coupling_certified_and_baseline(alpha):
+    for target, others, clip_bound, sample_rate, noise_std, _ in toys(12, seed=int(alpha)):
+        pair = Pair(target, others, sample_rate, noise_std)
+        remove, add = pair.renyi(alpha, "remove"), pair.renyi(alpha, "add")
+        coupling = coupling_rdp_exact(target, others, sample_rate, noise_std, alpha)
+        certified = certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure=0.05)
+        baseline = baseline_rdp(clip_bound, len(others), sample_rate, noise_std, alpha)
+        for exact in (remove, add):
+            assert exact <= coupling * (1 + 1e-7) + 1e-9
+            assert exact <= baseline * (1 + 1e-7) + 1e-9
+            assert exact <= certified * (1 + 1e-7) + 1e-9
+        assert min(add, accounting.add_direction_cap(sample_rate)) >= add - 1e-12
+        assert add <= accounting.add_direction_cap(sample_rate) + 1e-9
+
+
+@pytest.mark.parametrize("alpha", [2.0, 8.0])
+def test_the_sum_rule_baseline_is_not_a_bound_for_the_mean_rule(alpha):
+    """§3.2: RDP_SGM(q, σ, α) is exceeded by the exact mean-rule divergence (an empty batch moves the
+    realised-size mean by |h*| = Γ against noise σΓ/B_exp < σΓ)."""
+    others, target, sample_rate, sigma = np.array([-1.0, -1.0]), 1.0, 0.5, 1.0
+    noise_std = sigma / (sample_rate * 3)
+    remove = Pair(target, others, sample_rate, noise_std).renyi(alpha, "remove")
+    assert remove > float(accounting.rdp_sgm(sample_rate, sigma, [alpha])[0])
+    assert remove <= baseline_rdp(1.0, 2, sample_rate, noise_std, alpha) * (1 + 1e-7)
+
+
+def test_exact_hockey_stick_below_the_coupling_delta():
+    for target, others, _, sample_rate, noise_std, _ in toys(10, seed=7):
+        pair = Pair(target, others, sample_rate, noise_std)
+        table = batch_sensitivities(target, others, sample_rate)
+        mu = np.array([[delta / noise_std for delta, _, _ in table]])
+        weights = np.array([[probability for _, _, probability in table]])
+        for eps in (0.1, 0.5, 1.5):
+            for direction in ("remove", "add"):
+                exact = pair.hockey_stick(eps, direction)
+                bound = float(accounting.mixture_delta(eps, mu, weights, sample_rate, direction)[0])
+                assert exact <= bound + 1e-9, (direction, eps, exact, bound)
+        # ε from the bound is at least the ε at which the exact δ drops below the target.
+        eps_bound = float(accounting.per_step_eps(mu, 1e-3, sample_rate, weights)[0])
+        exact_at_bound = max(pair.hockey_stick(eps_bound, "remove"), pair.hockey_stick(eps_bound, "add"))
+        assert exact_at_bound <= 1e-3 + 1e-9
+
+
+# --- identity 3: the exact per-step (ε, δ) ---------------------------------------------------
+
+@pytest.mark.parametrize("sample_rate, sigma, delta", [(0.01, 1.0, 1e-5), (0.1, 0.8, 1e-5), (0.5, 2.0, 1e-3),
+                                                       (0.032, 0.6, 1e-5), (1.0, 1.5, 1e-6)])
+def test_exact_eps_at_the_clip_bound_is_the_pld_accountant(sample_rate, sigma, delta):
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma)))
+    exact = float(accounting.per_step_eps([[1 / sigma]], delta, sample_rate)[0])
+    assert exact == pytest.approx(accountant.get_epsilon(delta), rel=2e-3, abs=1e-4)
+    for holder_p in (2.0, 10.0, 1e4, math.inf):
+        holder = float(accounting.eps_delta_holder([1.0], sigma, sample_rate, delta, holder_p))
+        assert exact <= holder * (1 + 1e-8)
+
+
+def test_exact_eps_directions_and_edges():
+    # Δ = 0 costs nothing; the add direction is never above log(1/(1−q)) nor the remove one here.
+    assert accounting.per_step_eps([[0.0]], 1e-5, 0.1)[0] == 0
+    add = accounting.per_step_eps([[2.0]], 1e-5, 0.1, direction="add")[0]
+    remove = accounting.per_step_eps([[2.0]], 1e-5, 0.1, direction="remove")[0]
+    assert add <= -math.log(0.9) + 1e-9 and add < remove
+    assert accounting.per_step_eps([[2.0]], 1e-5, 0.1, delta_fail=2e-5)[0] == math.inf
+    # Nondecreasing in the sensitivity.
+    eps = accounting.per_step_eps(np.linspace(0, 3, 30)[:, None], 1e-5, 0.05)
+    assert np.all(np.diff(eps) >= -1e-12)
+    # A mixture of components is at most its worst component.
+    mixture = accounting.per_step_eps([[0.1, 0.5, 2.0]], 1e-5, 0.05)[0]
+    assert mixture <= accounting.per_step_eps([[2.0]], 1e-5, 0.05)[0]
+
+
+def test_math_refuses_nonsense():
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        accounting.rdp_sgm(0.1, -1.0, [2])
+    with pytest.raises(ValueError, match="holder_p"):
+        accounting.eps_delta_holder([1.0], 1.0, 0.1, 1e-5, 0.5)
+    with pytest.raises(ValueError, match="sample_rate"):
+        accounting.per_step_eps([[1.0]], 1e-5, 1.5)
+    with pytest.raises(ValueError, match="delta"):
+        accounting.per_step_eps([[1.0]], 0.0, 0.1)
+    with pytest.raises(ValueError, match="orders"):
+        accounting.rdp_sgm(0.1, 1.0, [1.0])
+    with pytest.raises(ValueError, match="mu"):
+        accounting.per_step_eps([[-1.0]], 1e-5, 0.1)
+
+
+# --- §3.4 batch sizes -------------------------------------------------------------------------
+
+def test_size_threshold_and_lumping():
+    n, rate = 7999, 0.032
+    k_min = accounting.size_threshold(n, rate, 1e-9)
+    assert stats.binom.cdf(k_min - 1, n, rate) <= 1e-9 < stats.binom.cdf(k_min, n, rate)
+    assert accounting.size_failure(n, rate, k_min) == pytest.approx(stats.binom.cdf(k_min - 1, n, rate))
+    grid = accounting.size_grid(n, rate, k_min, 32)
+    assert grid[0] == k_min and len(grid) <= 34 and np.all(np.diff(grid) > 0)
+    lumped = np.exp(accounting.lumped_size_log_weights(grid, n, rate))
+    assert lumped.sum() == pytest.approx(1 - stats.binom.cdf(k_min - 1, n, rate), rel=1e-9)
+    every = accounting.size_grid(20, 0.3, 0, 64)
+    assert list(every) == list(range(0, accounting.size_upper(20, 0.3) + 1))
+    assert accounting.size_threshold(10, 0.1, 1e-6) == 0
+
+
+# --- identity 8: null population, and a point at the mean ------------------------------------
+
+SIGMA, CLIP, N, BATCH = 1.0, 1.0, 400, 32
+
+
+def coupling_rows(gradients, points, batch_size, sigma, clip_bound, size_delta, permutations, blocks=2, seed=0,
+                  max_sizes=8):
+    """Result rows of the mean rule computed directly in numpy (float64), as compute_sensitivity.py
+    would write them: statistics and stratified Δ_B samples with their size k."""
+    count = len(gradients)
+    n = count - 1
+    rate = batch_size / count
+    k_min = accounting.size_threshold(n, rate, size_delta)
+    grid = accounting.size_grid(n, rate, k_min, max_sizes)
+    rng = np.random.default_rng(seed)
+    base = dict(run="toy", seed=0, step=0, stage=0.0, total_steps=100, label=0, correct=1, loss=0.1, exp="coupling",
+                reduction="mean", direction="none", target_batch=0, alpha=np.nan, sigma=sigma,
+                clip_bound=clip_bound, sample_rate=rate, batch_size=batch_size, dataset_size=count,
+                noise_std=sigma * clip_bound / batch_size, dataset="synthetic", model="mlp", clipping="flat",
+                update_rule="mean", target_eps=np.nan, delta=1e-5, accuracy=0.9, mc_seed=0, k_min=k_min)
+    rows = []
+    for point in points:
+        others = np.delete(gradients, point, axis=0)
+        center = others.mean(axis=0)
+        deviations = np.linalg.norm(others - center, axis=1)
+        for quantity, value in (("center_distance", np.linalg.norm(gradients[point] - center)),
+                                ("spread", np.mean(deviations ** 2)), ("max_deviation", deviations.max())):
+            rows.append(dict(base, point=point, quantity=quantity, value=value, sample=0, block=0, k=np.nan))
+    for block in range(blocks):
+        for index in range(permutations):
+            order = rng.permutation(count)
+            for k in grid:
+                prefix = order[:k]
+                batch_mean = gradients[prefix].mean(axis=0) if k else 0.0
+                for point in points:
+                    if point in prefix:
+                        continue
+                    value = np.linalg.norm(gradients[point] - batch_mean) / (k + 1) if k else \
+                        np.linalg.norm(gradients[point])
+                    rows.append(dict(base, point=point, quantity="batch_sensitivity", value=value,
+                                     sample=index * len(grid) + int(np.searchsorted(grid, k)), block=block, k=k))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def scaled_rows(n_points, seed):
+    """Gradients with a shared component (as at a real checkpoint), norms at most 1."""
+    rng = np.random.default_rng(seed)
+    rows = np.full((n_points, 20), 0.1) + rng.normal(scale=0.1, size=(n_points, 20))
+    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1.0)
+
+
+def accountant_output(tmp_path, run, script, rows, *flags):
+    os.makedirs(tmp_path / "res", exist_ok=True)
+    rows.to_csv(tmp_path / "res" / "toy.csv", index=False)
+    result = run(script, "--res-name", "toy", *flags)
+    assert result.returncode == 0, result.stderr
+    name = os.path.splitext(script)[0]
+    return pd.read_csv(tmp_path / "res" / f"toy_{name}.csv"), result
+
+
+def test_null_population_costs_nothing(tmp_path, run):
+    gradients = np.tile(scaled_rows(1, 0), (N, 1))
+    rows = coupling_rows(gradients, [0, 1], BATCH, SIGMA, CLIP, 1e-8, permutations=5)
+    output, _ = accountant_output(tmp_path, run, "renyi_per_instance_mean.py", rows, "--alpha", "2", "8")
+    # ~0: Opacus's log-space sums leave an absolute floor of about 1e-8 on (α−1)·RDP.
+    for kind in ("estimate", "certified"):
+        assert np.all(output.loc[output["kind"] == kind, "rdp"].abs() < 1e-7)
+    assert np.all(output.loc[output["kind"] == "baseline", "rdp"] > 0)
+    assert set(output["kind"]) == {"estimate", "certified", "baseline"}
+    assert {"k_min", "delta_fail", "direction", "alpha"} <= set(output.columns)
+    eps, _ = accountant_output(tmp_path, run, "eps_delta.py", rows)
+    assert np.all(eps.loc[eps["kind"] != "baseline", "eps"] < 1e-6)
+
+
+def test_point_at_the_mean_is_far_below_the_sum_rule(tmp_path, run):
+    gradients = scaled_rows(N, 1)
+    gradients[0] = np.delete(gradients, 0, axis=0).mean(axis=0)
+    rows = coupling_rows(gradients, [0, 1], BATCH, SIGMA, CLIP, 1e-8, permutations=20)
+    output, _ = accountant_output(tmp_path, run, "renyi_per_instance_mean.py", rows, "--alpha", "8")
+    estimate = output.query("kind == 'estimate' and direction == 'max'").set_index("point")["rdp"]
+    certified = output.query("kind == 'certified' and direction == 'max'").set_index("point")["rdp"]
+    sum_rule = accounting.rdp_sum_rule(np.linalg.norm(gradients[[0, 1]], axis=1), CLIP, SIGMA, BATCH / N, [8.0])[:, 0]
+    assert estimate[0] < 0.1 * sum_rule[0]
+    assert estimate[0] <= certified[0] and estimate[0] < estimate[1]
+    row = output.query("kind == 'estimate' and direction == 'max' and point == 0").iloc[0]
+    assert row["rdp_min"] <= row["rdp"] * (1 + 1e-9) and row["rdp"] <= row["rdp_max"] * (1 + 1e-9)
+
+
+def test_estimate_matches_exact_stratified_expectation(tmp_path, run):
+    """With every size sampled many times the estimate approaches the exact coupling expectation
+    conditioned on k ≥ k_min, computed here from fresh subsets."""
+    gradients = scaled_rows(60, 3)
+    batch = 8
+    rows = coupling_rows(gradients, [0], batch, SIGMA, CLIP, 1e-2, permutations=300, blocks=1, seed=5, max_sizes=100)
+    output, _ = accountant_output(tmp_path, run, "renyi_per_instance_mean.py", rows, "--alpha", "2")
+    estimate = output.query("kind == 'estimate' and direction == 'remove'")["rdp"].iloc[0]
+    n, rate = 59, batch / 60
+    k_min = accounting.size_threshold(n, rate, 1e-2)
+    rng = np.random.default_rng(11)
+    others = gradients[1:]
+    terms = []
+    for k in range(k_min, n + 1):
+        subsets = [rng.choice(n, k, replace=False) for _ in range(400)]
+        deltas = [np.linalg.norm(gradients[0] - others[subset].mean(axis=0)) / (k + 1) for subset in subsets]
+        moments = [float(accounting.rdp_sgm(rate, SIGMA * CLIP / batch / delta, [2.0])[0]) for delta in deltas]
+        terms.append(stats.binom.logpmf(k, n, rate) + logsumexp(moments) - math.log(len(moments)))
+    exact = (logsumexp(terms) - math.log(stats.binom.sf(k_min - 1, n, rate)))
+    assert estimate == pytest.approx(exact, rel=0.05)
