@@ -97,15 +97,16 @@ def check_orders(orders):
     return np.unique(orders)
 
 
-def parse_holder(text, total_steps):
-    """--holder-p: a number, `inf`, or a multiple of the number of steps T such as `3T`."""
+def parse_holder(text, total_steps, flag="--holder-p"):
+    """--holder-p (p, per step) or --holder-b (b, composition): a number, `inf`, or a multiple of the
+    number of steps T such as `3T`."""
     value = str(text).strip()
     try:
         holder = float(value[:-1] or 1) * total_steps if value.upper().endswith("T") else float(value)
     except ValueError:
-        raise UsageError("--holder-p", f"{text!r} is not a number, inf or a multiple of T like 3T") from None
+        raise UsageError(flag, f"{text!r} is not a number, inf or a multiple of T like 3T") from None
     if not holder > 1:
-        raise UsageError("--holder-p", f"the Hölder exponent must be > 1, not {text} (= {holder:g})")
+        raise UsageError(flag, f"the Hölder exponent must be > 1, not {text} (= {holder:g})")
     return holder
 
 
@@ -307,25 +308,15 @@ def run_key(rows):
     return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)
 
 
-def correct_at(rows, result, keys):
-    """`correct` (0/1) for each row of `result`, looked up by `keys` in the rows; None when the
-    rows do not all record it."""
-    correct = pd.to_numeric(rows["correct"], errors="coerce")
-    if correct.isna().any():
-        return None
-    recorded = rows[keys].assign(correct=correct).groupby(keys, as_index=False)["correct"].first()
-    return result[keys].merge(recorded, on=keys, how="left")["correct"].to_numpy()
-
-
-def correct_at_end(rows, result):
-    """`correct` per point of `result` at each run's last checkpoint, by majority over runs
-    (a tie counts as misclassified); None when the rows do not all record it."""
+def correct_at_end(rows):
+    """`correct` per point at each run's last checkpoint (majority over runs; a tie is misclassified),
+    as a frame (point, correct); None when the rows do not all record it."""
     correct = pd.to_numeric(rows["correct"], errors="coerce")
     if correct.isna().any():
         return None
     last = rows["step"] == rows.groupby(run_key(rows))["step"].transform("max")
     share = correct[last].groupby(rows.loc[last, "point"]).mean()
-    return (result["point"].map(share) > 0.5).astype(int).to_numpy()
+    return pd.DataFrame({"point": share.index, "correct": (share > 0.5).astype(int).to_numpy()})
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -382,10 +373,15 @@ def _own_output(path, script, source):
         with open(provenance_path(path), encoding="utf-8") as handle:
             provenance = json.load(handle)
         return (isinstance(provenance, dict) and provenance.get("script") == script
-                and provenance.get("input") == os.path.realpath(source)
+                and provenance.get("input") == _input_seen_from(path, source)
                 and provenance.get("sha256") == fileio.sha256_of(path))
     except (OSError, ValueError):
         return False
+
+
+def _input_seen_from(path, source):
+    """The input's path relative to the output's folder: still right when both move together."""
+    return os.path.relpath(os.path.realpath(source), os.path.realpath(os.path.dirname(path) or "."))
 
 
 def write_output(path, frame):
@@ -396,7 +392,7 @@ def write_output(path, frame):
     script, source = _OUTPUT_SOURCES.get(os.path.abspath(path), (None, None))
     if script is not None:
         fileio.write_json(provenance_path(path), {
-            "format": PROVENANCE_FORMAT, "script": script, "input": os.path.realpath(source),
+            "format": PROVENANCE_FORMAT, "script": script, "input": _input_seen_from(path, source),
             "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}, flag="--out")
 
 
@@ -404,51 +400,9 @@ def warn(message):
     print(f"warning: {message}", file=sys.stderr)
 
 
-def finish(path, result, columns, value, baseline, groups, correct=None):
-    """Print the table and the summary, then write `columns` of `result` to `path`.
-
-    correct: 0/1 per row of `result` (or None) to split the summary by correctness.
-    """
-    print_table(result, columns, value, baseline, path)
-    print_summary(result, value, baseline, groups, correct)
-    write_output(path, result[columns])
-    print(f"wrote {path}")
-
-
-def print_table(result, columns, value, baseline, path):
-    keys = [column for column in columns if column not in (value, baseline, "delta", "steps")]
-    table = result[keys + [value, baseline]].copy()
-    table["ratio"] = result[value] / result[baseline]
-    shown = table.head(TABLE_ROWS)
-    print(shown.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
-    if len(table) > len(shown):
-        print(f"... {len(table) - len(shown)} more rows in {path}")
-
-
-def print_summary(result, value, baseline, groups, correct):
-    """Per group: points, median and 10/90% quantiles of the value, the baseline and the share of
-    points at least 2x below it; split by `correct` when both values occur."""
-    frame = result.assign(subset="all")
-    if correct is not None and set(np.unique(correct)) >= {0, 1}:
-        labelled = result.assign(subset=np.where(np.asarray(correct) == 1, "correct", "misclassified"))
-        frame = pd.concat([frame, labelled], ignore_index=True)
-    keys = groups + ["subset"]
-    summary = frame.groupby(keys, sort=True).apply(_summarise, value, baseline, include_groups=False).reset_index()
-    print(f"\nsummary of {value} (ratio = {value} / {baseline}; 2x below: share with ratio <= 0.5)")
-    print(summary.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
-
-
-def _summarise(group, value, baseline):
-    values = group[value].to_numpy(dtype=float)
-    baselines = group[baseline].to_numpy(dtype=float)
-    return pd.Series({"points": len(values), "median": np.median(values), "q10": np.quantile(values, 0.1),
-                      "q90": np.quantile(values, 0.9), "baseline": np.median(baselines),
-                      "2x below": np.mean(values <= baselines / 2)})
-
-
 # --- the mean rule by coupling (accounting.md §3.2, §3.4) -----------------------------------
 
-STATISTICS = {"center_distance": "center_distance", "spread": "spread", "max_deviation": "max_deviation"}
+STATISTICS = ("center_distance", "spread", "max_deviation")
 COUPLING_QUANTITIES = ["batch_sensitivity", *STATISTICS]
 # Sizes at which the certified bound and the baseline are evaluated (each size's probability is
 # lumped onto the grid size below it, which keeps the bound valid: accounting.size_grid).
@@ -467,11 +421,6 @@ class SizeModel:
     k_min: int
     delta_size: float
     failure: float  # β of the certified event
-
-    @property
-    def log_kept(self):
-        """log P(k ≥ k_min)."""
-        return float(np.log1p(-self.delta_size))
 
     def grid(self):
         """Sizes and lumped log-probabilities at which certified bounds and baselines are evaluated."""
@@ -548,6 +497,18 @@ def mean_rule_table(config, orders, sensitivities, relative_step=LEVEL_STEP):
     ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / config.clip_bound for values in sensitivities])
     levels = accounting.geometric_levels(ratios, relative_step)
     return accounting.RdpTable(config.sample_rate, config.noise_multiplier / config.batch_size, orders, levels)
+
+
+def mixture_rdp_by_point(table, sensitivities, log_weights, log_mass, config, chunk=512):
+    """§3.2 for every point and order of `table`: (1/(λ−1))·(log Σ_k w_k·exp(M_k(λ)) − log mass),
+    with sensitivities (P, K) per point and size; computed in chunks of points (P × K × orders)."""
+    orders = table.orders
+    result = np.empty((len(sensitivities), len(orders)))
+    for start in range(0, len(sensitivities), chunk):
+        moments = table.log_moments(np.asarray(sensitivities[start:start + chunk]) / config.clip_bound)
+        combined = accounting.logsumexp(moments + np.asarray(log_weights)[None, :, None], axis=1)
+        result[start:start + chunk] = (combined - log_mass) / (orders - 1.0)
+    return result
 
 
 # --- output: one row per value, each labelled with its kind (§3.5) ---------------------------

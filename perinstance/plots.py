@@ -1,4 +1,6 @@
-"""Figures for the per-instance accounting results (seeds 000 and 002).
+"""Figures for the per-instance accounting results of GLA (Thudi et al., "Gradients Look Alike:
+Sensitivity is Often Overestimated in DP-SGD", USENIX Security 2024) and Yu et al. ("Individual
+Privacy Accounting for Differentially Private Stochastic Gradient Descent", TMLR 2023).
 
 Pure plotting: every function takes arrays the caller already computed, draws one
 figure, writes it atomically as a PNG and returns the numbers it displayed, so a
@@ -167,74 +169,67 @@ def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
     }
 
 
-def _draw_sensitivity_panel(ax, sensitivities_by_rate, colors):
-    """Left panel of plot_sampling_rates: one ECDF of Δ_B per sampling rate."""
-    medians = {}
-    for q, sensitivities in sensitivities_by_rate.items():
-        medians[q] = _median(sensitivities)
-        zero_share = float(np.mean(sensitivities == 0)) if len(sensitivities) else 0.0
-        zero_note = f", {zero_share:.0%} zeros" if zero_share else ""
-        label = f"q = {q:g} (median {_fmt(medians[q])}{zero_note})"
-        if _draw_ecdf(ax, sensitivities, color=colors[q], linewidth=2, label=label) is None:
-            ax.plot([], [], color=colors[q], label=f"q = {q:g}: no values")
-    all_values = np.concatenate([np.zeros(0), *sensitivities_by_rate.values()])
-    _use_log_scale(ax, "x", all_values)
-    ax.set_xlabel(r"batch sensitivity $\Delta_B$ (mean update rule)")
-    ax.set_ylabel(r"fraction of batches with sensitivity $\leq \Delta_B$")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("Sensitivity distribution per sampling rate")
-    ax.legend(loc="upper left", fontsize="small")
-    return medians
+MEAN_RULE_SERIES = {
+    # key: (label, style); estimates say so in the legend (accounting.md §3.5).
+    "certified": ("mean rule, certified bound (median, 10-90%)", {"color": "tab:blue", "marker": "o"}),
+    "estimate": ("mean rule, estimate (Monte Carlo, median)", {"color": "tab:orange", "marker": "s",
+                                                               "linestyle": ":"}),
+    "baseline": ("mean rule, data-independent baseline", {"color": "black", "marker": "D", "linestyle": "--"}),
+    "sum_rule": ("sum rule, per instance at the same θ (median)", {"color": "tab:green", "marker": "^",
+                                                                   "linestyle": "-."}),
+    "sum_baseline": ("sum rule, worst case at the same σ", {"color": "grey", "marker": "v", "linestyle": "--"}),
+}
 
 
-def _draw_rdp_panel(ax, rdp_by_rate, baseline_rdp_by_rate, alpha, colors):
-    """Right panel of plot_sampling_rates: per-point RDP per q, box plus jittered points."""
-    rates = list(rdp_by_rate)
-    positions = np.arange(len(rates))
-    jitter = np.random.default_rng(0)  # fixed seed: identical inputs give identical bytes
-    for position, q in zip(positions, rates, strict=True):
-        rdp = rdp_by_rate[q]
-        if len(rdp) == 0:
-            ax.annotate("no values", (position, baseline_rdp_by_rate[q]), textcoords="offset points",
-                        xytext=(0, -18), ha="center", fontsize="small")
+def _draw_rate_panel(ax, values_by_rate, ylabel, title):
+    """One line per series over the sampling rates: medians of per-point arrays (with a 10-90% band
+    for the certified bound) or single values; returns the medians drawn per series and rate."""
+    rates = sorted(values_by_rate)
+    drawn = {}
+    everything = [np.zeros(0)]
+    for key, (label, style) in MEAN_RULE_SERIES.items():
+        present = [q for q in rates if key in values_by_rate[q]]
+        if not present:
             continue
-        ax.boxplot(rdp, positions=[position], widths=0.5, showfliers=False,
-                   medianprops={"color": colors[q], "linewidth": 2})
-        offsets = jitter.uniform(-0.18, 0.18, size=len(rdp))
-        ax.scatter(position + offsets, rdp, s=8, alpha=0.4, color=colors[q])
-    ax.plot(positions, [baseline_rdp_by_rate[q] for q in rates], marker="D", **BASELINE_STYLE)
-    all_values = np.concatenate([np.zeros(0), *rdp_by_rate.values(),
-                                 [baseline_rdp_by_rate[q] for q in rates]])
-    _use_log_scale(ax, "y", all_values)
-    ax.set_xticks(positions, [f"{q:g}" for q in rates])
-    ax.set_xlabel("sampling rate q")
-    ax.set_ylabel(f"per-instance Rényi DP at order α = {alpha:g}")
-    ax.set_title("Per-instance Rényi guarantee per sampling rate")
-    ax.legend(loc="upper left")
-    return {q: _median(rdp_by_rate[q]) for q in rates}
+        arrays = [_as_1d(f"values_by_rate[{q}][{key!r}]", np.atleast_1d(values_by_rate[q][key])) for q in present]
+        medians = [_median(values) for values in arrays]
+        drawn[key] = dict(zip(present, medians, strict=True))
+        everything.extend(arrays)
+        ax.plot(present, medians, label=label, linewidth=2, **style)
+        if key == "certified":
+            low = [np.quantile(values, 0.1) if len(values) else np.nan for values in arrays]
+            high = [np.quantile(values, 0.9) if len(values) else np.nan for values in arrays]
+            ax.fill_between(present, low, high, color=style["color"], alpha=0.15, linewidth=0)
+    ax.set_xscale("log")
+    ax.set_xticks(rates, [f"{q:g}" for q in rates])
+    _use_log_scale(ax, "y", np.concatenate(everything))
+    ax.set_xlabel("sampling rate q (each rate trained to the same target ε over the same epochs)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    return drawn
 
 
-def plot_sampling_rates(sensitivities_by_rate, rdp_by_rate, baseline_rdp_by_rate, alpha, path):
-    """Seed 000, Fig. 3c: how the sampling rate q shapes Δ_B and the per-instance RDP."""
-    sensitivities_by_rate = {q: _as_1d(f"sensitivities_by_rate[{q}]", values)
-                             for q, values in sorted(sensitivities_by_rate.items())}
-    rdp_by_rate = {q: _as_1d(f"rdp_by_rate[{q}]", values) for q, values in sorted(rdp_by_rate.items())}
-    missing_baselines = set(rdp_by_rate) - set(baseline_rdp_by_rate)
-    if missing_baselines:
-        raise ValueError(f"baseline_rdp_by_rate has no value for q in {sorted(missing_baselines)}")
-    rates = sorted(set(sensitivities_by_rate) | set(rdp_by_rate))
-    palette = plt.get_cmap("viridis")
-    colors = {q: palette(index / max(len(rates) - 1, 1) * 0.85) for index, q in enumerate(rates)}
+def plot_mean_rule_rates(per_step, composed, alpha, delta, path):
+    """GLA's sampling-rate claim for the mean rule (its Fig. 3c), as accounting.md §3.2/§4 measure it.
 
+    per_step, composed: {q: {series: per-point array or one value}} with series among
+    MEAN_RULE_SERIES; left the per-step Rényi DP at order α, right ε over the whole run at δ.
+    Returns {"per_step": {series: {q: median}}, "composed": {...}}.
+    """
+    if set(per_step) != set(composed):
+        raise ValueError(f"per_step and composed cover different rates: {sorted(per_step)} vs {sorted(composed)}")
     fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
-    median_sensitivity = _draw_sensitivity_panel(left, sensitivities_by_rate, colors)
-    median_rdp = _draw_rdp_panel(right, rdp_by_rate, baseline_rdp_by_rate, alpha, colors)
+    step_medians = _draw_rate_panel(left, per_step, f"per-step Rényi DP at order α = {alpha:g}",
+                                    "One step, at matched fractions of training")
+    composed_medians = _draw_rate_panel(right, composed, f"ε over the whole run (δ = {delta:g})",
+                                        "Whole run (composition, §4)")
     _save(fig, path)
-    return {"median_sensitivity": median_sensitivity, "median_rdp": median_rdp}
+    return {"per_step": step_medians, "composed": composed_medians}
 
 
 def plot_composed_over_training(curves, baseline_curve, path, delta):
-    """Seed 002: composed per-instance ε of a few points as training proceeds."""
+    """Yu et al.: composed per-instance ε of a few points as training proceeds."""
     baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
                                     for index, array in enumerate(baseline_curve))
     _same_length(baseline_steps=baseline_steps, baseline_eps=baseline_eps)
@@ -313,7 +308,7 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
 
 
 def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path):
-    """Seed 002, Fig. 2/5: composed ε against final loss, and per class against accuracy.
+    """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
 
     labels are class indices into class_names; class_test_accuracy is either aligned
     with class_names or a mapping from class name to accuracy.
@@ -343,7 +338,7 @@ def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_
 
 
 def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, baseline_eps):
-    """Seed 002, Fig. 4: ε from checkpoint norms against ε from norms at every step."""
+    """Yu et al., Fig. 4: ε from checkpoint norms against ε from norms at every step."""
     estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
     truth = _as_1d("eps_from_every_step", eps_from_every_step)
     _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)

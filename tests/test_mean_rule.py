@@ -340,3 +340,47 @@ def test_estimate_matches_exact_stratified_expectation(tmp_path, run):
         terms.append(stats.binom.logpmf(k, n, rate) + logsumexp(moments) - math.log(len(moments)))
     exact = (logsumexp(terms) - math.log(stats.binom.sf(k_min - 1, n, rate)))
     assert estimate == pytest.approx(exact, rel=0.05)
+
+
+# --- §4: composition of the mean rule -----------------------------------------------------------
+
+def test_composition_of_the_mean_rule(tmp_path, run):
+    """Certified and estimated ε over the run: below the mean rule's own composed baseline, which equals
+    a direct composition of the per-step baseline; T·delta_fail is taken out of δ."""
+    # Large enough batches that the bulk of sizes, not the rarest ones, decides the bound (§3.4).
+    count, batch = 1000, 200
+    gradients = scaled_rows(count, 4)
+    rows = pd.concat([coupling_rows(gradients, [0, 1, 2], batch, SIGMA, CLIP, 1e-8, permutations=3,
+                                    max_sizes=64).assign(step=step) for step in (0, 50)], ignore_index=True)
+    output, result = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", rows, "--alpha", "2", "4", "8",
+                                       "16", "32")
+    certified = output[output["kind"] == "certified"].set_index("point")["eps"]
+    baseline = output[output["kind"] == "baseline"]
+    assert np.all(certified < baseline["eps"].to_numpy()) and np.all(certified > 0)
+    others, rate = count - 1, batch / count
+    k_min = accounting.size_threshold(others, rate, 1e-8)
+    fail = accounting.size_failure(others, rate, k_min)
+    grid = accounting.size_grid(others, rate, k_min, 64)
+    weights = accounting.lumped_size_log_weights(grid, others, rate)
+    orders = [2.0, 4.0, 8.0, 16.0, 32.0]
+    noise = SIGMA * CLIP / batch
+    step_rdp = [float(accounting.mixture_rdp(
+        np.array([(alpha - 1) * float(accounting.rdp_sgm(rate, noise / value, [alpha])[0])
+                  for value in accounting.baseline_mean_sensitivity(CLIP, grid)]), weights, math.log(1 - fail), alpha))
+        for alpha in orders]
+    expected, _ = accounting.rdp_to_eps(orders, 100 * np.array(step_rdp), 1e-5 - 100 * fail)
+    # The script rounds Δ up by at most 1%: its baseline is at most a few percent above the exact one.
+    assert float(expected) <= baseline["eps"].iloc[0] <= float(expected) * 1.03
+    assert baseline["delta_fail"].iloc[0] == pytest.approx(fail)
+    estimate, _ = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", rows, "--kind", "estimate",
+                                    "--alpha", "2", "4", "8", "16", "32")
+    assert set(estimate["kind"]) == {"estimate", "baseline"}
+    assert np.all(estimate.loc[estimate["kind"] == "estimate", "eps"].to_numpy() <= certified.to_numpy() * 1.001)
+
+
+def test_composition_refuses_a_rule_it_was_not_trained_with(tmp_path, run):
+    rows = coupling_rows(scaled_rows(50, 2), [0], 8, SIGMA, CLIP, 1e-3, permutations=2).assign(update_rule="sum")
+    os.makedirs(tmp_path / "res", exist_ok=True)
+    rows.to_csv(tmp_path / "res" / "toy.csv", index=False)
+    result = run("renyi_per_instance_sum_compo.py", "--res-name", "toy")
+    assert result.returncode == 2 and "trained with the sum rule" in result.stderr

@@ -157,44 +157,46 @@ def test_correct_vs_misclassified_rejects_bad_masks(tmp_path):
         plots.plot_correct_vs_misclassified(np.ones(3), np.array([1, 0, 1]), 1.0, tmp_path / "c.png", "ε")
 
 
-# plot_sampling_rates
+# plot_mean_rule_rates
 
-def sampling_rate_inputs(rng):
-    rates = (0.004, 0.016, 0.064)
-    sensitivities = {q: np.concatenate([np.zeros(3), rng.lognormal(np.log(0.001 / q), 0.5, 100)]) for q in rates}
-    rdp = {q: rng.lognormal(np.log(q), 0.7, 60) for q in rates}
-    baseline = {q: 3 * q for q in rates}
-    return sensitivities, rdp, baseline
-
-
-def test_sampling_rates_numbers_and_file(tmp_path, rng, panels):
-    sensitivities, rdp, baseline = sampling_rate_inputs(rng)
-    result = draw_checked(tmp_path, lambda path: plots.plot_sampling_rates(sensitivities, rdp, baseline, 8, path))
-    assert result["median_sensitivity"] == pytest.approx({q: np.median(v) for q, v in sensitivities.items()})
-    assert result["median_rdp"] == pytest.approx({q: np.median(v) for q, v in rdp.items()})
-    sensitivity_panel, rdp_panel = panels[0]
-    assert_baseline_in_legend(rdp_panel)
-    # Zero sensitivities keep a logarithmic axis, with a linear stretch around 0.
-    assert (sensitivity_panel["xscale"], rdp_panel["yscale"]) == ("symlog", "log")
+def mean_rule_inputs(rng):
+    rates = (0.008, 0.032, 0.128)
+    per_step = {q: {"certified": rng.lognormal(np.log(q), 0.5, 80), "estimate": rng.lognormal(np.log(q / 10), 0.5, 20),
+                    "baseline": 5 * q, "sum_rule": rng.lognormal(np.log(q / 3), 0.5, 80), "sum_baseline": 2 * q}
+                for q in rates}
+    composed = {q: {"certified": rng.lognormal(np.log(3 / q), 0.3, 80), "baseline": 40.0, "sum_baseline": 8.0}
+                for q in rates}
+    return per_step, composed
 
 
-def test_sampling_rates_with_zeros_constants_and_empty_rates(tmp_path, panels):
-    # All-zero values would break a plain log axis; an empty rate has nothing to draw.
-    sensitivities = {0.01: np.zeros(10), 0.1: np.array([0.0, 0.5, 0.5]), 0.5: np.array([])}
-    rdp = {0.01: np.zeros(5), 0.1: np.full(5, 0.2), 0.5: np.array([])}
+def test_mean_rule_rates_numbers_and_file(tmp_path, rng, panels):
+    per_step, composed = mean_rule_inputs(rng)
+    result = draw_checked(tmp_path, lambda path: plots.plot_mean_rule_rates(per_step, composed, 8, 1e-5, path))
+    for series in ("certified", "estimate", "sum_rule"):
+        assert result["per_step"][series] == pytest.approx({q: np.median(v[series]) for q, v in per_step.items()})
+    assert result["composed"]["baseline"] == pytest.approx({q: 40.0 for q in composed})
+    step_panel, composed_panel = panels[0]
+    # Every estimate is labelled as one; both panels carry a baseline.
+    assert any("estimate (Monte Carlo" in text for text in step_panel["legend"])
+    assert any("baseline" in text for text in composed_panel["legend"])
+    assert (step_panel["xscale"], step_panel["yscale"]) == ("log", "log")
+
+
+def test_mean_rule_rates_with_zeros_and_missing_series(tmp_path, panels):
+    per_step = {0.01: {"certified": np.zeros(4), "baseline": 0.5}, 0.1: {"certified": np.array([0.0, 0.2]),
+                                                                         "baseline": 1.0}}
+    composed = {0.01: {"certified": np.ones(4)}, 0.1: {"certified": np.full(2, 2.0)}}
     path = tmp_path / "rates.png"
-    result = draw_without_warnings(
-        lambda: plots.plot_sampling_rates(sensitivities, rdp, {0.01: 0.05, 0.1: 0.4, 0.5: 1.0}, 2, path))
+    result = draw_without_warnings(lambda: plots.plot_mean_rule_rates(per_step, composed, 2, 1e-5, path))
     assert_png(path)
-    assert result["median_sensitivity"] == pytest.approx({0.01: 0.0, 0.1: 0.5, 0.5: np.nan}, nan_ok=True)
-    assert result["median_rdp"] == pytest.approx({0.01: 0.0, 0.1: 0.2, 0.5: np.nan}, nan_ok=True)
-    # A plain log axis would silently drop the zeros.
-    assert [panel[scale] for panel, scale in zip(panels[0], ("xscale", "yscale"), strict=True)] == ["symlog"] * 2
+    assert result["per_step"]["certified"] == pytest.approx({0.01: 0.0, 0.1: 0.1})
+    assert "estimate" not in result["per_step"]
+    assert panels[0][0]["yscale"] == "symlog"
 
 
-def test_sampling_rates_requires_a_baseline_per_rate(tmp_path):
-    with pytest.raises(ValueError, match="baseline_rdp_by_rate"):
-        plots.plot_sampling_rates({0.1: np.ones(3)}, {0.1: np.ones(3)}, {0.2: 1.0}, 2, tmp_path / "r.png")
+def test_mean_rule_rates_requires_the_same_rates(tmp_path):
+    with pytest.raises(ValueError, match="different rates"):
+        plots.plot_mean_rule_rates({0.1: {"baseline": 1.0}}, {0.2: {"baseline": 1.0}}, 2, 1e-5, tmp_path / "r.png")
 
 
 # plot_composed_over_training
