@@ -12,6 +12,14 @@ class UsageError(Exception):
         self.message = message
 
 
+class OutOfSpace(UsageError):
+    """The disk (or the file-size limit) ran out while writing `path`; the previous file is intact."""
+
+    def __init__(self, path):
+        super().__init__(None, f"no space left while writing {path}")
+        self.path = path
+
+
 EXIT_USAGE = 2
 
 

@@ -4,10 +4,13 @@ Long format, one row per measured value (accounting.md §2). `quantity` is one o
 QUANTITIES; values are raw, in the units of accounting.md.
 """
 
+import csv
 import os
 
+import numpy as np
 import pandas as pd
 
+from perinstance import storage
 from perinstance.errors import UsageError
 
 COLUMNS = [
@@ -15,14 +18,19 @@ COLUMNS = [
     "exp", "reduction", "direction", "target_batch", "sample", "quantity", "value",
     "alpha", "sigma", "clip_bound", "sample_rate", "batch_size", "dataset_size",
     "noise_std", "dataset", "model", "clipping", "update_rule", "target_eps", "delta",
-    "accuracy",
+    "accuracy", "mc_seed", "block", "k", "k_min",
 ]
+# Columns added after the first format: a file without them reads them as empty (NaN).
+LATER_COLUMNS = ["mc_seed", "block", "k", "k_min"]
 
 # quantity -> the script and flags that produce it, for error messages.
 QUANTITIES = {
     "grad_norm": "compute_sensitivity.py --reduction sum",
-    "batch_sensitivity": "compute_sensitivity.py --exp eps_delta --reduction mean",
-    "renyi_statistic": "compute_sensitivity.py --exp renyi --reduction mean",
+    "batch_sensitivity": "compute_sensitivity.py --reduction mean",
+    "renyi_statistic": "compute_sensitivity.py --exp renyi --reduction mean --estimator jensen",
+    "center_distance": "compute_sensitivity.py --reduction mean",
+    "spread": "compute_sensitivity.py --reduction mean",
+    "max_deviation": "compute_sensitivity.py --reduction mean",
 }
 
 # Columns that describe the run configuration: rows that differ in these cannot be mixed
@@ -34,21 +42,84 @@ CONFIG_COLUMNS = [
 
 
 def results_path(res_name, res_dir="res"):
-    return os.path.join(res_dir, f"{res_name}.csv")
+    """res/<res-name>: as named when the name ends in .csv or .parquet (the format), else
+    res/<res-name>.csv, or res/<res-name>.parquet where only that one exists (a result file
+    that outgrew storage.AUTO_PARQUET_ROWS)."""
+    if storage.extension(res_name):
+        return os.path.join(res_dir, res_name)
+    csv_path, parquet_path = (os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))
+    return parquet_path if os.path.exists(parquet_path) and not os.path.exists(csv_path) else csv_path
+
+
+# Columns every row needs as a finite number: the accounting reads them (accounting.md §1, §2).
+REQUIRED_NUMBERS = ["seed", "step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
+                    "batch_size", "dataset_size", "noise_std"]
 
 
 def read_results(path, flag="--res-file"):
-    """Read a sensitivity CSV; a missing, unreadable or foreign file is a UsageError."""
+    """Read a sensitivity CSV (or Parquet); a missing, unreadable, foreign or damaged file is a
+    UsageError naming the file, and the line and column where it is damaged: a line cut off
+    (no newline at the end of the file) or with another number of fields than the header, or a
+    row without a finite number in a column of REQUIRED_NUMBERS."""
     if not os.path.isfile(path):
         raise UsageError(flag, f"no result file at {path} (compute_sensitivity.py writes it)")
+    csv_file = storage.extension(path) != storage.PARQUET
     try:
-        frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as error:
+        if csv_file:
+            _check_lines(path, flag)
+        frame = storage.read_frame(path)  # CSV, or Parquet by extension (storage.py)
+    except storage.read_errors() as error:
         raise UsageError(flag, f"cannot read {path}: {str(error).splitlines()[0]}") from None
+    for column in LATER_COLUMNS:
+        if column not in frame.columns:
+            frame[column] = float("nan")
     missing = [column for column in COLUMNS if column not in frame.columns]
     if missing:
         raise UsageError(flag, f"{path} is not a sensitivity result file (missing columns: {', '.join(missing)})")
+    _check_numbers(frame, path, flag, "line" if csv_file else "row")
     return frame
+
+
+def _check_lines(path, flag):
+    """Every line ends with a newline and has as many fields as the header (a cut-off write or a
+    damaged line would otherwise be read with its missing fields empty)."""
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    if not raw:
+        return  # empty: the reader says so
+    if not raw.endswith(b"\n"):
+        line = raw.count(b"\n") + 1
+        raise UsageError(flag, f"{path} line {line} is cut off (the file ends in the middle of a line: a write "
+                               "was interrupted or the file was truncated)")
+    if b'"' in raw:  # quoted fields may hold commas: count fields the slow, exact way
+        lines = raw.decode("utf-8", errors="replace").split("\n")[:-1]
+        fields = np.array([len(next(csv.reader([line]), [])) for line in lines])
+    else:
+        data = np.frombuffer(raw, dtype=np.uint8)
+        ends = np.flatnonzero(data == ord("\n"))
+        fields = np.diff(np.searchsorted(np.flatnonzero(data == ord(",")), ends), prepend=0) + 1
+    wrong = np.flatnonzero(fields != fields[0])
+    if wrong.size:
+        line = int(wrong[0]) + 1
+        raise UsageError(flag, f"{path} line {line} has {fields[wrong[0]]} fields, the header {fields[0]} "
+                               "(a damaged or cut-off line)")
+
+
+def _check_numbers(frame, path, flag, unit):
+    """The first row (by line; CSV line = row + 2) with a missing or non-finite required number."""
+    first = None
+    for column in REQUIRED_NUMBERS:
+        numbers = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float)
+        bad = np.flatnonzero(~np.isfinite(numbers))
+        if bad.size and (first is None or bad[0] < first[0]):
+            first = (int(bad[0]), column)
+    if first is None:
+        return
+    row, column = first
+    value = frame[column].iloc[row]
+    shown = "an empty or NaN cell" if pd.isna(value) else repr(value) if isinstance(value, str) else str(value)
+    position = row + 2 if unit == "line" else row + 1
+    raise UsageError(flag, f"{path} {unit} {position} (column {column}): {shown} is not a finite number")
 
 
 def noise_std(metadata, reduction):

@@ -38,31 +38,53 @@ DEFAULT_CHECKPOINTS = 10
 PHYSICAL_BATCH = 1024
 # Flags that do not change what is trained, so a resumed run may differ in them.
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
-METADATA_FORMAT = 1
+METADATA_FORMAT = checkpoints.METADATA_FORMAT
+# A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
+MAX_TARGET_EPS = 1e6
+# Bounds T = round(epochs·N/B_exp) far below where it overflows.
+MAX_EPOCHS = 1e6
+# σ² underflows (RDP divides by it) below ~1e-154 and overflows above ~1e154; these bounds are
+# far inside, the upper one is Opacus's own for calibration.
+MIN_SIGMA, MAX_SIGMA = 1e-6, 1e6
+# Keep the noise std σC and the step lr·update (float32 tensors) far from overflowing.
+MAX_CLIP_NORM = 1e6
+MAX_LEARNING_RATE = 1e6
 VERSIONS = {"torch": torch.__version__, "opacus": opacus.__version__, "numpy": np.__version__}
 
 
 def resolve_training_args(args):
-    """Fill derived defaults and reject bad training flags (no dataset needed)."""
+    """Fill derived defaults and reject bad training flags (no dataset needed).
+
+    The parser's types (options.py) refuse NaN, ±inf and out-of-domain numbers already; the
+    checks here repeat them for callers that build `args` themselves, and add those that
+    involve several flags (the learning-rate schedule).
+    """
     if args.dp == 1:
         if args.eps is not None and args.sigma is not None:
             raise UsageError("--eps", "give either --eps (target ε) or --sigma (noise multiplier), not both")
         if args.sigma is None and args.eps is None:
             args.eps = DEFAULT_EPS
-        if args.eps is not None and args.eps <= 0:
-            raise UsageError("--eps", f"must be > 0, got {args.eps:g}")
-        if args.sigma is not None and args.sigma <= 0:
-            raise UsageError("--sigma", f"must be > 0, got {args.sigma:g}")
-        if not 0 < args.delta < 1:
-            raise UsageError("--delta", f"must be in (0, 1), got {args.delta:g}")
-    if args.epochs <= 0:
-        raise UsageError("--epochs", f"must be > 0, got {args.epochs:g}")
-    if args.cn <= 0:
-        raise UsageError("--cn", f"must be > 0, got {args.cn:g}")
-    if args.lr <= 0:
-        raise UsageError("--lr", f"must be > 0, got {args.lr:g}")
+    for flag, value in (("--eps", args.eps), ("--sigma", args.sigma), ("--epochs", args.epochs), ("--cn", args.cn),
+                        ("--lr", args.lr), ("--gamma", args.gamma)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(flag, f"must be a finite number > 0, got {value:g}")
+    if args.eps is not None and args.eps > MAX_TARGET_EPS:
+        raise UsageError("--eps", f"must be at most {MAX_TARGET_EPS:g}, got {args.eps:g} (such a target promises "
+                                  "no privacy, and calibrating σ for it does not end; give --sigma instead)")
+    if args.sigma is not None and not MIN_SIGMA <= args.sigma <= MAX_SIGMA:
+        raise UsageError("--sigma", f"must be in [{MIN_SIGMA:g}, {MAX_SIGMA:g}], got {args.sigma:g} (outside it the "
+                                    "accounting's arithmetic under- or overflows; --dp 0 trains without noise)")
+    if args.cn > MAX_CLIP_NORM:
+        raise UsageError("--cn", f"must be at most {MAX_CLIP_NORM:g}, got {args.cn:g} (the noise σC would overflow)")
+    if args.epochs > MAX_EPOCHS:
+        raise UsageError("--epochs", f"must be at most {MAX_EPOCHS:g}, got {args.epochs:g}")
+    if not 0 < args.delta < 1:
+        raise UsageError("--delta", f"must be in (0, 1), got {args.delta:g}")
     if not 0 <= args.momentum < 1:
         raise UsageError("--momentum", f"must be in [0, 1), got {args.momentum:g}")
+    if args.seed < 0:
+        raise UsageError("--seed", f"must be >= 0, got {args.seed}")
+    _check_schedule(args)
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -73,6 +95,24 @@ def resolve_training_args(args):
     if args.device != "cpu" and not args.device.startswith("cuda"):
         raise UsageError("--device", f"unknown device {args.device!r} (allowed: cpu, cuda, cuda:N)")
     return args
+
+
+def _check_schedule(args):
+    """The learning rate must stay in (0, MAX_LEARNING_RATE] at every point of the schedule:
+    lr·γ^k after the k-th --dec-lr milestone, for every k (a milestone past the end changes nothing)."""
+    if args.lr > MAX_LEARNING_RATE:
+        raise UsageError("--lr", f"must be at most {MAX_LEARNING_RATE:g}, got {args.lr:g}")
+    for milestone in args.dec_lr:
+        if not (math.isfinite(milestone) and milestone >= 0):
+            raise UsageError("--dec-lr", f"milestones are epochs >= 0, got {milestone:g}")
+    for decays in range(1, len(args.dec_lr) + 1):
+        try:
+            rate = args.lr * args.gamma ** decays
+        except OverflowError:
+            rate = math.inf
+        if not 0 < rate <= MAX_LEARNING_RATE:
+            raise UsageError("--gamma", f"the learning rate after {decays} decay(s) by {args.gamma:g} would be "
+                                        f"{rate:g}; it must stay in (0, {MAX_LEARNING_RATE:g}]")
 
 
 def _resolve_scaling(args):
@@ -86,10 +126,14 @@ def _resolve_scaling(args):
             raise UsageError("--scale-s", "only psasc takes --scale-s")
     elif args.scale_s is None:
         args.scale_s = DEFAULT_SCALE_S
-    if args.scale_r is not None and args.scale_r <= 0:
-        raise UsageError("--scale-r", f"must be > 0, got {args.scale_r:g}")
-    if args.scale_s is not None and args.scale_s <= 0:
-        raise UsageError("--scale-s", f"must be > 0, got {args.scale_s:g}")
+    if args.scale_r is not None and not (math.isfinite(args.scale_r) and 0 < args.scale_r <= MAX_CLIP_NORM):
+        raise UsageError("--scale-r", f"must be in (0, {MAX_CLIP_NORM:g}], got {args.scale_r:g} (a larger r "
+                                      "overflows the float32 gradients' scale)")
+    if args.scale_s is not None and not (math.isfinite(args.scale_s) and args.scale_s > 0):
+        raise UsageError("--scale-s", f"must be a finite number > 0, got {args.scale_s:g}")
+    if args.scale_s is not None and args.cn / args.scale_s > MAX_CLIP_NORM:
+        raise UsageError("--scale-s", f"the bound Γ = C/s = {args.cn / args.scale_s:g} must be at most "
+                                      f"{MAX_CLIP_NORM:g} (the noise σΓ would overflow)")
 
 
 def identity_args(args):
@@ -130,8 +174,12 @@ def plan_run(args, dataset):
         with warnings.catch_warnings():
             # Opacus warns when the best order is its largest; the calibration is still valid.
             warnings.simplefilter("ignore")
-            noise_multiplier = get_noise_multiplier(target_epsilon=args.eps, target_delta=args.delta,
-                                                    sample_rate=sample_rate, steps=total_steps, accountant="rdp")
+            try:
+                noise_multiplier = get_noise_multiplier(target_epsilon=args.eps, target_delta=args.delta,
+                                                        sample_rate=sample_rate, steps=total_steps, accountant="rdp")
+            except ValueError:  # Opacus: "The privacy budget is too low." (σ would exceed its bound)
+                raise UsageError("--eps", f"{args.eps:g} cannot be reached with δ={args.delta:g}, q={sample_rate:.4g} "
+                                          f"over {total_steps} steps (σ would exceed Opacus's bound)") from None
     tracked = None
     if args.track_points is not None:
         tracked = parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist()
@@ -179,7 +227,8 @@ def load_model(metadata, run_dir, step, device="cpu"):
     """The run's model with the weights of checkpoint `step`, in eval mode, and the payload."""
     payload = checkpoints.load_checkpoint(run_dir, step, device)
     model = model_for_run(metadata).to(device)
-    model.load_state_dict(payload["model"])
+    with checkpoints.restoring(run_dir, step):
+        model.load_state_dict(payload["model"])
     model.eval()
     return model, payload
 
@@ -281,7 +330,9 @@ class Trainer:
             for total, part in zip(summed, gradients.weighted_sum(grad_samples, weights)):
                 total.add_(part)
             losses.append(chunk_losses)
-            transformed.append((weights * norms).detach())
+            transformed.append(clipping.transformed_norm(norms, self.args.clipping, self.args.cn, self.args.scale_r,
+                                                         self.args.scale_s).detach()
+                               if self.metadata["dp"] == 1 else norms.detach())
             correct.append(logits.argmax(dim=1) == self.train_y[chunk])
         return summed, torch.cat(losses), torch.cat(transformed), torch.cat(correct)
 
@@ -338,16 +389,42 @@ def run_differences(existing, planned):
 
 
 def prepare_run_dir(args, run_dir, metadata):
-    """Create the run folder, or check that an existing one holds this same run."""
+    """Create the run folder, or check that an existing one holds this same run.
+
+    Checks first that the folder can be written (unless the run is finished: then nothing is
+    written), and removes the temp files that killed writes left in it. --overwrite 1 deletes
+    an existing run folder, never a folder that holds anything but a run.
+    """
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise UsageError("--save-name", f"{run_dir} is a file, not a run folder")
     if os.path.isdir(run_dir) and args.overwrite == 1:
+        if not os.path.exists(checkpoints.metadata_path(run_dir)) and _foreign_files(run_dir):
+            raise UsageError("--overwrite", f"{run_dir} is not a run folder (no {checkpoints.METADATA_FILE}; it holds "
+                                            f"{', '.join(_foreign_files(run_dir)[:3])}); refusing to delete it")
+        fileio.check_folder(args.models_dir, "--models-dir")
+        fileio.check_folder(run_dir, "--save-name")
         shutil.rmtree(run_dir)
+    finished = metadata["total_steps"] in checkpoints.saved_steps(run_dir)
+    if not finished:
+        fileio.writable_folder(args.models_dir, "--models-dir")
+        fileio.writable_folder(run_dir, "--save-name")
+    fileio.remove_stale_temps(run_dir)
     if os.path.exists(checkpoints.metadata_path(run_dir)):
         differing = run_differences(checkpoints.load_metadata(run_dir), metadata)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
                              "use another --save-name or --overwrite 1")
         return
+    if checkpoints.saved_steps(run_dir):
+        raise UsageError("--save-name", f"{run_dir} holds checkpoints but no {checkpoints.METADATA_FILE}, so they "
+                                        "may be another run's; delete them or use --overwrite 1")
     checkpoints.save_metadata(run_dir, metadata)
+
+
+def _foreign_files(run_dir):
+    """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|\.tmp-.*)$")
+    return sorted(name for name in os.listdir(run_dir) if not own.match(name))
 
 
 def latest_checkpoint(run_dir, planned):
@@ -373,7 +450,8 @@ def train(args, quiet=False):
         resume_step = 0
     else:
         payload = checkpoints.load_checkpoint(run_dir, resume_step, args.device)
-        trainer.restore(payload)
+        with checkpoints.restoring(run_dir, resume_step):
+            trainer.restore(payload)
         accuracy = payload["test_accuracy"]
     metadata["resumed_from"] = resume_step
     epsilon_spent = epsilon_curve(metadata)
