@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser
+from perinstance.options import Parser, probability
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
            "k_min", "samples", "method"]
@@ -35,13 +35,22 @@ def parse_args(argv):
     parser.add_argument("--method", choices=["exact", "holder"], default="exact",
                         help="exact: the hockey-stick of §3.3 by convexity (default); holder: GLA's Hölder formula "
                              "(sum rule only, for reproducing the paper; never tighter)")
-    accountants.add_holder_argument(parser, "1e4",
-                                    "--method holder: Hölder exponent p in (1, inf], a number or inf (default 1e4, GLA's)")
-    accountants.add_gaussian_argument(parser)
-    parser.add_argument("--failure", type=float, default=None,
-                        help="mean rule: β of the certified event (default δ_size, or delta/(10·T) when k_min = 0)")
+    parser.add_argument("--holder-p", default=None,
+                        help="--method holder only: Hölder exponent p in (1, inf], a number or inf (default 1e4, GLA's)")
+    parser.add_argument("--gaussian", choices=["analytic", "classic"], default=None,
+                        help="--method holder only: the Gaussian mechanism's ε, exact (Balle & Wang 2018, default) "
+                             "or the classic formula")
+    parser.add_argument("--failure", type=probability, default=None,
+                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
+                             "k_min = 0)")
     args = parser.parse_args(argv)
     accountants.check_delta(args.delta)
+    for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
+        if value is not None and args.method != "holder":
+            raise UsageError(flag, "belongs to GLA's Hölder formula: add --method holder (the exact method has no "
+                                   "such parameter)")
+    args.holder_p = args.holder_p or "1e4"
+    args.gaussian = args.gaussian or "analytic"
     return args
 
 
@@ -97,7 +106,7 @@ def mean_rule(loaded, args):
         raise UsageError("--method", "GLA's Hölder formula is kept for the sum rule only; the mean rule uses the "
                          "exact coupling bound (allowed here: exact)")
     config = loaded.config
-    sizes = accountants.size_model(loaded, args.failure, args.delta / (10 * config.total_steps))
+    sizes = accountants.size_model(loaded, args.failure)
     statistics = accountants.mean_statistics(loaded)
     samples = accountants.mean_samples(loaded)
     grid, log_weights = sizes.grid()
@@ -118,14 +127,19 @@ def mean_rule(loaded, args):
     if samples is not None:
         index, values, batch_sizes, blocks = samples
         sample_grid = accountants.sample_grid(batch_sizes, sizes, loaded)
-        sample_weights = sample_grid_weights(batch_sizes, sample_grid, sizes)
         fail = sizes.delta_fail("estimate")
         mu = values / config.noise_std
-        eps = exact(mu, args.delta, config.sample_rate, sample_weights, fail)
-        per_block = [exact(np.where(blocks == block, mu, np.nan), args.delta, config.sample_rate,
-                           sample_grid_weights(np.where(blocks == block, batch_sizes, np.nan), sample_grid, sizes),
-                           fail)
-                     for block in np.unique(blocks[~np.isnan(blocks)])]
+
+        def estimate(mask):
+            weights, incomplete = sample_grid_weights(np.where(mask, batch_sizes, np.nan), sample_grid, sizes)
+            eps = exact(np.where(mask, mu, np.nan), args.delta, config.sample_rate, weights, fail)
+            return {direction: np.where(incomplete, np.nan, value) for direction, value in eps.items()}
+
+        eps = estimate(np.ones(mu.shape, dtype=bool))
+        if np.isnan(eps["max"]).any():
+            accountants.warn(f"{int(np.isnan(eps['max']).sum())} (point, step) estimates lack samples at some size and "
+                             "are left empty (measure more --num-batches)")
+        per_block = [estimate(blocks == block) for block in np.unique(blocks[~np.isnan(blocks)])]
         spread = {name: {direction: reducer([block[direction] for block in per_block], axis=0)
                          for direction in (*DIRECTIONS, "max")} for name, reducer in (("eps_min", np.min),
                                                                                      ("eps_max", np.max))}
@@ -150,13 +164,14 @@ def mean_rule(loaded, args):
 
 def sample_grid_weights(batch_sizes, sample_grid, sizes):
     """Weight of each Δ_B sample (NaN size = absent) in the stratified expectation of §3.2: its
-    size's lumped probability split equally over that point's samples of that size."""
+    size's lumped probability split equally over that point's samples of that size; and per point
+    whether some size has no sample (its probability would be lost: no estimate)."""
     log_weights = accounting.lumped_size_log_weights(sample_grid, sizes.n, sizes.sample_rate)
     present = ~np.isnan(batch_sizes)
     position = np.searchsorted(sample_grid, np.where(present, batch_sizes, sample_grid[0]))
     counts = np.stack([((position == column) & present).sum(axis=1) for column in range(len(sample_grid))], axis=1)
     share = np.exp(log_weights)[position] / np.maximum(np.take_along_axis(counts, position, axis=1), 1)
-    return np.where(present, share, 0.0)
+    return np.where(present, share, 0.0), (counts == 0).any(axis=1)
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser
+from perinstance.options import Parser, probability
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
            "k_star_at_k_min", "delta_fail", "estimator"]
@@ -35,8 +35,8 @@ def parse_args(argv):
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=["joint", "per-target"], default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
-    parser.add_argument("--failure", type=float, default=None,
-                        help="β of the certified event (default δ_size, or 1e-6/T when k_min = 0)")
+    parser.add_argument("--failure", type=probability, default=None,
+                        help="β of the certified event (default δ_size, or the training δ/(10·T) when k_min = 0)")
     args = parser.parse_args(argv)
     args.alpha = accountants.check_orders(args.alpha)
     return args
@@ -53,7 +53,7 @@ def with_directions(frame, sample_rate):
 
 def coupling(loaded, args):
     config = loaded.config
-    sizes = accountants.size_model(loaded, args.failure, 1e-6 / config.total_steps)
+    sizes = accountants.size_model(loaded, args.failure)
     statistics = accountants.mean_statistics(loaded)
     samples = accountants.mean_samples(loaded)
     grid, log_weights = sizes.grid()

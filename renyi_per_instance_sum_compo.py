@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser
+from perinstance.options import Parser, non_negative_float, probability
 
 COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
 # Orders above this (from a small Hölder exponent b) make the bound meaningless.
@@ -39,12 +39,12 @@ def parse_args(argv):
     parser.add_argument("--holder-b", default=None,
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
                              "number of steps T such as 3T (default 3T for the sum rule; the mean rule takes inf only)")
-    parser.add_argument("--rounding", type=float, default=0.01,
+    parser.add_argument("--rounding", type=non_negative_float, default=0.01,
                         help="sum rule: round Δ* up to multiples of ROUNDING·Γ before the RDP lookup (default 0.01; "
                              "0: exact)")
     parser.add_argument("--kind", choices=["certified", "estimate"], default="certified",
                         help="mean rule: compose the certified per-step bound (default) or the Monte-Carlo estimate")
-    parser.add_argument("--failure", type=float, default=None,
+    parser.add_argument("--failure", type=probability, default=None,
                         help="mean rule: β of the certified event (default δ_size, or delta/(10·T²) when k_min = 0)")
     args = parser.parse_args(argv)
     accountants.check_delta(args.delta)
@@ -105,7 +105,7 @@ def mean_rule(loaded, args):
     if len(runs) > 1:
         raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
                          "keep one with --filter run=...")
-    sizes = accountants.size_model(loaded, args.failure, args.delta / (10 * total_steps ** 2))
+    sizes = accountants.size_model(loaded, args.failure)
     kind = args.kind
     fail = sizes.delta_fail(kind)
     budget = args.delta - total_steps * fail

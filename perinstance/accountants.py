@@ -73,15 +73,6 @@ def add_alpha_argument(parser, default, help):
     parser.add_argument("--alpha", type=finite_float, nargs="+", default=default, metavar="ORDER", help=help)
 
 
-def add_holder_argument(parser, default, help):
-    parser.add_argument("--holder-p", default=default, help=help)
-
-
-def add_gaussian_argument(parser):
-    parser.add_argument("--gaussian", choices=["analytic", "classic"], default="analytic",
-                        help="Gaussian mechanism's ε: exact (Balle & Wang 2018, default) or the classic formula")
-
-
 def check_delta(delta):
     """--delta: a probability strictly between 0 and 1 (NaN is not)."""
     if not 0 < delta < 1:
@@ -432,10 +423,11 @@ class SizeModel:
         return self.delta_size + (self.failure if kind == "certified" else 0.0)
 
 
-def size_model(loaded, failure=None, default_failure=None):
+def size_model(loaded, failure=None):
     """§3.4 from the rows: k_min as measured (column k_min), n = N − 1 points besides x*.
 
-    failure: β (default δ_size; default_failure when k_min = 0 forces δ_size = 0)."""
+    failure: β of the certified event; default δ_size, or δ/(10·T) with the run's training δ when
+    k_min = 0 forces δ_size = 0."""
     k_mins = pd.to_numeric(loaded.rows["k_min"], errors="coerce").dropna().unique()
     if len(k_mins) != 1:
         raise UsageError(loaded.flag, f"{loaded.path}: mean-rule rows need one k_min (found "
@@ -446,7 +438,9 @@ def size_model(loaded, failure=None, default_failure=None):
     k_min = int(k_mins[0])
     delta_size = accounting.size_failure(n, config.sample_rate, k_min)
     if failure is None:
-        failure = delta_size if delta_size > 0 else default_failure
+        training_delta = pd.to_numeric(loaded.rows["delta"], errors="coerce").dropna()
+        fallback = (float(training_delta.iloc[0]) if len(training_delta) else 1e-5) / (10 * config.total_steps)
+        failure = delta_size if delta_size > 0 else fallback
     return SizeModel(n=n, sample_rate=config.sample_rate, k_min=k_min, delta_size=delta_size, failure=failure)
 
 
@@ -521,7 +515,9 @@ KIND_LABEL = {"estimate": "estimate (Monte Carlo, not a bound)", "certified": "c
 def report(path, result, value, keys, groups, correct=None):
     """Print the guarantee (direction max) with its kinds side by side and a summary, then write
     `result` (long format: one row per key and kind) to `path`."""
-    shown = result[result["direction"] == "max"] if "direction" in result else result
+    # The max over directions where there is one; a file that measured one direction shows that one.
+    has_max = "direction" in result and (result["direction"] == "max").any()
+    shown = result[result["direction"] == "max"] if has_max else result
     wide = shown.pivot_table(index=keys, columns="kind", values=value, aggfunc="first").reset_index()
     kinds = [kind for kind in KINDS if kind in wide.columns]
     main = next(kind for kind in ("certified", "estimate", "gla_statistic", "baseline") if kind in kinds)

@@ -1,17 +1,30 @@
-"""The four accountant scripts end to end on small synthetic result CSVs, and their bad inputs."""
+"""The four accountant scripts end to end on small synthetic result CSVs, and their bad inputs.
+
+Outputs are long: one row per value, labelled by `kind` (estimate, certified, baseline,
+gla_statistic) and, per step, by `direction` (remove, add, max). Every number is held against a
+computation made here: the §3.3 closed forms written with scipy.stats.norm and solved with
+scipy's brentq, binomial size probabilities from scipy.stats.binom, Opacus's RDP and
+get_privacy_spent, and dp_accounting's PLD accountant.
+"""
 
 import math
 import os
 
+import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import assert_usage_error, run_script, snapshot
+from conftest import assert_usage_error, run_in_process, run_script, snapshot
+from dp_accounting.pld import pld_privacy_accountant
+from opacus.accountants.analysis import rdp as opacus_rdp
+from scipy import optimize, stats
+from scipy.special import logsumexp
 
 from perinstance import accounting
 from perinstance.results import COLUMNS
 
 SIGMA, CLIP, RATE, BATCH, SIZE, STEPS = 1.2, 2.0, 0.02, 20, 1000, 60
+DIRECTIONS = ("remove", "add", "max")
 
 
 def row(**values):
@@ -45,24 +58,60 @@ def grad_norm_rows(steps=(0, 20, 40), points=range(6), run="a", seed=0, **values
                 correct=int(point % 2 == 0), **values) for step in steps for point in points]
 
 
-MEAN = dict(exp="eps_delta", reduction="mean", update_rule="mean", noise_std=SIGMA * CLIP / BATCH,
-            quantity="batch_sensitivity")
-
-
-def batch_rows():
-    """Point p has 4 + p batch samples (a ragged sample count)."""
-    rng = np.random.default_rng(1)
-    return [row(step=step, point=point, sample=sample, value=rng.uniform(0, 0.2), correct=point % 2, **MEAN)
-            for step in (0, 30) for point in range(4) for sample in range(4 + point)]
+MEAN = dict(reduction="mean", update_rule="mean", noise_std=SIGMA * CLIP / BATCH)
 
 
 def renyi_rows(directions=("remove", "add")):
+    """GLA's statistic S (compute_sensitivity.py --estimator jensen)."""
     rng = np.random.default_rng(2)
     values = dict(MEAN, exp="renyi", quantity="renyi_statistic")
     return [row(step=step, point=point, direction=direction, alpha=alpha, target_batch=target, sample=sample,
                 value=rng.normal(-0.002, 0.002) * alpha * (alpha - 1), correct=point % 2, **values)
             for step in (0, 30) for point in range(3) for direction in directions for alpha in (2, 4)
             for target in range(3) for sample in range(5)]
+
+
+def population(count, seed, scale=1.0):
+    """Per-sample gradients with a shared component (as at a real checkpoint), norms at most Γ."""
+    rng = np.random.default_rng(seed)
+    gradients = np.full((count, 20), 0.1) + rng.normal(scale=0.05, size=(count, 20))
+    return scale * CLIP * gradients / np.maximum(np.linalg.norm(gradients, axis=1, keepdims=True), 1.0)
+
+
+def coupling_rows(gradients, points, batch, size_delta, draws, step=0, blocks=2, seed=0, k_min=None):
+    """Mean-rule rows as compute_sensitivity.py --reduction mean writes them (§2): d*, v_X, b_X per
+    point, then Δ_B of uniform k-subsets of the other points at every size k in [k_min, k_hi], each
+    with its k and block. Point p has draws + p samples per size and block (ragged counts)."""
+    count = len(gradients)
+    n, rate = count - 1, batch / count
+    if k_min is None:
+        k_min = accounting.size_threshold(n, rate, size_delta)
+    rng = np.random.default_rng(seed + step)
+    base = dict(MEAN, step=step, exp="coupling", sample_rate=rate, batch_size=batch, dataset_size=count,
+                noise_std=SIGMA * CLIP / batch, mc_seed=0, k_min=k_min)
+    rows = []
+    for point in points:
+        others = np.delete(gradients, point, axis=0)
+        center = others.mean(axis=0)
+        deviations = np.linalg.norm(others - center, axis=1)
+        for quantity, value in (("center_distance", np.linalg.norm(gradients[point] - center)),
+                                ("spread", np.mean(deviations ** 2)), ("max_deviation", deviations.max())):
+            rows.append(row(**base, point=point, correct=point % 2, quantity=quantity, value=value))
+        for block in range(blocks):
+            sample = 0
+            for k in range(k_min, size_upper(n, rate) + 1):
+                for _ in range(draws + point):
+                    batch_mean = others[rng.choice(n, k, replace=False)].mean(axis=0) if k else 0.0
+                    value = np.linalg.norm(gradients[point] - batch_mean) / (k + 1)
+                    rows.append(row(**base, point=point, correct=point % 2, quantity="batch_sensitivity",
+                                    value=value, sample=sample, block=block, k=k))
+                    sample += 1
+    return rows
+
+
+def size_upper(n, rate):
+    """k_hi of §3.2: P(k > k_hi) <= 1e-12."""
+    return int(stats.binom.isf(1e-12, n, rate))
 
 
 @pytest.fixture
@@ -75,101 +124,428 @@ def output(tmp_path, name):
     return pd.read_csv(os.path.join(tmp_path, "res", f"{name}.csv"))
 
 
-# --- end to end -----------------------------------------------------------------------------
+def values_of(frame, kind, direction=None, value="eps"):
+    """One kind's (and direction's) values of a long output, indexed by its keys."""
+    chosen = frame[(frame["kind"] == kind) & ((frame["direction"] == direction) if direction else True)]
+    # alpha is a key of the per-step Rényi outputs; in the composition it is the best order, a value.
+    keys = [key for key in ("point", "step") if key in frame.columns] + (["alpha"] if "rdp" in frame.columns else [])
+    return chosen.set_index(keys)[value]
 
-def test_eps_delta_sum_rule(tmp_path, run, results):
+
+# --- independent computations (accounting.md §3.2-§3.4) --------------------------------------
+
+def remove_delta(eps, mu, rate):
+    """§3.3 δ_rem(ε; μ) of the subsampled Gaussian pair, elementwise over μ, with scipy's normal tails."""
+    mu = np.asarray(mu, dtype=float)
+    moving = mu > 0
+    safe = np.where(moving, mu, 1.0)
+    factor = math.expm1(eps) + rate
+    threshold = math.log(factor / rate) / safe + safe / 2
+    return np.where(moving, rate * stats.norm.sf(threshold - safe) - factor * stats.norm.sf(threshold), 0.0)
+
+
+def add_delta(eps, mu, rate):
+    """§3.3 δ_add(ε; μ), elementwise over μ; 0 once c = 1 − e^ε(1−q) <= 0."""
+    mu = np.asarray(mu, dtype=float)
+    c = 1 - math.exp(eps) * (1 - rate)
+    if c <= 0:
+        return np.zeros(mu.shape)
+    moving = mu > 0
+    safe = np.where(moving, mu, 1.0)
+    threshold = math.log(c / (math.exp(eps) * rate)) / safe + safe / 2
+    return np.where(moving, c * stats.norm.cdf(threshold) - math.exp(eps) * rate * stats.norm.cdf(threshold - safe),
+                    0.0)
+
+
+def exact_eps(mu, weights, rate, delta, delta_fail, direction):
+    """§3.3: the smallest ε >= 0 with Σ_j w_j·δ_dir(ε; μ_j) + δ_fail <= δ, by scipy's brentq (δ(ε) is
+    continuous and nonincreasing); "max" is the larger of the two directions' ε."""
+    if direction == "max":
+        return max(exact_eps(mu, weights, rate, delta, delta_fail, one) for one in ("remove", "add"))
+    one = remove_delta if direction == "remove" else add_delta
+
+    def excess(eps):
+        return float(np.sum(np.asarray(weights) * one(eps, mu, rate))) + delta_fail - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    high = 1.0
+    while excess(high) > 0:
+        high *= 2
+    return optimize.brentq(excess, 0.0, high, xtol=1e-13, rtol=1e-11)
+
+
+def size_probabilities(n, rate, sizes):
+    """π_k for the drawn sizes, the last one taking the tail above it (lumping, §3.2)."""
+    sizes = np.asarray(sizes)
+    probabilities = stats.binom.pmf(sizes, n, rate)
+    probabilities[-1] = stats.binom.sf(sizes[-1] - 1, n, rate)
+    return probabilities
+
+
+def statistics_of(rows, point, step):
+    """d*, v_X and b_X of a point at a checkpoint, as written in the rows."""
+    mine = {record["quantity"]: record["value"] for record in rows
+            if record["point"] == point and record["step"] == step and record["quantity"] != "batch_sensitivity"}
+    return mine["center_distance"], mine["spread"], mine["max_deviation"]
+
+
+def certified_bound(statistics, sizes, beta):
+    """§3.2 certified Δ̄_k = min(2Γ, d* + sqrt(v_X/k) + b_X·sqrt(2·log(1/β)/k))/(k+1) (k >= 1)."""
+    center, spread, deviation = statistics
+    sizes = np.asarray(sizes, dtype=float)
+    radius = np.sqrt(spread / sizes) + deviation * np.sqrt(2 * math.log(1 / beta) / sizes)
+    return np.minimum(2 * CLIP, center + radius) / (sizes + 1)
+
+
+def log_moments(rate, noise_std, sensitivities, orders):
+    """(α−1)·RDP_SGM(q, s/Δ, α) straight from Opacus, shape (sensitivities, orders); 0 at Δ = 0."""
+    orders = np.asarray(orders, dtype=float)
+    moments = np.zeros((len(sensitivities), len(orders)))
+    for index, sensitivity in enumerate(sensitivities):
+        if sensitivity > 0:
+            moments[index] = (orders - 1) * opacus_rdp.compute_rdp(q=rate, noise_multiplier=noise_std / sensitivity,
+                                                                   steps=1, orders=orders)
+    return moments
+
+
+def mixture_rdp(moments, probabilities, mass, orders):
+    """§3.2 per order: (1/(α−1))·(log Σ_k π_k·exp(M_k(α)) − log mass)."""
+    combined = logsumexp(moments, b=np.asarray(probabilities)[:, None], axis=0)
+    return (combined - math.log(mass)) / (np.asarray(orders, dtype=float) - 1)
+
+
+def samples_of(rows, point, step, block=None):
+    """A point's Δ_B samples at a checkpoint (one block, or all) and their sizes k, as written in the rows."""
+    chosen = [record for record in rows if record["quantity"] == "batch_sensitivity" and record["point"] == point
+              and record["step"] == step and (block is None or record["block"] == block)]
+    return np.array([record["value"] for record in chosen]), np.array([record["k"] for record in chosen])
+
+
+def sample_weights(sizes, n, rate):
+    """Each Δ_B sample's weight in the stratified expectation: its size's π_k split equally over the
+    point's samples of that size."""
+    grid, counts = np.unique(sizes, return_counts=True)
+    share = dict(zip(grid, size_probabilities(n, rate, grid) / counts))
+    return np.array([share[size] for size in sizes])
+
+
+# --- eps_delta.py: sum rule -------------------------------------------------------------------
+
+EPS_DELTA_COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta",
+                     "delta_fail", "k_min", "samples", "method"]
+
+
+def test_eps_delta_sum_rule_is_exact(tmp_path, run, results):
     results("toy", grad_norm_rows())
     result = run("eps_delta.py", "--res-name", "toy")
     assert result.returncode == 0, result.stderr
     frame = output(tmp_path, "toy_eps_delta")
-    assert list(frame.columns) == ["point", "step", "reduction", "eps", "baseline_eps", "delta"]
-    assert len(frame) == 18 and set(frame["reduction"]) == {"sum"}
-    for record in frame.itertuples():
+    assert list(frame.columns) == EPS_DELTA_COLUMNS
+    assert len(frame) == 18 * 3 * 2 and set(frame["kind"]) == {"certified", "baseline"}
+    assert set(frame["direction"]) == set(DIRECTIONS) and set(frame["reduction"]) == {"sum"}
+    assert set(frame["method"]) == {"exact"} and np.all(frame["delta_fail"] == 0) and np.all(frame["delta"] == 1e-5)
+    for direction in DIRECTIONS:
+        certified = values_of(frame, "certified", direction)
+        for (point, step), eps in certified.items():
+            expected = exact_eps([norm_of(point, step) / (SIGMA * CLIP)], [1.0], RATE, 1e-5, 0.0, direction)
+            assert eps == pytest.approx(expected, rel=1e-7, abs=1e-12)
+        baseline = values_of(frame, "baseline", direction)
+        assert baseline.nunique() == 1
+        assert baseline.iloc[0] == pytest.approx(exact_eps([1 / SIGMA], [1.0], RATE, 1e-5, 0.0, direction), rel=1e-7)
+        # Δ* = Γ is the baseline, Δ* = 0 costs nothing.
+        np.testing.assert_allclose(certified.loc[0], baseline.loc[0], rtol=1e-12)
+        assert np.all(certified.loc[1] == 0)
+    certified = {direction: values_of(frame, "certified", direction) for direction in DIRECTIONS}
+    np.testing.assert_array_equal(certified["max"], np.maximum(certified["remove"], certified["add"]))
+    assert np.all(certified["add"] <= -math.log1p(-RATE) + 1e-12)  # P >= (1−q)·Q
+    # §6 identity 3: the baseline is one step of dp_accounting's PLD accountant.
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(RATE, dp_accounting.GaussianDpEvent(SIGMA)))
+    assert values_of(frame, "baseline", "max").iloc[0] == pytest.approx(accountant.get_epsilon(1e-5), rel=2e-3)
+    assert "summary" in result.stdout and "misclassified" in result.stdout and "certified" in result.stdout
+
+
+def test_eps_delta_sum_rule_holder(tmp_path, run, results):
+    results("toy", grad_norm_rows())
+    assert run("eps_delta.py", "--res-name", "toy").returncode == 0
+    exact = output(tmp_path, "toy_eps_delta")
+    result = run("eps_delta.py", "--res-name", "toy", "--method", "holder", "--out", "holder.csv")
+    assert result.returncode == 0, result.stderr
+    frame = pd.read_csv(tmp_path / "holder.csv")
+    assert list(frame.columns) == EPS_DELTA_COLUMNS and set(frame["method"]) == {"holder p=10000"}
+    for record in frame[frame["kind"] == "certified"].itertuples():
         expected = accounting.eps_delta_holder([norm_of(record.point, record.step)], SIGMA * CLIP, RATE, 1e-5, 1e4)
         assert record.eps == pytest.approx(float(expected), rel=1e-8)
-    assert frame.loc[frame["point"] == 1, "eps"].max() < 1e-3  # Δ* = 0: only the Hölder term remains
-    assert np.allclose(frame["baseline_eps"], accounting.baseline_eps_delta(SIGMA, RATE, 1e-5))
-    assert "summary" in result.stdout and "misclassified" in result.stdout
+    assert values_of(frame, "certified", "max").loc[1].max() < 1e-3  # Δ* = 0: only the Hölder term remains
+    assert np.allclose(values_of(frame, "baseline"), accounting.baseline_eps_delta(SIGMA, RATE, 1e-5))
+    # GLA's formula is never tighter than the exact per-step ε (§3.3).
+    for kind in ("certified", "baseline"):
+        assert np.all(values_of(exact, kind, "max") <= values_of(frame, kind, "max") * (1 + 1e-9))
+
+    result = run("eps_delta.py", "--res-name", "toy", "--method", "holder", "--holder-p", "inf", "--gaussian",
+                 "classic", "--delta", "1e-6", "--out", "inf.csv")
+    assert result.returncode == 0, result.stderr
+    frame = pd.read_csv(tmp_path / "inf.csv")
+    assert set(frame["method"]) == {"holder p=inf"} and np.all(frame["delta"] == 1e-6)
+    for record in frame[frame["kind"] == "certified"].itertuples():
+        # p = ∞: log(1 − q + q·exp(ε_G)) with the classic ε_G = Δ·sqrt(2 ln(1.25q/δ))/s at δ_G = δ/q.
+        eps_gaussian = norm_of(record.point, record.step) * math.sqrt(2 * math.log(1.25 * RATE / 1e-6)) / (SIGMA * CLIP)
+        assert record.eps == pytest.approx(math.log(1 - RATE + RATE * math.exp(eps_gaussian)), rel=1e-8)
 
 
-def test_eps_delta_mean_rule_ragged_samples(tmp_path, run, results):
-    rows = batch_rows()
-    results("mean", rows)
-    result = run("eps_delta.py", "--res-name", "mean", "--holder-p", "inf", "--gaussian", "classic", "--delta", "1e-6")
+# --- eps_delta.py: mean rule by coupling --------------------------------------------------------
+
+MEAN_COUNT, MEAN_BATCH = 200, 20
+
+
+@pytest.fixture(scope="module")
+def mean_rows():
+    """Three points of a typical population at two checkpoints; k_min at δ_size <= 1e-7."""
+    gradients = population(MEAN_COUNT, 0)
+    return (coupling_rows(gradients, [0, 1, 2], MEAN_BATCH, 1e-7, draws=2)
+            + coupling_rows(population(MEAN_COUNT, 0, scale=0.5), [0, 1, 2], MEAN_BATCH, 1e-7, draws=2, step=30))
+
+
+def test_eps_delta_mean_rule(tmp_path, run, results, mean_rows):
+    results("mean", mean_rows)
+    result = run("eps_delta.py", "--res-name", "mean")
     assert result.returncode == 0, result.stderr
     frame = output(tmp_path, "mean_eps_delta")
-    assert set(frame["reduction"]) == {"mean"} and len(frame) == 8
-    samples = pd.DataFrame(rows)
-    for record in frame.itertuples():
-        mine = samples[(samples["point"] == record.point) & (samples["step"] == record.step)]["value"]
-        assert len(mine) == 4 + record.point
-        expected = accounting.eps_delta_holder(mine.to_numpy(), SIGMA * CLIP / BATCH, RATE, 1e-6, math.inf, "classic")
-        assert record.eps == pytest.approx(float(expected), rel=1e-8)
-    assert np.allclose(frame["delta"], 1e-6)
+    assert list(frame.columns) == EPS_DELTA_COLUMNS and set(frame["reduction"]) == {"mean"}
+    assert len(frame) == 3 * 2 * 3 * 3 and set(frame["kind"]) == {"estimate", "certified", "baseline"}
+    n, rate, noise = MEAN_COUNT - 1, MEAN_BATCH / MEAN_COUNT, SIGMA * CLIP / MEAN_BATCH
+    k_min = mean_rows[0]["k_min"]
+    assert k_min > 0 and set(frame["k_min"]) == {k_min}
+    delta_size = stats.binom.cdf(k_min - 1, n, rate)
+    fail = {"estimate": delta_size, "baseline": delta_size, "certified": 2 * delta_size}  # β = δ_size by default
+    for kind, expected in fail.items():
+        np.testing.assert_allclose(frame.loc[frame["kind"] == kind, "delta_fail"], expected, rtol=1e-9)
+    every_size = np.arange(k_min, n + 1)
+    probabilities = stats.binom.pmf(every_size, n, rate)
+    for direction in ("remove", "add"):
+        for record in frame[(frame["kind"] == "estimate") & (frame["direction"] == direction)].itertuples():
+            # The reported δ includes delta_fail: Σ_b w_b·δ(ε; Δ_b/s) + δ_size = δ, from the file's own rows.
+            values, sizes = samples_of(mean_rows, record.point, record.step)
+            assert record.samples == len(values) == 2 * (2 + record.point) * (size_upper(n, rate) - k_min + 1)
+            expected = exact_eps(values / noise, sample_weights(sizes, n, rate), rate, 1e-5, delta_size, direction)
+            assert record.eps == pytest.approx(expected, rel=1e-6)
+            per_block = [exact_eps(values / noise, sample_weights(sizes, n, rate), rate, 1e-5, delta_size, direction)
+                         for values, sizes in (samples_of(mean_rows, record.point, record.step, block)
+                                               for block in (0, 1))]
+            assert record.eps_min == pytest.approx(min(per_block), rel=1e-6)
+            assert record.eps_max == pytest.approx(max(per_block), rel=1e-6)
+        for record in frame[(frame["kind"] == "certified") & (frame["direction"] == direction)].itertuples():
+            bound = certified_bound(statistics_of(mean_rows, record.point, record.step), every_size, delta_size)
+            expected = exact_eps(bound / noise, probabilities, rate, 1e-5, 2 * delta_size, direction)
+            assert record.eps == pytest.approx(expected, rel=1e-6)
+        expected = exact_eps(2 * CLIP / (every_size + 1) / noise, probabilities, rate, 1e-5, delta_size, direction)
+        np.testing.assert_allclose(values_of(frame, "baseline", direction), expected, rtol=1e-6)
+    for kind in ("estimate", "certified", "baseline"):
+        np.testing.assert_array_equal(values_of(frame, kind, "max"), np.maximum(values_of(frame, kind, "remove"),
+                                                                                values_of(frame, kind, "add")))
+    estimate = frame[frame["kind"] == "estimate"]
+    assert np.all(estimate["eps_min"] <= estimate["eps"]) and np.all(estimate["eps"] <= estimate["eps_max"])
+    # A typical population: the certified bound and the estimate are below the mean rule's own baseline.
+    for direction in DIRECTIONS:
+        for kind in ("certified", "estimate"):
+            assert np.all(values_of(frame, kind, direction) < values_of(frame, "baseline", direction))
+    assert np.all(frame.loc[frame["kind"] != "estimate", "samples"] == 0)
+    assert f"k_min={k_min}" in result.stdout and "including delta_fail" in result.stdout
 
+
+def test_eps_delta_mean_rule_flags_and_k_min_zero(tmp_path, run, results):
+    rows = coupling_rows(population(40, 3), [0, 1], 8, 0.0, draws=1, k_min=0)
+    results("zero", rows)
+    result = run("eps_delta.py", "--res-name", "zero", "--delta", "1e-3")
+    assert result.returncode == 0 and "k_min = 0" in result.stderr
+    frame = output(tmp_path, "zero_eps_delta")
+    # δ_size = 0: estimate and baseline fail with probability 0, β defaults to the training δ/(10·T).
+    assert set(frame["k_min"]) == {0} and np.all(frame.loc[frame["kind"] != "certified", "delta_fail"] == 0)
+    training_delta = rows[0]["delta"]
+    np.testing.assert_allclose(frame.loc[frame["kind"] == "certified", "delta_fail"], training_delta / (10 * STEPS))
+    assert run("eps_delta.py", "--res-name", "zero", "--delta", "1e-3", "--failure", "1e-4", "--out",
+               "failure.csv").returncode == 0
+    failure = pd.read_csv(tmp_path / "failure.csv")
+    np.testing.assert_allclose(failure.loc[failure["kind"] == "certified", "delta_fail"], 1e-4)
+    # A larger β shrinks the radius r_k but costs δ: the estimate and the baseline do not move.
+    for kind in ("estimate", "baseline"):
+        np.testing.assert_array_equal(values_of(failure, kind), values_of(frame, kind))
+    # δ at most delta_fail leaves nothing to spend.
+    assert run("eps_delta.py", "--res-name", "zero", "--delta", "1e-3", "--failure", "2e-3", "--out",
+               "spent.csv").returncode == 0
+    spent = pd.read_csv(tmp_path / "spent.csv")
+    assert np.all(np.isinf(spent.loc[spent["kind"] == "certified", "eps"]))
+
+
+# --- Rényi DP per step ----------------------------------------------------------------------
 
 def test_renyi_sum_rule(tmp_path, run, results):
     results("toy", grad_norm_rows())
     result = run("renyi_per_instance_sum.py", "--res-name", "toy", "--alpha", "2", "8.5")
     assert result.returncode == 0, result.stderr
     frame = output(tmp_path, "toy_renyi_per_instance_sum")
-    assert list(frame.columns) == ["point", "step", "alpha", "rdp", "baseline_rdp"]
-    assert len(frame) == 36
-    for record in frame.itertuples():
-        expected = accounting.rdp_sum_rule([norm_of(record.point, record.step)], CLIP, SIGMA, RATE, [record.alpha])
-        assert record.rdp == pytest.approx(float(expected[0, 0]), rel=1e-8)
-    assert np.all(frame.loc[frame["point"] == 1, "rdp"] == 0)
-    worst = frame[frame["point"] == 0]
-    np.testing.assert_allclose(worst["rdp"], worst["baseline_rdp"], rtol=1e-8)
+    assert list(frame.columns) == ["point", "step", "alpha", "direction", "kind", "rdp"]
+    assert len(frame) == 18 * 2 * 2 and set(frame["direction"]) == {"max"}
+    certified = values_of(frame, "certified", value="rdp")
+    for (point, step, alpha), rdp in certified.items():
+        expected = accounting.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, [alpha])
+        assert rdp == pytest.approx(float(expected[0, 0]), rel=1e-8)
+    assert np.all(certified.loc[1] == 0)
+    baseline = values_of(frame, "baseline", value="rdp")
+    # The baseline is Opacus's RDP of (q, σ) (§6 identity 1); at Δ* = Γ the point is the baseline.
+    for alpha in (2.0, 8.5):
+        opacus = float(opacus_rdp.compute_rdp(q=RATE, noise_multiplier=SIGMA, steps=1, orders=[alpha])[0])
+        np.testing.assert_allclose(baseline.xs(alpha, level="alpha"), opacus, rtol=1e-6)
+    np.testing.assert_allclose(certified.loc[0], baseline.loc[0], rtol=1e-8)
 
 
-def test_renyi_mean_rule_directions_and_aggregates(tmp_path, run, results):
+def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_rows):
+    """The estimate, certified bound and baseline of §3.2, recomputed from the rows with Opacus."""
+    results("mean", mean_rows)
+    result = run("renyi_per_instance_mean.py", "--res-name", "mean", "--alpha", "2", "8")
+    assert result.returncode == 0, result.stderr
+    frame = output(tmp_path, "mean_renyi_per_instance_mean")
+    assert list(frame.columns) == ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max",
+                                   "samples", "k_min", "k_star", "k_star_at_k_min", "delta_fail", "estimator"]
+    assert len(frame) == 3 * 2 * 2 * 3 * 3 and set(frame["estimator"]) == {"coupling"}
+    orders = [2.0, 8.0]
+    n, rate, noise = MEAN_COUNT - 1, MEAN_BATCH / MEAN_COUNT, SIGMA * CLIP / MEAN_BATCH
+    k_min = mean_rows[0]["k_min"]
+    delta_size = stats.binom.cdf(k_min - 1, n, rate)
+    every_size = np.arange(k_min, size_upper(n, rate) + 1)  # P(k > k_hi) <= 1e-12 is left out: a lower value
+    probabilities = stats.binom.pmf(every_size, n, rate)
+    remove = frame[frame["direction"] == "remove"].set_index(["kind", "point", "step", "alpha"])
+
+    def bracket(rdp_at, reported):
+        """The script rounds each Δ up by at most 0.1% before the RDP lookup (§5), and ρ is nondecreasing in Δ:
+        the reported value lies between the exact ones at Δ and at 1.001·Δ."""
+        low, high = rdp_at(1.0), rdp_at(1.001)
+        assert np.all(low * (1 - 1e-9) <= reported) and np.all(reported <= high * (1 + 1e-9)), (low, high, reported)
+
+    def estimate(point, step, block=None, scale=1.0):
+        values, sizes = samples_of(mean_rows, point, step, block)
+        return mixture_rdp(log_moments(rate, noise, scale * values, orders), sample_weights(sizes, n, rate),
+                           1 - delta_size, orders)
+
+    def mixture(bound, fail, scale=1.0):
+        return mixture_rdp(log_moments(rate, noise, scale * bound, orders), probabilities, 1 - fail, orders)
+
+    for point in range(3):
+        for step in (0, 30):
+            mine = remove.xs((point, step), level=("point", "step"))
+            bracket(lambda scale, point=point, step=step: estimate(point, step, scale=scale),
+                    mine.loc["estimate", "rdp"].to_numpy())
+            for value, reduce in (("rdp_min", np.min), ("rdp_max", np.max)):
+                bracket(lambda scale, point=point, step=step, reduce=reduce: reduce(
+                    [estimate(point, step, block, scale) for block in (0, 1)], axis=0),
+                    mine.loc["estimate", value].to_numpy())
+            bound = certified_bound(statistics_of(mean_rows, point, step), every_size, delta_size)
+            bracket(lambda scale, bound=bound: mixture(bound, 2 * delta_size, scale), mine.loc["certified", "rdp"])
+            # k* = argmax_k π_k·exp(M_k): the size that decides the bound.
+            moments = log_moments(rate, noise, bound, orders)
+            np.testing.assert_array_equal(mine.loc["certified", "k_star"],
+                                          every_size[np.argmax(np.log(probabilities)[:, None] + moments, axis=0)])
+            bracket(lambda scale: mixture(2 * CLIP / (every_size + 1), delta_size, scale),
+                    mine.loc["baseline", "rdp"].to_numpy())
+            assert np.all(mine.loc["estimate", "samples"] == 2 * (2 + point) * len(every_size))
+    # A typical population: estimate < certified < the mean rule's own baseline (the add direction may all be
+    # at its cap log(1/(1−q))).
+    assert np.all(values_of(frame, "estimate", "remove", "rdp") < values_of(frame, "certified", "remove", "rdp"))
+    assert np.all(values_of(frame, "certified", "remove", "rdp") < values_of(frame, "baseline", "remove", "rdp"))
+    assert set(frame["k_min"]) == {k_min}
+    np.testing.assert_array_equal(frame["k_star_at_k_min"], (frame["k_star"] == k_min).astype(int))
+    for kind, expected in {"estimate": delta_size, "baseline": delta_size, "certified": 2 * delta_size}.items():
+        np.testing.assert_allclose(frame.loc[frame["kind"] == kind, "delta_fail"], expected, rtol=1e-9)
+    # The coupling value bounds both directions; add is also at most log(1/(1−q)) (§3.2).
+    for kind in ("estimate", "certified", "baseline"):
+        for value in ("rdp", "rdp_min", "rdp_max"):
+            remove, add, maximum = (values_of(frame, kind, direction, value) for direction in DIRECTIONS)
+            np.testing.assert_allclose(add, np.minimum(remove, -math.log1p(-rate)), rtol=1e-9)  # CSV: 10 digits
+            np.testing.assert_array_equal(maximum, remove)
+    assert "estimate (Monte Carlo, not a bound)" in result.stdout
+    # A large β: a smaller radius r_k, and a certified mass 1 − δ_size − β far from 1.
+    assert run("renyi_per_instance_mean.py", "--res-name", "mean", "--alpha", "2", "8", "--failure", "0.3",
+               "--out", "beta.csv").returncode == 0
+    beta = pd.read_csv(tmp_path / "beta.csv")
+    np.testing.assert_allclose(beta.loc[beta["kind"] == "certified", "delta_fail"], delta_size + 0.3)
+    for (point, step), reported in values_of(beta, "certified", "remove", "rdp").groupby(level=["point", "step"]):
+        bound = certified_bound(statistics_of(mean_rows, point, step), every_size, 0.3)
+        bracket(lambda scale, bound=bound: mixture(bound, delta_size + 0.3, scale), reported.to_numpy())
+
+
+def test_renyi_mean_rule_jensen(tmp_path, run, results):
     rows = pd.DataFrame(renyi_rows())
     results("renyi", rows.to_dict("records"))
-    assert run("renyi_per_instance_mean.py", "--res-name", "renyi", "--alpha", "2", "4").returncode == 0
+    result = run("renyi_per_instance_mean.py", "--res-name", "renyi", "--estimator", "jensen", "--alpha", "2", "4")
+    assert result.returncode == 0, result.stderr
+    assert "not a measure of the point's influence" in result.stdout
     joint = output(tmp_path, "renyi_renyi_per_instance_mean")
-    assert list(joint.columns) == ["point", "step", "alpha", "direction", "rdp", "baseline_rdp", "aggregate"]
-    assert set(joint["direction"]) == {"remove", "add", "max"} and set(joint["aggregate"]) == {"joint"}
+    assert set(joint["kind"]) == {"gla_statistic"} and set(joint["estimator"]) == {"jensen joint"}
+    assert set(joint["direction"]) == set(DIRECTIONS) and len(joint) == 3 * 2 * 2 * 3
+    assert joint["delta_fail"].isna().all() and joint["k_min"].isna().all()
     noise_std = SIGMA * CLIP / BATCH
     for record in joint[joint["direction"] != "max"].itertuples():
         mine = rows[(rows["point"] == record.point) & (rows["step"] == record.step)
-                    & (rows["direction"] == record.direction) & (rows["alpha"] == record.alpha)]
-        assert record.rdp == pytest.approx(accounting.rdp_mean_rule(mine["value"], noise_std, record.alpha), rel=1e-8)
+                    & (rows["direction"] == record.direction) & (rows["alpha"] == record.alpha)]["value"]
+        # ρ̂_J = (logsumexp_k(−S_k/(2 s_m²)) − log K)/(α−1)
+        expected = (logsumexp(-mine / (2 * noise_std ** 2)) - math.log(len(mine))) / (record.alpha - 1)
+        assert record.rdp == pytest.approx(expected, rel=1e-8)
     pivot = joint.pivot_table(index=["point", "step", "alpha"], columns="direction", values="rdp")
     np.testing.assert_allclose(pivot["max"], np.maximum(pivot["remove"], pivot["add"]))
-    np.testing.assert_allclose(joint["baseline_rdp"], accounting.rdp_sgm(RATE, SIGMA, joint["alpha"].to_numpy()))
 
-    result = run("renyi_per_instance_mean.py", "--res-name", "renyi", "--alpha", "2", "4", "--aggregate", "per-target",
-                 "--out", "per_target.csv")
+    result = run("renyi_per_instance_mean.py", "--res-name", "renyi", "--estimator", "jensen", "--alpha", "2", "4",
+                 "--aggregate", "per-target", "--out", "per_target.csv")
     assert result.returncode == 0 and "NOT an upper bound" in result.stderr
     per_target = pd.read_csv(tmp_path / "per_target.csv")
-    assert set(per_target["aggregate"]) == {"per-target (not an upper bound)"}
-    assert np.all(per_target["rdp"].to_numpy() <= joint["rdp"].to_numpy() + 1e-12)
+    assert set(per_target["estimator"]) == {"jensen per-target (not an upper bound)"}
+    order = ["point", "step", "alpha", "direction"]
+    assert np.all(per_target.sort_values(order)["rdp"].to_numpy() <= joint.sort_values(order)["rdp"].to_numpy()
+                  + 1e-12)
 
 
-def test_renyi_mean_rule_one_direction(tmp_path, run, results):
+def test_renyi_mean_rule_jensen_one_direction(tmp_path, run, results):
     results("renyi", renyi_rows(directions=("remove",)))
-    result = run("renyi_per_instance_mean.py", "--res-name", "renyi", "--alpha", "2")
+    result = run("renyi_per_instance_mean.py", "--res-name", "renyi", "--estimator", "jensen", "--alpha", "2")
     assert result.returncode == 0 and "only one direction" in result.stderr
+    assert "gla_statistic = GLA statistic (loose)" in result.stdout  # the table shows the one direction
     assert set(output(tmp_path, "renyi_renyi_per_instance_mean")["direction"]) == {"remove"}
 
 
-def compo(run, tmp_path, name, *flags):
-    result = run("renyi_per_instance_sum_compo.py", "--res-name", name, "--alpha", "2", "4", "8", "16", "32", *flags,
-                 "--out", f"{name}{'_'.join(flags)}.csv")
+# --- composition over a run: sum rule -------------------------------------------------------
+
+COMPO_COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
+ORDERS = [2, 4, 8, 16, 32]
+
+
+def compo(run, tmp_path, name, *flags, orders=ORDERS):
+    out = f"{name}{'_'.join(flags)}.csv"
+    result = run("renyi_per_instance_sum_compo.py", "--res-name", name, "--alpha", *orders, *flags, "--out", out)
     assert result.returncode == 0, result.stderr
-    return pd.read_csv(tmp_path / f"{name}{'_'.join(flags)}.csv").set_index("point"), result
+    frame = pd.read_csv(tmp_path / out)
+    assert list(frame.columns) == COMPO_COLUMNS
+    return frame, result
+
+
+def opacus_eps(rdp, orders, delta):
+    eps, _ = opacus_rdp.get_privacy_spent(orders=orders, rdp=np.asarray(rdp), delta=delta)
+    return eps
 
 
 def test_composition_worst_case_is_the_baseline(tmp_path, run, results):
     results("worst", [row(step=step, point=point, value=CLIP) for step in (0, 30) for point in range(3)])
-    frame, result = compo(run, tmp_path, "worst", "--holder-p", "inf")
-    assert list(frame.reset_index().columns) == ["point", "eps", "order", "baseline_eps", "delta", "steps"]
-    np.testing.assert_allclose(frame["eps"], frame["baseline_eps"], rtol=1e-10)
-    assert set(frame["steps"]) == {STEPS}
+    frame, result = compo(run, tmp_path, "worst", "--holder-b", "inf")
+    certified, baseline = values_of(frame, "certified"), values_of(frame, "baseline")
+    np.testing.assert_allclose(certified, baseline, rtol=1e-10)
+    # §6 identity 7: Opacus's accountant for (q, σ, T).
+    expected = opacus_eps(opacus_rdp.compute_rdp(q=RATE, noise_multiplier=SIGMA, steps=STEPS, orders=ORDERS),
+                          ORDERS, 1e-5)
+    np.testing.assert_allclose(baseline, expected, rtol=1e-9)
+    assert set(frame["steps"]) == {STEPS} and set(frame["reduction"]) == {"sum"} and np.all(frame["delta_fail"] == 0)
+    assert frame["k_min"].isna().all() and set(frame["alpha"]) <= set(ORDERS)
     # The default b = 3T with one run only inflates the orders (and says so).
     default, result = compo(run, tmp_path, "worst")
-    assert np.all(default["eps"] >= frame["eps"]) and "--holder-p inf" in result.stderr
+    assert np.all(values_of(default, "certified") >= certified) and "--holder-b inf" in result.stderr
 
 
 def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
@@ -180,38 +556,122 @@ def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
                   for step in range(STEPS) for point in range(4)]
     results("checkpoints", checkpoints)
     results("every_step", every_step)
-    for flags in [("--holder-p", "inf"), ("--holder-p", "3T")]:
+    for flags in [("--holder-b", "inf"), ("--holder-b", "3T")]:
         sparse, _ = compo(run, tmp_path, "checkpoints", *flags)
         dense, _ = compo(run, tmp_path, "every_step", *flags)
-        np.testing.assert_allclose(dense["eps"], sparse["eps"], rtol=1e-8)
-    assert sparse.loc[1, "eps"] < sparse.loc[2, "eps"] < sparse.loc[0, "eps"]
+        np.testing.assert_allclose(values_of(dense, "certified"), values_of(sparse, "certified"), rtol=1e-8)
+    certified = values_of(sparse, "certified")
+    assert certified.loc[1] < certified.loc[2] < certified.loc[0]
+    # b = inf with one run, no rounding: Σ_t ρ_t(λ), 20 steps at each checkpoint's Δ*.
+    inf, _ = compo(run, tmp_path, "checkpoints", "--holder-b", "inf", "--rounding", "0")
+    for point in range(4):
+        rdp = sum(20 * accounting.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, ORDERS)[0]
+                  for step in (0, 20, 40))
+        assert values_of(inf, "certified").loc[point] == pytest.approx(opacus_eps(rdp, ORDERS, 1e-5), rel=1e-9)
 
 
 def test_composition_without_step_zero_uses_worst_case(tmp_path, run, results):
     late = [row(step=step, point=point, value=0.0) for step in (10, 40) for point in range(2)]
     results("late", late)
     results("early", [row(step=0, point=point, value=CLIP) for point in range(2)] + late)
-    frame, result = compo(run, tmp_path, "late", "--holder-p", "inf")
+    frame, result = compo(run, tmp_path, "late", "--holder-b", "inf")
     assert "no checkpoint at step 0" in result.stderr
-    early, _ = compo(run, tmp_path, "early", "--holder-p", "inf")
+    early, _ = compo(run, tmp_path, "early", "--holder-b", "inf")
     # Steps 1..10 at Γ in both files, zero cost afterwards.
-    np.testing.assert_allclose(frame["eps"], early["eps"], rtol=1e-8)
-    assert np.all(frame["eps"] < frame["baseline_eps"])
+    np.testing.assert_allclose(values_of(frame, "certified"), values_of(early, "certified"), rtol=1e-8)
+    expected = opacus_eps(opacus_rdp.compute_rdp(q=RATE, noise_multiplier=SIGMA, steps=10, orders=ORDERS),
+                          ORDERS, 1e-5)
+    np.testing.assert_allclose(values_of(frame, "certified"), expected, rtol=1e-9)
+    assert np.all(values_of(frame, "certified") < values_of(frame, "baseline"))
 
 
 def test_composition_several_runs(tmp_path, run, results):
     rows = grad_norm_rows(steps=(0, 20, 40), run="a", seed=0) + grad_norm_rows(steps=(0, 30), run="bb", seed=1)
     results("runs", rows)
-    both, result = compo(run, tmp_path, "runs", "--holder-p", "inf")
+    both, result = compo(run, tmp_path, "runs", "--holder-b", "inf")
     assert "2 run(s)" in result.stdout
-    single = [compo(run, tmp_path, "runs", "--holder-p", "inf", "--filter", f"run={name}")[0] for name in ("a", "bb")]
+    single = [values_of(compo(run, tmp_path, "runs", "--holder-b", "inf", "--filter", f"run={name}")[0], "certified")
+              for name in ("a", "bb")]
     # b = ∞ takes the max over runs at every step: at least each run's own bound.
-    assert np.all(both["eps"] >= np.maximum(single[0]["eps"], single[1]["eps"]) - 1e-12)
-    finite, _ = compo(run, tmp_path, "runs", "--holder-p", "100")
+    assert np.all(values_of(both, "certified") >= np.maximum(single[0], single[1]) - 1e-12)
+    finite, _ = compo(run, tmp_path, "runs", "--holder-b", "100")
     assert np.all(np.isfinite(finite["eps"]))
-    exact, _ = compo(run, tmp_path, "runs", "--holder-p", "inf", "--rounding", "0")
-    assert np.all(exact["eps"] <= both["eps"] + 1e-12)
+    exact, _ = compo(run, tmp_path, "runs", "--holder-b", "inf", "--rounding", "0")
+    assert np.all(values_of(exact, "certified") <= values_of(both, "certified") + 1e-12)
 
+
+# --- composition over a run: mean rule ------------------------------------------------------
+
+COMPO_COUNT, COMPO_BATCH = 1000, 200
+
+
+def test_composition_of_the_mean_rule(tmp_path, run, results):
+    """Certified composed ε = the T steps' certified ρ of §3.2 (each checkpoint's for the steps after it),
+    converted by Opacus at δ − T·delta_fail (§3.4, §4)."""
+    # Large batches, so that the bulk of sizes and not the rarest ones decides the bound (§3.4); δ_size such
+    # that T·delta_fail is a good part of δ. draws=0: point 0 has no Δ_B samples, point 1 one per size.
+    rows = (coupling_rows(population(COMPO_COUNT, 4), [0, 1], COMPO_BATCH, 5e-8, draws=0, blocks=1)
+            + coupling_rows(population(COMPO_COUNT, 4, scale=0.5), [0, 1], COMPO_BATCH, 5e-8, draws=0, blocks=1,
+                            step=30))
+    results("mean", rows)
+    orders = [2, 3, 4, 6, 8, 16, 32, 64]  # integer orders: Opacus's fractional series is slow
+    frame, result = compo(run, tmp_path, "mean", orders=orders)
+    n, rate, noise = COMPO_COUNT - 1, COMPO_BATCH / COMPO_COUNT, SIGMA * CLIP / COMPO_BATCH
+    k_min = rows[0]["k_min"]
+    delta_size = stats.binom.cdf(k_min - 1, n, rate)
+    assert set(frame["kind"]) == {"certified", "baseline"} and set(frame["reduction"]) == {"mean"}
+    assert set(frame["k_min"]) == {k_min} and set(frame["steps"]) == {STEPS} and np.all(frame["delta"] == 1e-5)
+    np.testing.assert_allclose(frame.loc[frame["kind"] == "certified", "delta_fail"], 2 * delta_size, rtol=1e-9)
+    np.testing.assert_allclose(frame.loc[frame["kind"] == "baseline", "delta_fail"], delta_size, rtol=1e-9)
+    assert "converted at delta - T·delta_fail" in result.stdout and STEPS * 2 * delta_size > 0.2e-5
+    # Below: every size in [k_min, k_hi] at the exact Δ̄_k (P(k > k_hi) <= 1e-12 left out). Above: what the
+    # script may evaluate, its 64 sizes (each taking the probability of the sizes up to the next one) at Δ̄
+    # rounded up by 1% (§5). The composed ε lies in between.
+    every_size = np.arange(k_min, size_upper(n, rate) + 1)
+    grid = accounting.size_grid(n, rate, k_min, 64)
+    assert len(grid) < len(every_size)
+    lumped = np.diff(stats.binom.cdf(np.append(grid - 1, n), n, rate))
+
+    def composed(bound_of, steps, fail):
+        """ε of Σ over checkpoints of (steps after it)·ρ, from below and from above."""
+        def eps(sizes, probabilities, scale):
+            rdp = sum(count * mixture_rdp(log_moments(rate, noise, scale * bound_of(sizes, step), orders),
+                                          probabilities, 1 - fail, orders) for step, count in steps)
+            return opacus_eps(rdp, orders, 1e-5 - STEPS * fail)
+        return eps(every_size, stats.binom.pmf(every_size, n, rate), 1.0), eps(grid, lumped, 1.01)
+
+    certified = values_of(frame, "certified")
+    for point in (0, 1):
+        low, high = composed(lambda sizes, step, point=point: certified_bound(statistics_of(rows, point, step), sizes,
+                                                                              delta_size),
+                             [(0, 30), (30, 30)], 2 * delta_size)
+        assert low * (1 - 1e-9) <= certified.loc[point] <= high * (1 + 1e-9)
+    low, high = composed(lambda sizes, step: 2 * CLIP / (sizes + 1), [(0, STEPS)], delta_size)
+    baseline = values_of(frame, "baseline")
+    assert np.all(low * (1 - 1e-9) <= baseline) and np.all(baseline <= high * (1 + 1e-9))
+    assert np.all(certified < baseline)
+
+    estimate, _ = compo(run, tmp_path, "mean", "--kind", "estimate", orders=orders)
+    assert set(estimate["kind"]) == {"estimate", "baseline"} and set(estimate["point"]) == {1}
+    np.testing.assert_allclose(estimate.loc[estimate["kind"] == "estimate", "delta_fail"], delta_size, rtol=1e-9)
+    assert values_of(estimate, "estimate").loc[1] < certified.loc[1]
+    # Point 0 has nothing to estimate from.
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "mean", "--kind", "estimate",
+                           "--points", "0", "--out", "none.csv"), "--res-name")
+
+
+def test_composition_of_the_mean_rule_refuses(tmp_path, run, results):
+    rows = coupling_rows(population(COMPO_COUNT, 5), [0], COMPO_BATCH, 1e-9, draws=0, blocks=1)
+    results("mean", rows)
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "mean", "--holder-b", "3T"),
+                       "--holder-b")
+    # T·delta_fail must leave some δ.
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "mean", "--delta", "1e-8"), "--delta")
+    results("two", rows + [dict(record, run="b") for record in rows])
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "two"), "--filter")
+
+
+# --- selecting rows and the default output -------------------------------------------------------
 
 def test_filter_points_and_default_output(tmp_path, run):
     rows = grad_norm_rows() + grad_norm_rows(sigma=2.0, noise_std=2.0 * CLIP)
@@ -220,7 +680,9 @@ def test_filter_points_and_default_output(tmp_path, run):
                  "--filter", "step=20")
     assert result.returncode == 0, result.stderr
     frame = pd.read_csv(tmp_path / "data" / "mixed_eps_delta.csv")
-    assert list(frame["point"]) == [2, 3, 4] and set(frame["step"]) == {20}
+    assert sorted(frame["point"].unique()) == [2, 3, 4] and set(frame["step"]) == {20} and len(frame) == 3 * 3 * 2
+    assert values_of(frame, "certified", "max").loc[2].iloc[0] == pytest.approx(
+        exact_eps([norm_of(2, 20) / (SIGMA * CLIP)], [1.0], RATE, 1e-5, 0.0, "max"), rel=1e-7)
 
 
 # --- bad input: one line, exit 2, nothing written -------------------------------------------
@@ -229,9 +691,16 @@ def bad(tmp_path, script, rows, *flags, name="toy"):
     if rows is not None:
         write(os.path.join(tmp_path, "res", f"{name}.csv"), rows)
     before = snapshot(tmp_path)
-    result = run_script(script, "--res-name", name, *flags, cwd=tmp_path)
+    result = run_in_process(script, "--res-name", name, *flags, cwd=tmp_path)
     assert snapshot(tmp_path) == before, "a file was written or changed"
     return result
+
+
+def test_bad_input_from_a_real_process(tmp_path):
+    """What a user sees: exit status 2 and one line, without a traceback, from the interpreter."""
+    write(os.path.join(tmp_path, "res", "toy.csv"), grad_norm_rows())
+    result = run_script("renyi_per_instance_sum_compo.py", "--res-name", "toy", "--holder-b", "lots", cwd=tmp_path)
+    assert_usage_error(result, "--holder-b")
 
 
 @pytest.mark.parametrize("script", ["eps_delta.py", "renyi_per_instance_sum.py", "renyi_per_instance_mean.py",
@@ -251,7 +720,10 @@ def test_unreadable_and_foreign_files(tmp_path):
 def test_no_rows_of_the_needed_quantity(tmp_path):
     result = bad(tmp_path, "renyi_per_instance_mean.py", grad_norm_rows())
     assert_usage_error(result, "--res-name")
-    assert "renyi_statistic" in result.stderr and "compute_sensitivity.py" in result.stderr
+    assert "batch_sensitivity" in result.stderr and "compute_sensitivity.py --reduction mean" in result.stderr
+    result = bad(tmp_path, "renyi_per_instance_mean.py", grad_norm_rows(), "--estimator", "jensen")
+    assert_usage_error(result, "--res-name")
+    assert "renyi_statistic" in result.stderr and "--estimator jensen" in result.stderr
 
 
 def test_mixed_configurations(tmp_path):
@@ -272,11 +744,19 @@ def test_per_step_script_with_two_runs(tmp_path):
     ("renyi_per_instance_sum_compo.py", ["--alpha", "2", "0.5"], "--alpha"),
     ("eps_delta.py", ["--delta", "0"], "--delta"),
     ("renyi_per_instance_sum_compo.py", ["--delta", "1.5"], "--delta"),
-    ("eps_delta.py", ["--holder-p", "1"], "--holder-p"),
-    ("renyi_per_instance_sum_compo.py", ["--holder-p", "0.01T"], "--holder-p"),
-    ("renyi_per_instance_sum_compo.py", ["--holder-p", "1.01"], "--holder-p"),  # orders explode
-    ("renyi_per_instance_sum_compo.py", ["--holder-p", "lots"], "--holder-p"),
+    ("eps_delta.py", ["--method", "pld"], "--method"),
+    ("eps_delta.py", ["--method", "holder", "--holder-p", "1"], "--holder-p"),
+    ("eps_delta.py", ["--method", "holder", "--holder-p", "many"], "--holder-p"),
+    ("renyi_per_instance_sum_compo.py", ["--holder-b", "0.01T"], "--holder-b"),
+    ("renyi_per_instance_sum_compo.py", ["--holder-b", "1.01"], "--holder-b"),  # orders explode
+    ("renyi_per_instance_sum_compo.py", ["--holder-b", "lots"], "--holder-b"),
+    ("renyi_per_instance_sum_compo.py", ["--holder-p", "3T"], "--holder-p"),  # the old name is refused
     ("renyi_per_instance_sum_compo.py", ["--rounding", "2"], "--rounding"),
+    ("renyi_per_instance_sum_compo.py", ["--kind", "baseline"], "--kind"),
+    ("renyi_per_instance_mean.py", ["--estimator", "exact"], "--estimator"),
+    ("eps_delta.py", ["--failure", "0"], "--failure"),
+    ("renyi_per_instance_mean.py", ["--failure", "1"], "--failure"),
+    ("renyi_per_instance_sum_compo.py", ["--failure", "nan"], "--failure"),
     ("eps_delta.py", ["--points", "5000"], "--points"),
     ("eps_delta.py", ["--filter", "sigma=3"], "--filter"),
     ("eps_delta.py", ["--filter", "colour=red"], "--filter"),
@@ -313,14 +793,44 @@ def test_configuration_that_breaks_the_contract(tmp_path, change, message):
     assert message in result.stderr and "line 2 " in result.stderr
 
 
-def test_mean_rule_bad_rows(tmp_path):
+def test_jensen_bad_rows(tmp_path):
     rows = renyi_rows()
     rows[4]["direction"] = "sideways"
-    result = bad(tmp_path, "renyi_per_instance_mean.py", rows)
+    result = bad(tmp_path, "renyi_per_instance_mean.py", rows, "--estimator", "jensen")
     assert_usage_error(result, "--res-name")
     assert "line 6 " in result.stderr and "sideways" in result.stderr
-    result = bad(tmp_path, "renyi_per_instance_mean.py", renyi_rows(), "--alpha", "3", name="other")
+    result = bad(tmp_path, "renyi_per_instance_mean.py", renyi_rows(), "--estimator", "jensen", "--alpha", "3",
+                 name="other")
     assert_usage_error(result, "--alpha")
+
+
+@pytest.fixture(scope="module")
+def small_mean_rows():
+    return coupling_rows(population(30, 6), [0, 1], 6, 1e-3, draws=1)
+
+
+@pytest.mark.parametrize("script", ["eps_delta.py", "renyi_per_instance_mean.py"])
+def test_mean_rule_bad_rows(tmp_path, script, small_mean_rows):
+    samples = [index for index, record in enumerate(small_mean_rows) if record["quantity"] == "batch_sensitivity"]
+    without_k = [dict(record) for record in small_mean_rows]
+    without_k[samples[0]]["k"] = ""
+    result = bad(tmp_path, script, without_k)
+    assert_usage_error(result, "--res-name")
+    assert f"line {samples[0] + 2} " in result.stderr and "without a batch size k" in result.stderr
+    two_thresholds = [dict(record) for record in small_mean_rows]
+    two_thresholds[0]["k_min"] += 1
+    assert_usage_error(bad(tmp_path, script, two_thresholds, name="kmin"), "--res-name")
+    below = [dict(record, k_min=record["k_min"] + 1) for record in small_mean_rows]
+    result = bad(tmp_path, script, below, name="below")
+    assert_usage_error(result, "--res-name")
+    assert "below k_min" in result.stderr
+    lacking = [record for record in small_mean_rows if not (record["point"] == 1 and record["quantity"] == "spread")]
+    result = bad(tmp_path, script, lacking, name="lacking")
+    assert_usage_error(result, "--res-name")
+    assert "point 1" in result.stderr and "spread" in result.stderr
+    if script == "eps_delta.py":
+        # GLA's Hölder formula is kept for the sum rule only.
+        assert_usage_error(bad(tmp_path, script, small_mean_rows, "--method", "holder", name="holder"), "--method")
 
 
 def test_composition_point_missing_at_a_checkpoint(tmp_path):

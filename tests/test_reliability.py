@@ -342,7 +342,7 @@ BAD_INPUTS = [
     ("eps_delta.py", ["--delta", "1"], "--delta", None),
     ("renyi_per_instance_sum.py", ["--alpha", "nan"], "--alpha", None),
     ("renyi_per_instance_sum_compo.py", ["--alpha", "2", "inf"], "--alpha", None),
-    ("renyi_per_instance_sum_compo.py", ["--holder-p", "nan"], "--holder-p", None),
+    ("renyi_per_instance_sum_compo.py", ["--holder-b", "nan"], "--holder-b", None),
     ("renyi_per_instance_sum_compo.py", ["--rounding", "nan"], "--rounding", None),
     ("renyi_per_instance_sum_compo.py", ["--delta", "-inf"], "--delta", None),
     # accountants: outputs never clobber
