@@ -1,0 +1,129 @@
+"""Loss-threshold membership inference per class, on a DP run and a non-private run (Yu et al., Appendix D).
+
+    python membership_inference.py --run quick-mnist-embedded-sum --nondp-run quick-mnist-embedded-nodp \
+        --eps-csv res/quick-mnist-embedded-sum_compo_inf.csv
+
+Per class, the attack of Sablayrolles et al. 2019 ("member" when the loss is below a threshold)
+sees the class's test points and as many of its training points; the threshold is chosen on a
+random half of each and its balanced accuracy measured on the other half, over --splits random
+splits. Next to it: the class's test accuracy, and the mean per-instance composed ε of the class's
+training points under DP (column eps of a renyi_per_instance_sum_compo.py output, --eps-csv).
+The Pearson r across classes says whether the classes that pay more ε are the ones the attack
+succeeds on more often.
+"""
+
+import os
+import time
+
+import pandas as pd
+
+from perinstance import attacks, audit_plots, fileio, sensitivity_cli
+from perinstance.errors import UsageError, run_main
+from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
+
+MODELS = {"DP": "--run", "non-private": "--nondp-run"}
+# Flags in which a DP run and its non-private counterpart may differ: privacy by construction,
+# and what is recorded rather than trained.
+NOT_COMPARED = {"dp", "eps", "sigma", "delta", "save_freq", "track_points"}
+COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accuracy", "attack_advantage",
+           "accuracy_std", "test_accuracy", "mean_eps", "splits", "step", "run"]
+
+
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+    parser.add_argument("--run", required=True, help="the DP run: a name under --models-dir, or a run folder")
+    parser.add_argument("--nondp-run", required=True,
+                        help="the same configuration trained with --no-dp: a name under --models-dir, or a folder")
+    parser.add_argument("--eps-csv", required=True,
+                        help="per-instance composed ε of the DP run (renyi_per_instance_sum_compo.py output)")
+    parser.add_argument("--models-dir", default="models", help="folder that holds the run folders")
+    parser.add_argument("--data-root", default="./data", help="where torchvision datasets live")
+    parser.add_argument("--stage", nargs="+", default=["final"],
+                        help="checkpoint of each run attacked, one: a fraction of training in [0, 1], initial, "
+                             "middle or final (default)")
+    parser.add_argument("--splits", type=int, default=20, help="random half/half splits averaged (default 20)")
+    parser.add_argument("--mc-seed", type=non_negative_int, default=None,
+                        help="seed of every Monte-Carlo draw: the members drawn and the splits (default: the DP "
+                             "run's seed)")
+    parser.add_argument("--out", default=None, help="output CSV (default res/<run>_membership.csv)")
+    parser.add_argument("--figure", default=None, help="figure (default figures/<run>_membership.png)")
+    add_device_argument(parser)
+    return parser
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
+    if args.splits <= 0:
+        raise UsageError("--splits", f"must be > 0, got {args.splits}")
+    stages = sensitivity_cli.parse_stages(args.stage)
+    if len(stages) != 1 or stages == ["all"]:
+        raise UsageError("--stage", "give one checkpoint: a fraction, initial, middle or final (not all)")
+    args.stage = stages[0]
+    if not os.path.isfile(args.eps_csv):
+        raise UsageError("--eps-csv", f"no file {args.eps_csv} (renyi_per_instance_sum_compo.py writes it)")
+    return args
+
+
+def open_runs(args):
+    """The DP and the non-private run, checked to be the two halves of one comparison."""
+    runs = {model: attacks.open_run(getattr(args, flag[2:].replace("-", "_")), args.models_dir, args.data_root, flag)
+            for model, flag in MODELS.items()}
+    for model, flag in MODELS.items():
+        metadata = runs[model].metadata
+        if (metadata["dp"] == 1) != (model == "DP"):
+            raise UsageError(flag, f"{runs[model].name} is {'non-private' if metadata['dp'] == 0 else 'a DP run'}; "
+                                   "give the DP run as --run and the non-private one as --nondp-run")
+        if metadata["less_point"] is not None:
+            raise UsageError(flag, f"{runs[model].name} was trained without point {metadata['less_point']}; "
+                                   "use runs on the whole training set")
+    private, public = runs["DP"].metadata, runs["non-private"].metadata
+    if private["dataset_fingerprint"] != public["dataset_fingerprint"]:
+        raise UsageError("--nondp-run", f"{runs['non-private'].name} was trained on other data than {runs['DP'].name}")
+    differing = sorted(key for key in set(private["args"]) | set(public["args"])
+                       if key not in NOT_COMPARED and private["args"].get(key) != public["args"].get(key))
+    return runs, differing
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    runs, differing = open_runs(args)
+    private = runs["DP"]
+    labels = private.dataset.train_y.numpy()
+    class_eps = attacks.class_mean_eps(args.eps_csv, labels, private.metadata["total_steps"])
+    out = args.out or os.path.join("res", f"{private.name}_membership.csv")
+    figure = args.figure or os.path.join("figures", f"{private.name}_membership.png")
+
+    started = time.time()
+    num_classes = private.dataset.num_classes
+    seed = private.metadata["seed"] if args.mc_seed is None else args.mc_seed
+    members = attacks.class_members(labels, private.dataset.test_y.numpy(), num_classes, seed)
+    frames = []
+    for model, run in runs.items():
+        step = sensitivity_cli.resolve_stages([args.stage], run.saved_steps(), run.metadata["total_steps"])[0]
+        frame = attacks.attack_by_class(run, step, members, args.splits, seed, args.device)
+        frames.append(frame.assign(model=model, step=step, run=run.name, splits=args.splits,
+                                   class_name=[private.dataset.class_names[label] for label in frame["class"]],
+                                   mean_eps=frame["class"].map(class_eps)))
+    rows = pd.concat(frames, ignore_index=True)[COLUMNS]
+    fileio.write_csv(out, rows)
+    by_model = {model: rows[rows["model"] == model] for model in runs}
+    audit_plots.plot_class_attack(
+        by_model["DP"]["class_name"].tolist(), by_model["DP"]["mean_eps"].to_numpy(),
+        {model: frame["attack_accuracy"].to_numpy() for model, frame in by_model.items()},
+        {model: frame["accuracy_std"].to_numpy() for model, frame in by_model.items()},
+        {model: frame["test_accuracy"].to_numpy() for model, frame in by_model.items()}, figure)
+
+    print(rows.drop(columns=["run", "splits"]).to_string(index=False, float_format=lambda value: f"{value:.4g}"))
+    print()
+    if differing:
+        print(f"note: the two runs differ in {', '.join(differing)} besides privacy; the comparison is not "
+              "of the same configuration")
+    for model, summary in attacks.membership_summary(rows).items():
+        print(f"{model:>12}: mean attack accuracy {summary['mean_attack_accuracy']:.4f}, Pearson r across "
+              f"{summary['classes']} classes with the class's mean ε: attack accuracy {summary['pearson_attack']:.3f}, "
+              f"test accuracy {summary['pearson_test']:.3f}")
+    print(f"attacked {len(runs)} runs in {time.time() - started:.0f}s; wrote {out} and {figure}")
+
+
+if __name__ == "__main__":
+    run_main(main)
