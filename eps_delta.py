@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser, probability
+from perinstance.options import HELP_FORMAT, Parser, probability
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
            "k_min", "samples", "method"]
@@ -28,8 +28,8 @@ KEYS = ["point", "step"]
 DIRECTIONS = ("remove", "add")
 
 
-def parse_args(argv):
-    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     accountants.add_input_arguments(parser)
     accountants.add_delta_argument(parser)
     parser.add_argument("--method", choices=["exact", "holder"], default="exact",
@@ -43,7 +43,11 @@ def parse_args(argv):
     parser.add_argument("--failure", type=probability, default=None,
                         help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
                              "k_min = 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     accountants.check_delta(args.delta)
     for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
         if value is not None and args.method != "holder":

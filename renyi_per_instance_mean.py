@@ -19,7 +19,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser, probability
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, probability
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
            "k_star_at_k_min", "delta_fail", "estimator"]
@@ -27,17 +27,21 @@ KEYS = ["point", "step", "alpha"]
 AGGREGATE_LABEL = {"joint": "joint", "per-target": "per-target (not an upper bound)"}
 
 
-def parse_args(argv):
-    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     accountants.add_input_arguments(parser)
-    accountants.add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
+    add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
     parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=["joint", "per-target"], default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
     parser.add_argument("--failure", type=probability, default=None,
                         help="β of the certified event (default δ_size, or the training δ/(10·T) when k_min = 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     args.alpha = accountants.check_orders(args.alpha)
     return args
 

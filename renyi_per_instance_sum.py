@@ -12,17 +12,21 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import run_main
-from perinstance.options import Parser
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp"]
 KEYS = ["point", "step", "alpha"]
 
 
-def parse_args(argv):
-    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     accountants.add_input_arguments(parser)
-    accountants.add_alpha_argument(parser, [8.0], "Rényi orders λ > 1, fractional allowed (default 8)")
-    args = parser.parse_args(argv)
+    add_alpha_argument(parser, [8.0], "Rényi orders α > 1, fractional allowed (default 8)")
+    return parser
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     args.alpha = accountants.check_orders(args.alpha)
     return args
 

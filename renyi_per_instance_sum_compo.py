@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser, non_negative_float, probability
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, probability
 
 COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
 # Orders above this (from a small Hölder exponent b) make the bound meaningless.
@@ -30,12 +30,12 @@ LARGEST_ORDER = 1e6
 COMPOSITION_LEVEL_STEP = 1e-2
 
 
-def parse_args(argv):
-    parser = Parser(description=__doc__, formatter_class=accountants.HELP_FORMAT)
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     accountants.add_input_arguments(parser)
     accountants.add_delta_argument(parser)
-    accountants.add_alpha_argument(parser, accounting.COMPOSITION_ORDERS,
-                                   "Rényi orders λ > 1 to convert from (default 1.25..256, 47 orders)")
+    add_alpha_argument(parser, accounting.COMPOSITION_ORDERS,
+                       "Rényi orders α > 1 to convert from (default 1.25..256, 47 orders)")
     parser.add_argument("--holder-b", default=None,
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
                              "number of steps T such as 3T (default 3T for the sum rule; the mean rule takes inf only)")
@@ -46,7 +46,11 @@ def parse_args(argv):
                         help="mean rule: compose the certified per-step bound (default) or the Monte-Carlo estimate")
     parser.add_argument("--failure", type=probability, default=None,
                         help="mean rule: β of the certified event (default δ_size, or delta/(10·T²) when k_min = 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    args = build_parser().parse_args(argv)
     accountants.check_delta(args.delta)
     args.alpha = accountants.check_orders(args.alpha)
     if not 0 <= args.rounding <= 1:

@@ -4,7 +4,6 @@ Flags, reading and checking the sensitivity CSV (perinstance/results.py), the pr
 summary, and the atomic write of the output. The mathematics is in perinstance/accounting.py.
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -16,12 +15,10 @@ import pandas as pd
 
 from perinstance import accounting, fileio
 from perinstance.errors import UsageError
-from perinstance.options import finite_float, parse_points, probability
+from perinstance.options import add_overwrite_argument, parse_points, probability
 from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path
 
 TABLE_ROWS = 20
-# Keeps the example commands of each script's docstring as written in --help.
-HELP_FORMAT = argparse.RawDescriptionHelpFormatter
 # Which update rule each quantity is measured for (results.QUANTITIES).
 REDUCTION_OF = {"grad_norm": "sum", "batch_sensitivity": "mean", "renyi_statistic": "mean",
                 "center_distance": "mean", "spread": "mean", "max_deviation": "mean"}
@@ -55,22 +52,18 @@ class Loaded:
 
 def add_input_arguments(parser):
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--res-name", help="read res/NAME.csv (written by compute_sensitivity.py)")
+    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv (written by compute_sensitivity.py)")
     source.add_argument("--res-file", help="read this sensitivity CSV")
-    parser.add_argument("--out", help="output CSV (default: res/<res-name>_<script>.csv, next to --res-file)")
+    parser.add_argument("--res-dir", default="res", help="folder of the result files (default res)")
+    parser.add_argument("--out", help="output CSV (default: <res-dir>/<res-name>_<script>.csv, next to --res-file)")
     parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
                         help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
     parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
-    parser.add_argument("--overwrite", type=int, nargs="?", const=1, default=0, choices=(0, 1),
-                        help="replace an existing --out even if it is not this script's earlier output for this input")
+    add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
 
 
 def add_delta_argument(parser):
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
-
-
-def add_alpha_argument(parser, default, help):
-    parser.add_argument("--alpha", type=finite_float, nargs="+", default=default, metavar="ORDER", help=help)
 
 
 def check_delta(delta):
@@ -127,7 +120,7 @@ def load(args, quantities, one_run, integer_columns=None):
 
 def _input_path(args):
     if args.res_name is not None:
-        return results_path(args.res_name), "--res-name"
+        return results_path(args.res_name, args.res_dir), "--res-name"
     return args.res_file, "--res-file"
 
 
@@ -319,22 +312,22 @@ _OUTPUT_SOURCES = {}
 
 
 def output_path(args, script):
-    """--out, or res/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file; checked
+    """--out, or <res-dir>/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file; checked
     before any work so that an output never clobbers a file.
 
     Refused (one line naming --out): the input file itself, a folder, a destination folder that
     is missing, read-only or a file, and an existing file that is not this script's own earlier
     output for this same input (its provenance file says so and its checksum still matches)
-    unless --overwrite 1.
+    unless --overwrite.
     """
     if args.out:
         path = args.out
     elif args.res_name is not None:
-        path = results_path(f"{args.res_name}_{script}")
+        path = results_path(f"{args.res_name}_{script}", args.res_dir)
     else:
         stem = os.path.splitext(os.path.basename(args.res_file))[0]
         path = os.path.join(os.path.dirname(args.res_file), f"{stem}_{script}.csv")
-    source = results_path(args.res_name) if args.res_name is not None else args.res_file
+    source = _input_path(args)[0]
     if _same_file(path, source):
         raise UsageError("--out", f"{path} is the input file; choose another output")
     if os.path.isdir(path):
@@ -342,7 +335,7 @@ def output_path(args, script):
     fileio.check_folder(os.path.dirname(path) or ".", "--out", must_exist=True)
     if os.path.lexists(path) and not getattr(args, "overwrite", 0) and not _own_output(path, script, source):
         raise UsageError("--out", f"{path} exists and is not {script}.py's earlier output for {source}; refusing to "
-                                  "replace it (use another --out, or --overwrite 1)")
+                                  "replace it (use another --out, or --overwrite)")
     _OUTPUT_SOURCES[os.path.abspath(path)] = (script, source)
     return path
 

@@ -177,7 +177,7 @@ MEAN_RULE_SERIES = {
     "baseline": ("mean rule, data-independent baseline", {"color": "black", "marker": "D", "linestyle": "--"}),
     "sum_rule": ("sum rule, per instance at the same θ (median)", {"color": "tab:green", "marker": "^",
                                                                    "linestyle": "-."}),
-    "sum_baseline": ("sum rule, worst case at the same σ", {"color": "grey", "marker": "v", "linestyle": "--"}),
+    "sum_baseline": ("sum rule, worst case at the same sigma", {"color": "grey", "marker": "v", "linestyle": "--"}),
 }
 
 

@@ -685,6 +685,21 @@ def test_filter_points_and_default_output(tmp_path, run):
         exact_eps([norm_of(2, 20) / (SIGMA * CLIP)], [1.0], RATE, 1e-5, 0.0, "max"), rel=1e-7)
 
 
+def test_res_dir_holds_the_input_and_the_default_output(tmp_path, run):
+    write(os.path.join(tmp_path, "elsewhere", "toy.csv"), grad_norm_rows())
+    result = run("eps_delta.py", "--res-name", "toy", "--res-dir", "elsewhere")
+    assert result.returncode == 0, result.stderr
+    assert not os.path.exists(tmp_path / "res")
+    frame = pd.read_csv(tmp_path / "elsewhere" / "toy_eps_delta.csv")
+    assert values_of(frame, "certified", "max").loc[2].iloc[0] == pytest.approx(
+        exact_eps([norm_of(2, 0) / (SIGMA * CLIP)], [1.0], RATE, 1e-5, 0.0, "max"), rel=1e-7)
+    # The same script on the same input replaces its own output; a foreign file needs --overwrite.
+    assert run("eps_delta.py", "--res-name", "toy", "--res-dir", "elsewhere").returncode == 0
+    (tmp_path / "elsewhere" / "toy_eps_delta.csv").write_text("someone else's\n")
+    assert_usage_error(run("eps_delta.py", "--res-name", "toy", "--res-dir", "elsewhere"), "--out")
+    assert run("eps_delta.py", "--res-name", "toy", "--res-dir", "elsewhere", "--overwrite").returncode == 0
+
+
 # --- bad input: one line, exit 2, nothing written -------------------------------------------
 
 def bad(tmp_path, script, rows, *flags, name="toy"):
