@@ -1,34 +1,43 @@
 """Measure how much one training point changes a DP-SGD update at saved checkpoints (accounting.md §2).
 
+    python compute_sensitivity.py --run RUN --reduction mean --points 0-9 --stage final --res-name lenet_mean
     python compute_sensitivity.py --exp eps_delta --reduction sum --points all --stage all --res-name lenet_sum
-    python compute_sensitivity.py --exp renyi --reduction mean --points random:10 --stage 0.5 --res-name lenet_mean
 
---reduction sum: Δ* = ||h(g*)|| per point and checkpoint. --reduction mean: --num-batches samples
-of Δ_B (--exp eps_delta), or the Rényi statistic S for --num-iters target batches × --num-batches
-sets of α batches, per direction (--exp renyi). The training flags name the run; a run without
-checkpoints is trained first (unless --no-train). Rows go to res/<res-name>.csv; rerunning adds
-only what is missing, so an interrupted run resumes.
+--reduction sum: Δ* = ||h(g*)|| per point and checkpoint. --reduction mean (coupling, the default
+estimator): the dataset statistics d*, v_X, b_X of each point and --num-batches draws of Δ_B from
+batches of every size k >= k_min, each with its k (accounting.md §3.2, §3.4); --estimator jensen
+--exp renyi: GLA's statistic S. --run names a run (its run.json supplies the training flags);
+without it the training flags name the run, and a run without checkpoints is trained first
+(unless --no-train). Rows go to <res-dir>/<res-name>.csv; rerunning adds only what is missing, so
+an interrupted run resumes, and another --mc-seed adds an independent set of rows.
 """
 
+import sys
 import time
 
 from perinstance import results, sensitivity_cli
 from perinstance.errors import run_main
-from perinstance.options import Parser, parse_points
+from perinstance.options import HELP_FORMAT, Parser, parse_points
+
+
+def build_parser():
+    return sensitivity_cli.add_measurement_args(Parser(description=__doc__, formatter_class=HELP_FORMAT))
 
 
 def main(argv=None):
-    parser = sensitivity_cli.add_measurement_args(Parser(description=__doc__.splitlines()[0]))
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    given = sensitivity_cli.given_flags(args, argv)
 
     # Every flag is checked before anything is trained, measured or written.
-    request = sensitivity_cli.parse_request(args)
-    run = sensitivity_cli.find_run(args)
-    points = parse_points(args.points, run.universe, args.seed)
+    request = sensitivity_cli.parse_request(args, given)
+    run = sensitivity_cli.find_run(args, given)
+    request = request.for_run(run.metadata, given)
+    points = parse_points(args.points, run.universe, run.metadata["seed"])
     result_file = sensitivity_cli.ResultFile.open(request.res_path, request.overwrite,
                                                   results.run_columns(run.metadata, request.reduction))
     if args.no_train:
-        sensitivity_cli.require_finished(run, args)
+        sensitivity_cli.require_finished(run)
 
     started = time.time()
     metadata = sensitivity_cli.ensure_trained(run)

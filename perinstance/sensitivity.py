@@ -5,20 +5,28 @@ BatchNorm), so every quantity of §2 is assembled from per-sample transformed gr
 h_i = h(g_i), computed once per checkpoint, never from a forward/backward per batch:
 
 - Sum rule: Δ* = ||h(g*)|| needs only per-sample gradient norms (ghost norms).
-- Mean rule: one pool of Poisson batches D, drawn over the whole index range, serves every
-  point x* exactly in distribution: D without x* ~ Poisson_q(X), and D with x* kept only if
-  its own Bernoulli(q) bit says so ~ Poisson_q(X'). Δ_B and S are quadratic forms in batch
-  means m = (s_D ± h*)/(|D| ± 1) with s_D = Σ_{i∈D} h_i, so they need only the Gram matrix
-  of each set's batch sums (shared by all points), the products s_D·h* and ||h*||². These
-  are float64: S is a small difference of large terms.
+- Mean rule, coupling (the default, §2, §3.2, §3.4): the dataset statistics d*, v_X, b_X of
+  every point from all-row sums, and Δ_B = ||h* − m(B)||/(k+1) for uniform k-subsets B of X
+  on a grid of sizes k: the prefixes of one random permutation of the training rows give a
+  batch of every size at once, and one matrix product of the centred points with the
+  centred batch means gives every point × every batch.
+- Mean rule, GLA's statistic S (`--estimator jensen`) and version 1's Poisson Δ_B: one pool
+  of Poisson batches D, drawn over the whole index range, serves every point x* exactly in
+  distribution: D without x* ~ Poisson_q(X), and D with x* kept only if its own Bernoulli(q)
+  bit says so ~ Poisson_q(X'). Δ_B and S are quadratic forms in batch means
+  m = (s_D ± h*)/(|D| ± 1) with s_D = Σ_{i∈D} h_i, so they need only the Gram matrix of each
+  set's batch sums (shared by all points), the products s_D·h* and ||h*||². These are
+  float64: S is a small difference of large terms.
 
-Pool batches come from (seed, step, key) alone, never from a running generator, so a
-point's values do not depend on the other points measured with it or on resuming.
+Every random draw comes from (seed, step, key) alone, never from a running generator, so a
+point's draws do not depend on the other points measured with it or on resuming (its values only
+up to the rounding of the matrix products, whose shapes do).
 
 The reference functions do one forward/backward per batch, as the paper repository did;
-they are kept for the tests and the benchmark.
+they are kept for the tests and the benchmarks.
 """
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from perinstance import clipping, gradients, sampling
+from perinstance import accounting, clipping, gradients, sampling
 
 DIRECTIONS = ("remove", "add")
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
@@ -36,12 +44,19 @@ ROW_CHUNK = 256
 # about 1.5× faster than over whole 62k-float rows (LeNet-5), and the float64 copies a
 # block needs stay small.
 COLUMN_BLOCK = 2048
-# Batches per pass of the Monte Carlo when the gradients are held in memory.
+# A pass of the Monte Carlo over held gradients holds at most PASS_OUTPUT_BYTES of (batches, points)
+# float64 products and HELD_PASS_BATCHES batches per PASS_OUTPUT_BYTES. The coupling engine's own
+# output is (points, draws) float64 anyway, so its passes may be 4× larger: one pass of 10,000
+# draws for 8,000 points, which centres the points once instead of three times.
+PASS_OUTPUT_BYTES, COUPLING_PASS_BYTES = 1 << 28, 1 << 30
 HELD_PASS_BATCHES = 4096
+# Column blocks per product of the coupling engine: each float32 product sums over 8,192 columns
+# before it is added to the float64 total, a quarter of the float64 additions of one per block.
+PRODUCT_BLOCKS = 4
 # Points per slice of the quadratic forms, which hold sets × points × (α+1)² floats.
 POINT_SLICE = 256
-# Keys that separate the pools of the experiments within one (seed, step).
-EPS_DELTA_KEY, RENYI_TARGET_KEY, RENYI_SET_KEY = 1, 2, 3
+# Keys that separate the random draws of the experiments within one (seed, step).
+EPS_DELTA_KEY, RENYI_TARGET_KEY, RENYI_SET_KEY, COUPLING_KEY = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -87,12 +102,18 @@ class Predictions:
 
 @dataclass
 class PointGradients:
-    """The points under study: h* as rows (P × d), and whether each is one of the training rows
-    (then its h* is inside every pool batch sum that contains it)."""
+    """The points under study: h* as rows (P × d), and each point's row in the training set, -1
+    for a point outside it (the --less-point point)."""
 
     rows: torch.Tensor
-    in_training: np.ndarray
+    train_rows: np.ndarray
     predictions: Predictions
+
+    @property
+    def in_training(self):
+        """Whether each point is one of the training rows (then its h* is inside every batch sum
+        that contains its row)."""
+        return self.train_rows >= 0
 
 
 @dataclass(frozen=True)
@@ -224,20 +245,37 @@ class HeldRows:
             predictions.append(chunk_predictions)
         return cls(blocks, Predictions.concat(predictions))
 
-    def pass_batches(self, num_points):
-        """Batches per Monte Carlo pass: the (batches, points) float64 products stay under 256 MB."""
-        return max(1, min(HELD_PASS_BATCHES, (1 << 28) // (8 * num_points)))
+    @property
+    def num_rows(self):
+        return self.blocks[0].shape[0]
+
+    @property
+    def dim(self):
+        return sum(block.shape[1] for block in self.blocks)
+
+    def pass_batches(self, num_points, output_bytes=PASS_OUTPUT_BYTES):
+        """Batches per Monte Carlo pass: the (batches, points) float64 products stay under `output_bytes`."""
+        most = HELD_PASS_BATCHES * max(1, output_bytes // PASS_OUTPUT_BYTES)
+        return max(1, min(most, output_bytes // (8 * num_points)))
+
+    def moments(self):
+        """μ = (1/N) Σ_i h_i (float64, (d,)) and ||h_i − μ||² of every row (float64, (N,)); the rows are
+        centred in their own dtype, the sums are float64."""
+        mean = torch.cat([block.sum(dim=0, dtype=torch.float64) for block in self.blocks]) / self.num_rows
+        centred_sq = sum(_square_norms(block - mean[low:high].to(block.dtype))
+                         for block, (low, high) in zip(self.blocks, _column_spans(self.dim)))
+        return mean, centred_sq
 
     def take(self, indices):
         """Rows `indices` as one (len, d) matrix."""
         index = torch.as_tensor(indices, device=self.blocks[0].device)
         return torch.cat([block[index] for block in self.blocks], dim=1)
 
-    def sum_blocks(self, mask):
-        """Column blocks (float64) of the batch sums s_D for a boolean (batches, rows) mask."""
+    def sum_blocks(self, mask, dtype=torch.float64):
+        """Column blocks (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask."""
         bags = _Bags(mask, self.blocks[0].device)
         for block in self.blocks:
-            yield bags.sums(block).double()
+            yield bags.sums(block).to(dtype)
 
     def dots(self, point_rows):
         """h_i·h*_p for every row i and point p: (rows, points) float64."""
@@ -257,28 +295,43 @@ class RecomputedRows:
 
     def __init__(self, model, inputs, labels, transform, device="cpu"):
         self.pass_args = (model, inputs, labels, transform, device)
+        self.num_rows = len(labels)
         self.dim = parameter_count(model)
         self.device = device
 
-    def pass_batches(self, num_points):
-        """Batches per pass: their float32 sums (and a float64 block) fit in the memory budget."""
-        return max(1, memory_budget(self.device) // (4 * self.dim + 8 * (COLUMN_BLOCK + num_points)))
+    def pass_batches(self, num_points, output_bytes=None):
+        """Batches per pass: their float32 sums, a float64 block and the (batches, points) float64
+        products fit in the memory budget (and the products under `output_bytes` when given)."""
+        fit = memory_budget(self.device) // (4 * self.dim + 8 * (COLUMN_BLOCK + num_points))
+        return max(1, fit if output_bytes is None else min(fit, output_bytes // (8 * num_points)))
 
     def _chunks(self):
         for start, rows, _ in transformed_gradient_chunks(*self.pass_args):
             yield start, rows
 
-    def sum_blocks(self, mask):
+    def sum_blocks(self, mask, dtype=torch.float64):
         sums = None
         for start, rows in self._chunks():
             part = _Bags(mask[:, start:start + len(rows)], rows.device).sums(rows)
             sums = part if sums is None else sums.add_(part)
         for low, high in _column_spans(self.dim):
-            yield sums[:, low:high].double()
+            yield sums[:, low:high].to(dtype)
 
     def dots(self, point_rows):
         points = point_rows.double()
         return torch.cat([rows.double() @ points.T for _, rows in self._chunks()])
+
+    def moments(self):
+        """As HeldRows.moments, in two passes (the mean first, then the centred norms)."""
+        mean = sum(rows.sum(dim=0, dtype=torch.float64) for _, rows in self._chunks()) / self.num_rows
+        centred_sq = torch.cat([_square_norms(rows - mean.to(rows.dtype)) for _, rows in self._chunks()])
+        return mean, centred_sq
+
+
+def _square_norms(matrix):
+    """||row||² of every row of one column block, summed in the block's dtype and returned as
+    float64, in which the callers add the blocks (measured 2× faster than a float64 reduction)."""
+    return torch.einsum("ij,ij->i", matrix, matrix).double()
 
 
 def memory_budget(device):
@@ -309,7 +362,8 @@ def checkpoint_gradients(model, train_x, train_y, point_x, point_y, point_train_
         hold = len(train_y) * parameter_count(model) * itemsize <= memory_budget(device) // 2
     if not hold:
         point_rows, predictions = _rows_of(model, point_x, point_y, transform, device)
-        return RecomputedRows(model, train_x, train_y, transform, device), PointGradients(point_rows, in_training,
+        return RecomputedRows(model, train_x, train_y, transform, device), PointGradients(point_rows,
+                                                                                          point_train_rows,
                                                                                           predictions)
     rows = HeldRows.compute(model, train_x, train_y, transform, device, progress)
     inside, outside = np.flatnonzero(in_training), np.flatnonzero(~in_training)
@@ -319,12 +373,203 @@ def checkpoint_gradients(model, train_x, train_y, point_x, point_y, point_train_
     order = torch.as_tensor(np.argsort(np.concatenate([positions for positions, _, _ in parts])))
     point_rows = torch.cat([part_rows for _, part_rows, _ in parts])[order.to(device)]
     predictions = Predictions.concat([part for _, _, part in parts]).take(order.numpy())
-    return rows, PointGradients(point_rows, in_training, predictions)
+    return rows, PointGradients(point_rows, point_train_rows, predictions)
 
 
 def _rows_of(model, inputs, labels, transform, device):
     parts = list(transformed_gradient_chunks(model, inputs, labels, transform, device))
     return torch.cat([rows for _, rows, _ in parts]), Predictions.concat([part for _, _, part in parts])
+
+
+# --- the mean rule by coupling: dataset statistics and Δ_B of uniform k-subsets ----------------
+
+@dataclass(frozen=True)
+class DatasetStatistics:
+    """Per point (accounting.md §2): d* = ||h* − μ_X||, v_X = (1/n) Σ_{i∈X} ||h_i − μ_X||², and
+    an upper bound on b_X = max_{i∈X} ||h_i − μ_X|| (see dataset_statistics)."""
+
+    center_distance: np.ndarray
+    spread: np.ndarray
+    max_deviation: np.ndarray
+
+
+def dataset_statistics(row_centred_sq, point_centred_sq, in_training):
+    """accounting.md §2's dataset statistics of every point, from all-row sums.
+
+    row_centred_sq: ||h_i − μ||² of the N training rows, μ their mean; point_centred_sq:
+    ||h* − μ||² per point; in_training: whether the point is one of the rows.
+
+    For a training point X is the rows without it (n = N − 1), and μ_X − μ = −(h* − μ)/n, so
+    d* = ||h* − μ||·N/n and v_X = (Σ_i ||h_i − μ||² − ||h* − μ||²)/n − ||h* − μ||²/n². b_X exactly
+    needs every ||h_i − μ_X||, i.e. a Gram matrix; the triangle inequality gives the upper bound
+    max_i ||h_i − μ|| + ||μ − μ_X||, and an upper bound keeps §3.2's certified bound valid (it
+    only widens r_k). For a point outside the rows (the --less-point point) X is all N rows and
+    μ_X = μ: all three are exact.
+    """
+    row_centred_sq = np.asarray(row_centred_sq, dtype=np.float64)
+    point_sq = np.asarray(point_centred_sq, dtype=np.float64)
+    count = len(row_centred_sq)
+    if count < 2:
+        raise ValueError(f"the mean rule needs at least 2 training rows, got {count}")
+    total, n = row_centred_sq.sum(), count - 1
+    distance = np.sqrt(point_sq)
+    center_distance = np.where(in_training, distance * count / n, distance)
+    spread = np.where(in_training, (total - point_sq) / n - point_sq / n ** 2, total / count)
+    max_deviation = np.sqrt(row_centred_sq.max()) + np.where(in_training, distance / n, 0.0)
+    return DatasetStatistics(center_distance, np.maximum(spread, 0.0), max_deviation)
+
+
+@dataclass(frozen=True)
+class CouplingPlan:
+    """The Δ_B draws of one checkpoint (accounting.md §3.2, §3.4).
+
+    In each of `blocks` independent blocks, `permutations` random permutations of the N
+    training rows. The prefix of length k of a permutation is a uniform k-subset of the rows,
+    for every grid size k at once. For a training point x*, a prefix that holds x* is rejected:
+    given that it does not, the prefix is a uniform k-subset of X (exact), and k = |B ∩ X|.
+    Each permutation comes from (seed, step, block, index) alone.
+    """
+
+    seed: int
+    step: int
+    sizes: np.ndarray  # the grid sizes, ascending; sizes[0] is k_min
+    blocks: int
+    permutations: int
+
+    @property
+    def k_min(self):
+        return int(self.sizes[0])
+
+    @property
+    def draws(self):
+        """Δ_B draws per point before rejection."""
+        return self.blocks * self.permutations * len(self.sizes)
+
+    @property
+    def draw_sizes(self):
+        """k of each draw, in the order drawn: block, then permutation, then grid size."""
+        return np.tile(self.sizes, self.blocks * self.permutations)
+
+    @property
+    def draw_blocks(self):
+        return np.repeat(np.arange(self.blocks), self.permutations * len(self.sizes))
+
+    def permutation(self, block, index, num_rows):
+        entropy = [int(self.seed), sampling.SENSITIVITY_STREAM, int(self.step), COUPLING_KEY, int(block), int(index)]
+        return np.random.default_rng(np.random.SeedSequence(entropy)).permutation(num_rows)
+
+
+def coupling_plan(seed, step, n, sample_rate, size_delta, num_batches, blocks, max_sizes):
+    """accounting.md §3.4: k_min from δ_size, the grid of sizes over [k_min, k_hi] (§3.2), and
+    ceil(num_batches / (blocks·G)) permutations per block for G grid sizes, so that every point
+    gets at least `num_batches` draws (before rejection)."""
+    k_min = accounting.size_threshold(n, sample_rate, size_delta)
+    sizes = np.asarray(accounting.size_grid(n, sample_rate, k_min, max_sizes), dtype=np.int64)
+    return CouplingPlan(int(seed), int(step), sizes, int(blocks), math.ceil(num_batches / (blocks * len(sizes))))
+
+
+@dataclass
+class CouplingSamples:
+    """Δ_B of every point for every draw of `plan`: values (P, draws), NaN where the draw was
+    rejected because its batch held the point."""
+
+    values: np.ndarray
+    plan: CouplingPlan
+
+    def accepted(self):
+        """(point position, block, sample, k, Δ_B) arrays of the accepted draws, point by point in
+        the order drawn; `sample` numbers a point's accepted draws within each block from 0."""
+        kept = ~np.isnan(self.values)
+        samples = np.cumsum(kept.reshape(len(kept), self.plan.blocks, -1), axis=2).reshape(kept.shape) - 1
+        position, column = np.nonzero(kept)
+        return (position, self.plan.draw_blocks[column], samples[position, column], self.plan.draw_sizes[column],
+                self.values[position, column])
+
+
+def _centred_square_norms(matrix, mean):
+    """||row − μ||² of every row of `matrix` (float64), one column block at a time."""
+    return sum(_square_norms(matrix[:, low:high] - mean[low:high].to(matrix.dtype))
+               for low, high in _column_spans(matrix.shape[1]))
+
+
+def _prefix_masks(ranks, sizes):
+    """Boolean (permutations·G, rows) mask of the segments between consecutive grid sizes:
+    segment j of a permutation holds the rows ranked in [sizes[j−1], sizes[j]), so the prefix
+    of size sizes[j] is the union of segments 0..j."""
+    grid = len(sizes)
+    segment = np.searchsorted(sizes, ranks, side="right")
+    permutation, row = np.nonzero(segment < grid)
+    mask = np.zeros((len(ranks) * grid, ranks.shape[1]), dtype=bool)
+    mask[permutation * grid + segment[permutation, row], row] = True
+    return mask
+
+
+def measure_coupling(rows, points, plan, progress=None):
+    """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
+    DatasetStatistics and its CouplingSamples."""
+    mean, row_centred_sq = rows.moments()
+    # A training point's ||h* − μ||² is its row's; only a point outside the rows needs its own.
+    device = row_centred_sq.device
+    point_centred_sq = row_centred_sq[torch.as_tensor(np.maximum(points.train_rows, 0), device=device)]
+    outside = torch.as_tensor(np.flatnonzero(~points.in_training), device=device)
+    if len(outside):
+        point_centred_sq[outside] = _centred_square_norms(points.rows[outside.to(points.rows.device)], mean).to(device)
+    statistics = dataset_statistics(row_centred_sq.cpu().numpy(), point_centred_sq.cpu().numpy(),
+                                    points.in_training)
+    return statistics, coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress)
+
+
+def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=None):
+    """Δ_B = ||h* − m(B)||/(k+1) (k ≥ 1; ||h*|| for k = 0, m(∅) = 0) of every point for every
+    draw of `plan` (accounting.md §2), as CouplingSamples.
+
+    mean: μ of the rows (float64); point_centred_sq: ||h* − μ||². With c = centred at μ,
+    ||h* − m||² = ||h*_c||² − 2⟨h*_c, m_c⟩ + ||m_c||²: one product of the centred points with
+    the centred batch means per group of column blocks, in the rows' dtype (as are the batch
+    means), accumulated in float64 across the groups. Centring keeps the terms near the size of
+    the result, which uncentred terms (both near ||μ||²) would not for a point near the mean.
+    """
+    sizes, grid = plan.sizes, len(plan.sizes)
+    dtype, device = points.rows.dtype, points.rows.device
+    mean = mean.to(device=device, dtype=dtype)
+    point_sq = point_centred_sq.to(device)
+    point_rows = points.train_rows
+    inside = points.in_training
+    divisors = torch.as_tensor(np.maximum(sizes, 1), dtype=dtype, device=device)[None, :, None]
+    values = np.empty((len(point_rows), plan.draws))
+    draws = [(block, index) for block in range(plan.blocks) for index in range(plan.permutations)]
+    per_pass = max(1, rows.pass_batches(len(point_rows), COUPLING_PASS_BYTES) // grid)
+    for start in range(0, len(draws), per_pass):
+        chunk = draws[start:start + per_pass]
+        ranks = np.empty((len(chunk), rows.num_rows), dtype=np.int64)
+        for position, (block, index) in enumerate(chunk):
+            ranks[position, plan.permutation(block, index, rows.num_rows)] = np.arange(rows.num_rows)
+        cross = torch.zeros((len(point_rows), len(chunk) * grid), dtype=torch.float64, device=device)
+        mean_sq = torch.zeros(len(chunk) * grid, dtype=torch.float64, device=device)
+        spans = _column_spans(rows.dim)
+        group, group_low = [], 0
+        segment_sums = rows.sum_blocks(_prefix_masks(ranks, sizes), dtype)
+        for number, (block_sums, (low, high)) in enumerate(zip(segment_sums, spans)):
+            prefix_means = block_sums.reshape(len(chunk), grid, -1).cumsum_(dim=1).div_(divisors)
+            centred_means = prefix_means.sub_(mean[low:high]).reshape(len(chunk) * grid, -1)
+            mean_sq += _square_norms(centred_means)
+            group.append(centred_means)
+            if len(group) == PRODUCT_BLOCKS or number == len(spans) - 1:
+                centred_points = points.rows[:, group_low:high] - mean[group_low:high]
+                cross.add_(centred_points @ torch.cat(group, dim=1).T)
+                group, group_low = [], high
+        # In place: at 8,000 points × 10,000 draws every (points, draws) float64 array is 640 MB.
+        squared = cross.mul_(-2.0).add_(point_sq[:, None]).add_(mean_sq[None, :]).clamp_min_(0.0)
+        chunk_values = values[:, start * grid:(start + len(chunk)) * grid]
+        chunk_values[:] = squared.sqrt_().cpu().numpy()
+        chunk_values *= np.tile(1.0 / (sizes + 1), len(chunk))
+        # A training point's draw is rejected when the point is in the prefix: its rank < k.
+        point_ranks = ranks[:, np.where(inside, point_rows, 0)].T
+        rejected = inside[:, None, None] & (point_ranks[:, :, None] < sizes[None, None, :])
+        chunk_values[rejected.reshape(len(point_rows), -1)] = np.nan
+        del cross, squared  # freed before the next pass allocates its own
+        _advance(progress, len(chunk))
+    return CouplingSamples(values, plan)
 
 
 # --- the mean rule: quadratic forms in batch means ------------------------------------------

@@ -6,23 +6,38 @@ import math
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from perinstance import checkpoints, fileio, results, sensitivity, training
+from perinstance import checkpoints, fileio, results, sensitivity, storage, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
-from perinstance.options import Parser, add_training_args
+from perinstance.options import (
+    Parser,
+    add_alpha_argument,
+    add_training_args,
+    non_negative_int,
+    probability,
+    training_flag,
+)
 
 STAGE_NAMES = ("initial", "middle", "final", "all")
-QUANTITY = {"sum": "grad_norm", "eps_delta": "batch_sensitivity", "renyi": "renyi_statistic"}
 NO_DIRECTION = "none"
-# A row is identified by these; the first six name a (run, stage, point, experiment) combination.
-COMBINATION_COLUMNS = ["run", "step", "point", "exp", "direction", "alpha"]
-ROW_ORDER = COMBINATION_COLUMNS + ["target_batch", "sample"]
+# What a row measures, stored in its `exp` column: Δ* (sum rule), the coupling samples and
+# dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
+# accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
+NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
+COUPLING_QUANTITIES = ("batch_sensitivity", "center_distance", "spread", "max_deviation")
+# Defaults of --num-batches: Δ_B draws per point (coupling), or sets of α batches per target (jensen).
+DEFAULT_NUM_BATCHES = {COUPLING: 10_000, JENSEN: 100}
+# accounting.md §3.2: every size of [k_min, k_hi], or at least 32 grid sizes.
+MIN_GRID_SIZES = 32
+# A row is identified by these; the first seven name a (run, stage, point, measurement) combination.
+COMBINATION_COLUMNS = ["run", "step", "point", "exp", "direction", "alpha", "mc_seed"]
+ROW_ORDER = COMBINATION_COLUMNS + ["quantity", "block", "target_batch", "sample"]
 TEXT_COLUMNS = ["run", "exp", "reduction", "direction", "quantity", "dataset", "model", "clipping", "update_rule"]
 
 
@@ -30,25 +45,55 @@ TEXT_COLUMNS = ["run", "exp", "reduction", "direction", "quantity", "dataset", "
 
 def add_measurement_args(parser):
     group = parser.add_argument_group("measurement")
+    group.add_argument("--run", default=None,
+                       help="the run to measure: a name in --models-dir, or a folder (a path with a /); its run.json "
+                            "supplies every training flag. A run that does not exist yet is trained from the flags")
     group.add_argument("--exp", default="eps_delta", choices=("eps_delta", "renyi"),
-                       help="what the accountant will compute: an (ε, δ) or a Rényi guarantee")
+                       help="what the accountant will compute: an (ε, δ) or a Rényi guarantee; only the jensen "
+                            "estimator measures something else for each")
+    group.add_argument("--estimator", default=COUPLING, choices=(COUPLING, JENSEN),
+                       help="mean rule: coupling (Δ_B of batches of every size, and the dataset statistics; "
+                            "accounting.md §3.2), or jensen: GLA's statistic S, with --exp renyi, to reproduce the paper")
     group.add_argument("--points", nargs="+", required=True,
-                       help="training points: indices (0 1 2), ranges (0-99), all, random:N (seeded by --seed)")
+                       help="training points: indices (0 1 2), ranges (0-99), all, random:N (seeded by the run's seed)")
     group.add_argument("--stage", nargs="+", default=["final"],
                        help="checkpoints: fractions of training in [0, 1] (nearest saved checkpoint), "
                             "initial, middle, final, or all")
-    group.add_argument("--res-name", required=True, help="rows go to res/<res-name>.csv")
-    group.add_argument("--alpha", type=float, default=8, help="Rényi order α (integer >= 2) of the mean rule")
-    group.add_argument("--num-batches", type=int, default=100,
-                       help="mean rule: batches drawn for (ε, δ); sets of α batches per target batch for Rényi")
-    group.add_argument("--num-iters", type=int, default=20, help="mean rule, Rényi: target batches B_0")
+    group.add_argument("--res-name", required=True, help="rows go to <res-dir>/<res-name>.csv")
+    group.add_argument("--res-dir", default="res", help="folder of the result files")
+    group.add_argument("--mc-seed", type=non_negative_int, default=None,
+                       help="seed of every Monte-Carlo draw (default: the run's seed); another value gives an "
+                            "independent set of rows in the same file")
+    group.add_argument("--num-batches", type=int, default=None,
+                       help=f"mean rule: Δ_B draws per point before rejection (coupling, default "
+                            f"{DEFAULT_NUM_BATCHES[COUPLING]:,}); sets of α batches per target batch "
+                            f"(jensen, default {DEFAULT_NUM_BATCHES[JENSEN]})")
+    group.add_argument("--mc-blocks", type=int, default=4,
+                       help="coupling: independent blocks the draws are split into (their spread is reported)")
+    group.add_argument("--size-delta", type=probability, default=None,
+                       help="coupling: δ_size, the probability of the batch sizes below k_min left out "
+                            "(accounting.md §3.4; default δ/(10·T) of the run)")
+    group.add_argument("--max-sizes", type=int, default=MIN_GRID_SIZES,
+                       help=f"coupling: most grid sizes in [k_min, k_hi] (>= {MIN_GRID_SIZES}; every size when "
+                            "there are fewer)")
+    add_alpha_argument(group, [8.0], "jensen: the Rényi order α it measures, one integer >= 2 (default 8)")
+    group.add_argument("--num-iters", type=int, default=20, help="jensen: target batches B_0")
     group.add_argument("--direction", default="both", choices=("remove", "add", "both"),
-                       help="mean rule, Rényi: D(P||Q) (remove), D(Q||P) (add) or both")
+                       help="jensen: D(P||Q) (remove), D(Q||P) (add) or both")
     group.add_argument("--no-train", action="store_true", help="fail instead of training a run that has no checkpoints")
-    # --reduction (the rule analysed, and the one the run is trained with), --seed (the run's
-    # seed, which also seeds the batches drawn here) and --overwrite come with the training flags.
+    # --reduction (the rule analysed; without --run also the one the run is trained with),
+    # --seed (the run's seed) and --overwrite (of the result file here) come with the training flags.
     add_training_args(parser)
     return parser
+
+
+def given_flags(args, argv):
+    """The flags given on the command line (`args` parsed from `argv`), by destination, with their
+    values: what a run's run.json must agree with, and what overrides its defaults."""
+    not_given = object()  # not a string: argparse would run a string default through the flag's type
+    parser = add_measurement_args(Parser())
+    parser.set_defaults(**dict.fromkeys(vars(args), not_given))
+    return {dest: value for dest, value in vars(parser.parse_args(argv)).items() if value is not not_given}
 
 
 def training_defaults():
@@ -60,38 +105,72 @@ def training_defaults():
 
 @dataclass(frozen=True)
 class Request:
-    """What to measure, validated: the flags that do not need the run or the dataset."""
+    """What to measure, validated. `reduction`, `mc_seed`, `size_delta` and `num_batches` may be
+    None until `for_run` fills them from the run (its trained rule, seed, δ and T)."""
 
     exp: str
-    reduction: str
+    reduction: str | None
+    estimator: str
     stages: list
     alpha: int | None
-    num_batches: int
+    num_batches: int | None
     num_iters: int
     directions: tuple
+    mc_seed: int | None
+    mc_blocks: int
+    size_delta: float | None
+    max_sizes: int
     res_path: str
     overwrite: bool
 
     @property
-    def quantity(self):
-        return QUANTITY["sum" if self.reduction == "sum" else self.exp]
+    def family(self):
+        """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
+        return NORM if self.reduction == "sum" else self.estimator
+
+    def for_run(self, metadata, given):
+        """The request completed from the run: the rule analysed defaults to the rule trained (with
+        --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4)."""
+        reduction = self.reduction or metadata["update_rule"]
+        if reduction == "sum" and "estimator" in given:
+            raise UsageError("--estimator", "the sum rule has no estimator: Δ* is measured exactly "
+                                            "(use --reduction mean)")
+        jensen = reduction == "mean" and self.estimator == JENSEN
+        return replace(
+            self, reduction=reduction,
+            mc_seed=None if reduction == "sum" else metadata["seed"] if self.mc_seed is None else self.mc_seed,
+            size_delta=self.size_delta or metadata["delta"] / (10 * metadata["total_steps"]),
+            num_batches=self.num_batches or DEFAULT_NUM_BATCHES[self.estimator],
+            alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
 
 
-def parse_request(args):
-    if args.num_batches <= 0:
+def parse_request(args, given):
+    """The flags of the measurement, checked before the run or the dataset is touched."""
+    if args.num_batches is not None and args.num_batches <= 0:
         raise UsageError("--num-batches", f"must be > 0, got {args.num_batches}")
     if args.num_iters <= 0:
         raise UsageError("--num-iters", f"must be > 0, got {args.num_iters}")
-    renyi_mean = args.exp == "renyi" and args.reduction == "mean"
-    if renyi_mean and not (args.alpha.is_integer() and args.alpha >= 2):
-        raise UsageError("--alpha", f"the mean-rule Rényi statistic needs an integer order >= 2, got {args.alpha:g}")
+    if args.mc_blocks <= 0:
+        raise UsageError("--mc-blocks", f"must be > 0, got {args.mc_blocks}")
+    if args.max_sizes < MIN_GRID_SIZES:
+        raise UsageError("--max-sizes", f"must be >= {MIN_GRID_SIZES} (accounting.md §3.2), got {args.max_sizes}")
+    if args.estimator == JENSEN and args.exp != "renyi":
+        raise UsageError("--estimator", "jensen is GLA's Rényi statistic S: use it with --exp renyi (the mean "
+                                        "rule's (ε, δ) comes from the coupling samples)")
+    if args.estimator == JENSEN and not (len(args.alpha) == 1 and args.alpha[0].is_integer() and args.alpha[0] >= 2):
+        raise UsageError("--alpha", "the mean-rule Rényi statistic is measured at one integer order >= 2, got "
+                                    + " ".join(f"{order:g}" for order in args.alpha))
     if not args.res_name.strip() or args.res_name != os.path.basename(args.res_name):
-        raise UsageError("--res-name", f"{args.res_name!r} must be a plain file name (rows go to res/<res-name>.csv)")
+        raise UsageError("--res-name", f"{args.res_name!r} must be a plain file name "
+                                       "(rows go to <res-dir>/<res-name>.csv)")
     directions = sensitivity.DIRECTIONS if args.direction == "both" else (args.direction,)
-    return Request(exp=args.exp, reduction=args.reduction, stages=parse_stages(args.stage),
-                   alpha=int(args.alpha) if renyi_mean else None, num_batches=args.num_batches,
-                   num_iters=args.num_iters, directions=directions if renyi_mean else (NO_DIRECTION,),
-                   res_path=results.results_path(args.res_name), overwrite=args.overwrite == 1)
+    # Without --run the training flags name the run, --reduction included.
+    reduction = args.reduction if args.run is None or "reduction" in given else None
+    return Request(exp=args.exp, reduction=reduction, estimator=args.estimator, stages=parse_stages(args.stage),
+                   alpha=int(args.alpha[0]) if args.estimator == JENSEN else None, num_batches=args.num_batches,
+                   num_iters=args.num_iters, directions=directions, mc_seed=args.mc_seed, mc_blocks=args.mc_blocks,
+                   size_delta=args.size_delta, max_sizes=args.max_sizes,
+                   res_path=results.results_path(args.res_name, args.res_dir), overwrite=bool(args.overwrite))
 
 
 def parse_stages(tokens):
@@ -168,15 +247,19 @@ class Run:
         return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
 
 
-def find_run(args):
-    """The run named by the training flags, checked against what is on disk; nothing is written."""
+def find_run(args, given):
+    """The run named by --run or by the training flags, checked against what is on disk; nothing is
+    written."""
     defaults = training_defaults()
     training_args = argparse.Namespace(**{dest: getattr(args, dest) for dest in defaults})
+    if args.run is not None:
+        training_args = named_run_args(args.run, training_args, given)
     # --overwrite belongs to the result file here: never retrain a run because of it.
     training_args.overwrite = 0
     training.resolve_training_args(training_args)
-    dataset = load_dataset(args.dataset, args.data_root)
-    run_data = dataset if args.less_point is None else load_dataset(args.dataset, args.data_root, args.less_point)
+    name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
+    dataset = load_dataset(name, root)
+    run_data = dataset if less_point is None else load_dataset(name, root, less_point)
     metadata = training.plan_run(training_args, run_data)
     run_dir = training.run_dir_for(training_args)
     run = Run(training_args, run_dir, metadata, dataset, run_data.train_x, run_data.train_y, finished=False)
@@ -188,14 +271,44 @@ def find_run(args):
     return run
 
 
-def require_finished(run, args):
+def run_folder(run, models_dir):
+    """--run: a folder when it holds a path separator, else the name of a run in --models-dir."""
+    if any(separator and separator in run for separator in (os.sep, os.altsep)):
+        return os.path.normpath(run)
+    if run in ("", ".", ".."):
+        raise UsageError("--run", f"{run!r} is not a run name (give a name in --models-dir or a folder like ./{run})")
+    return os.path.join(models_dir, run)
+
+
+def named_run_args(run, training_args, given):
+    """The training flags of the run that --run names: its run.json's when it exists, else the
+    flags given (the run is then trained under that name). A training flag given explicitly must
+    agree with run.json, except --reduction: the rule analysed may differ from the rule trained
+    (the rows' update_rule keeps the trained one)."""
+    if "save_name" in given:
+        raise UsageError("--save-name", "--run names the run already; leave --save-name out")
+    run_dir = run_folder(run, training_args.models_dir)
+    training_args.models_dir, training_args.save_name = os.path.split(run_dir)
+    path = checkpoints.metadata_path(run_dir)
+    if not os.path.exists(path):
+        return training_args
+    recorded = checkpoints.load_metadata(run_dir)["args"]
+    for dest, value in given.items():
+        if dest in recorded and dest != "reduction" and value != recorded[dest]:
+            raise UsageError(training_flag(dest), f"given {value!r}, but {path} has {recorded[dest]!r}")
+    for dest, value in recorded.items():
+        setattr(training_args, dest, value)
+    return training_args
+
+
+def require_finished(run):
     """--no-train: a run without its final checkpoint is an error that says how to train it."""
     if run.finished:
         return
     steps = run.saved_steps()
     state = f"no checkpoints in {run.run_dir}" if not steps else \
         f"{run.run_dir} is trained up to step {steps[-1]} of {run.metadata['total_steps']}"
-    raise UsageError("--no-train", f"{state}; train first: {training_command(args, training_defaults())}")
+    raise UsageError("--no-train", f"{state}; train first: {training_command(run.training_args, training_defaults())}")
 
 
 def check_same_run(run_dir, existing, planned):
@@ -213,7 +326,7 @@ def training_command(args, defaults):
         value = getattr(args, dest)
         if value == default or dest == "overwrite":
             continue
-        flag = "--" + dest.replace("_", "-")
+        flag = training_flag(dest)
         words += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
     return shlex.join(words)
 
@@ -236,41 +349,81 @@ def cell_text(value):
 
 
 class ResultFile:
-    """res/<res-name>.csv: rows already there, and atomic rewrites with new rows merged in."""
+    """res/<res-name>.csv: rows already there, and locked, atomic merges of new rows.
 
-    def __init__(self, path, rows):
+    Several processes (two measurements, the ranks of one torchrun) may add to one file at once:
+    each `add` takes the file's lock (fileio.locked), reads the file as it is now, merges its rows
+    in and rewrites the file atomically, so that no writer loses another's rows.
+    """
+
+    def __init__(self, path, rows, config=None, replace_file=False):
         self.path = path
+        self.config = config  # run columns the rows must agree with (None: not checked)
+        self.replace_file = replace_file  # --overwrite 1: the first add replaces the file's rows
+        self._keep(rows)
+
+    def _keep(self, rows):
         self.rows = rows
-        self.done = {tuple(key) for key in rows[COMBINATION_COLUMNS].map(cell_text).itertuples(index=False)}
+        self.done = set(zip(*(self._texts(rows[column]) for column in COMBINATION_COLUMNS)))
+
+    @staticmethod
+    def _texts(values):
+        """cell_text of every value, computed once per distinct value (a file may hold millions)."""
+        codes, distinct = pd.factorize(values, use_na_sentinel=False)
+        return np.asarray([cell_text(value) for value in distinct] or [""], dtype=object)[codes]
 
     @classmethod
     def open(cls, path, overwrite, config):
-        """The file's rows (none with --overwrite 1), refusing rows of another run configuration."""
+        """The file's rows (none with --overwrite 1), refusing rows of another run configuration.
+
+        Checks first that its folder can take the file, and removes the temps that killed
+        writes left there."""
+        folder = os.path.dirname(path) or "."
+        fileio.check_folder(folder, "--res-name")
+        if os.path.isdir(path):
+            raise UsageError("--res-name", f"{path} is a folder, not a result file")
+        fileio.remove_stale_temps(folder)
         if overwrite or not os.path.exists(path):
-            return cls(path, pd.DataFrame(columns=results.COLUMNS))
+            return cls(path, pd.DataFrame(columns=results.COLUMNS), config, replace_file=bool(overwrite))
+        return cls(path, cls._read(path, config), config)
+
+    @staticmethod
+    def _read(path, config):
         rows = results.read_results(path, flag="--res-name")
         rows[TEXT_COLUMNS] = rows[TEXT_COLUMNS].astype(str)
-        differing = [f"column {column} has {'/'.join(sorted(set(rows[column].map(cell_text))))} in file, "
-                     f"{cell_text(config[column])} now"
-                     for column in results.CONFIG_COLUMNS if (rows[column].map(cell_text) != cell_text(config[column])).any()]
+        texts = {} if config is None else {column: ResultFile._texts(rows[column]) for column in results.CONFIG_COLUMNS}
+        differing = [f"column {column} has {'/'.join(sorted(set(text)))} in file, {cell_text(config[column])} now"
+                     for column, text in texts.items() if (text != cell_text(config[column])).any()]
         if differing:
             raise UsageError("--res-name", f"refusing to mix: {'; '.join(differing)}; "
                                            "use another --res-name or --overwrite 1")
-        return cls(path, rows[results.COLUMNS])
+        return rows[results.COLUMNS]
 
     def missing(self, run_name, step, points, request):
-        """{direction: points} whose rows at `step` are not in the file yet."""
+        """{direction: points} whose rows at `step` are not in the file yet (COMBINATION_COLUMNS:
+        what was measured and with which Monte-Carlo seed, not the flags that asked for it)."""
         alpha = np.nan if request.alpha is None else float(request.alpha)
+        mc_seed = np.nan if request.mc_seed is None else request.mc_seed
         return {direction: [point for point in points
-                            if tuple(map(cell_text, (run_name, step, point, request.exp, direction, alpha)))
+                            if tuple(map(cell_text, (run_name, step, point, request.family, direction, alpha, mc_seed)))
                             not in self.done]
                 for direction in request.directions}
 
     def add(self, rows):
-        """Merge `rows` in and rewrite the file atomically, in a fixed row order."""
-        merged = pd.concat([frame for frame in (self.rows, rows) if len(frame)], ignore_index=True)
-        self.rows = merged.sort_values(ROW_ORDER, kind="mergesort", na_position="last", ignore_index=True)
-        fileio.write_csv(self.path, self.rows[results.COLUMNS])
+        """Merge `rows` into the file as it is now and rewrite it atomically, in a fixed row order,
+        all under the file's lock; a row that another writer added meanwhile is kept once."""
+        with fileio.locked(self.path, "--res-name"):
+            if self.replace_file or not os.path.exists(self.path):
+                current = pd.DataFrame(columns=results.COLUMNS)
+            else:
+                current = self._read(self.path, self.config)
+            merged = pd.concat([frame for frame in (current, rows) if len(frame)] or [rows], ignore_index=True)
+            keys = pd.DataFrame({column: self._texts(merged[column]) for column in ROW_ORDER})
+            merged = merged[~keys.duplicated(keep="first").to_numpy()]
+            merged = merged.sort_values(ROW_ORDER, kind="mergesort", na_position="last", ignore_index=True)
+            storage.write_frame(self.path, merged[results.COLUMNS], "--res-name")
+            self.replace_file = False
+        self._keep(merged)
 
 
 # --- measuring one checkpoint --------------------------------------------------------------------
@@ -290,56 +443,92 @@ def measure_checkpoint(request, run, step, points, device):
                       f"per-sample gradients, step {step}") as bar:
         if request.reduction == "sum":
             norms, predictions = sensitivity.transformed_norms(model, point_x, point_y, transform, device, bar)
-            values = {NO_DIRECTION: norms[:, None, None]}
+            columns = norm_columns(norms)
         else:
             rows, point_gradients = sensitivity.checkpoint_gradients(
                 model, run.train_x, run.train_y, point_x, point_y, run.train_rows(points), transform, device,
                 progress=bar)
             predictions = point_gradients.predictions
-    if request.reduction == "mean":
-        pool = sensitivity.Pool(metadata["seed"], step, run.universe, metadata["sample_rate"], run.train_columns)
-        values = monte_carlo(request, rows, point_gradients, points, pool, step)
+    if request.family == COUPLING:
+        columns = coupling_columns(request, metadata, rows, point_gradients, step)
+    elif request.family == JENSEN:
+        pool = sensitivity.Pool(request.mc_seed, step, run.universe, metadata["sample_rate"], run.train_columns)
+        with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
+            statistics = sensitivity.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
+                                                      request.num_iters, request.num_batches, request.directions, bar)
+        columns = jensen_columns(request, statistics)
     return measurement_rows(request, metadata, step, payload["test_accuracy"], points,
-                            run.dataset.train_y[points].numpy(), predictions, values)
+                            run.dataset.train_y[points].numpy(), predictions, columns)
 
 
-def monte_carlo(request, rows, point_gradients, points, pool, step):
-    """{direction: (points, target batches, samples)} of the mean rule."""
-    if request.exp == "eps_delta":
-        with progress_bar(request.num_batches, f"batches, step {step}") as bar:
-            values = sensitivity.batch_sensitivities(rows, point_gradients, points, pool, request.num_batches, bar)
-        return {NO_DIRECTION: values[:, None, :]}
-    with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
-        return sensitivity.renyi_statistics(rows, point_gradients, points, pool, request.alpha, request.num_iters,
-                                            request.num_batches, request.directions, bar)
+def norm_columns(norms):
+    """Sum rule: one grad_norm row (Δ*) per point."""
+    return {"position": np.arange(len(norms)), "quantity": "grad_norm", "value": norms, "direction": NO_DIRECTION,
+            "target_batch": 0, "sample": 0}
 
 
-def measurement_rows(request, metadata, step, accuracy, points, labels, predictions, values):
-    """Long-format rows: one per (direction, point, target batch, sample) value."""
-    frames = []
-    for direction, array in values.items():
+def coupling_columns(request, metadata, rows, point_gradients, step):
+    """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
+    max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
+    n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
+    larger, so its δ_size stays below --size-delta."""
+    plan = sensitivity.coupling_plan(request.mc_seed, step, metadata["dataset_size"] - 1, metadata["sample_rate"],
+                                     request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+    with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}") as bar:
+        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan, bar)
+    count = len(statistics.spread)
+    position, block, sample, size, value = samples.accepted()
+    stats = [statistics.center_distance, statistics.spread, statistics.max_deviation]
+    return {
+        "position": np.concatenate([np.tile(np.arange(count), 3), position]),
+        "quantity": np.concatenate([np.repeat(COUPLING_QUANTITIES[1:], count),
+                                    np.full(len(value), COUPLING_QUANTITIES[0])]),
+        "value": np.concatenate([*stats, value]),
+        "direction": NO_DIRECTION,
+        "target_batch": 0,
+        "sample": np.concatenate([np.zeros(3 * count, dtype=np.int64), sample]),
+        "block": np.concatenate([np.full(3 * count, np.nan), block]),
+        "k": np.concatenate([np.full(3 * count, np.nan), size]),
+        "k_min": plan.k_min,
+    }
+
+
+def jensen_columns(request, statistics):
+    """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
+    parts = []
+    for direction, array in statistics.items():
         count, targets, samples = array.shape
-        per_point = targets * samples
-        frame = pd.DataFrame({
-            "step": step,
-            "stage": step / metadata["total_steps"],
-            "point": np.repeat(points, per_point),
-            "label": np.repeat(labels, per_point),
-            "correct": np.repeat(predictions.correct.astype(int), per_point),
-            "loss": np.repeat(predictions.losses, per_point),
-            "exp": request.exp,
-            "direction": direction,
-            "target_batch": np.tile(np.repeat(np.arange(targets), samples), count),
-            "sample": np.tile(np.arange(samples), count * targets),
-            "quantity": request.quantity,
-            "value": array.reshape(-1),
-            "alpha": np.nan if request.alpha is None else float(request.alpha),
-            "accuracy": accuracy,
-        })
-        for column, value in results.run_columns(metadata, request.reduction).items():
-            frame[column] = np.nan if value is None else value  # a float column whatever the run
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True)[results.COLUMNS]
+        parts.append({"position": np.repeat(np.arange(count), targets * samples),
+                      "target_batch": np.tile(np.repeat(np.arange(targets), samples), count),
+                      "sample": np.tile(np.arange(samples), count * targets),
+                      "value": array.reshape(-1), "direction": np.full(array.size, direction)})
+    columns = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
+
+
+def measurement_rows(request, metadata, step, accuracy, points, labels, predictions, columns):
+    """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
+    point's index in `points`): the point's label, loss and correctness, the run's columns, and
+    NaN in every column that does not apply."""
+    position = columns.pop("position")
+    frame = pd.DataFrame({
+        "step": step,
+        "stage": step / metadata["total_steps"],
+        "point": points[position],
+        "label": labels[position],
+        "correct": predictions.correct.astype(int)[position],
+        "loss": predictions.losses[position],
+        "exp": request.family,
+        "accuracy": accuracy,
+        "mc_seed": np.nan if request.mc_seed is None else request.mc_seed,
+        **columns,
+    })
+    for column, value in results.run_columns(metadata, request.reduction).items():
+        frame[column] = np.nan if value is None else value  # a float column whatever the run
+    for column in results.COLUMNS:
+        if column not in frame:
+            frame[column] = np.nan
+    return frame[results.COLUMNS]
 
 
 def keep_missing(rows, missing):

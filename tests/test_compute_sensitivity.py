@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
 
-from perinstance import results, sensitivity, sensitivity_cli, training
+from perinstance import accounting, results, sensitivity, sensitivity_cli, training
 from perinstance.data import load_dataset
 from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY
 
@@ -27,7 +27,8 @@ def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shared")
     for reduction in ("sum", "mean"):
         result = run_in_process("compute_sensitivity.py", *RUN, "--reduction", reduction, "--points", "0",
-                                "--res-name", f"first_{reduction}", "--models-dir", folder / "models", cwd=folder)
+                                "--num-batches", "64", "--res-name", f"first_{reduction}", "--models-dir",
+                                folder / "models", cwd=folder)
         assert result.returncode == 0, result.stderr
     return str(folder / "models")
 
@@ -77,19 +78,65 @@ def test_sum_rule_rows_are_the_points_norms_at_each_checkpoint(measure, models):
     assert "10 points × 3 stages" in result.stdout and "30 rows written" in result.stdout
 
 
-def test_mean_rule_eps_delta_rows(measure):
+def drawn_batches(plan, point):
+    """{(block, sample): index list} of the draws of `plan` that `point` keeps (its prefix misses it)."""
+    kept = {}
+    for block in range(plan.blocks):
+        sample = 0
+        for index in range(plan.permutations):
+            permutation = plan.permutation(block, index, 512)
+            for size in plan.sizes:
+                if point not in permutation[:size]:
+                    kept[block, sample] = permutation[:size]
+                    sample += 1
+    return kept
+
+
+def test_mean_rule_coupling_rows_match_the_reference(measure, models):
     _, rows = measure("--reduction", "mean", "--exp", "eps_delta", "--points", "3", "7", "--stage", "final",
-                      "--num-batches", "9")
-    assert len(rows) == 2 * 9 and set(rows["quantity"]) == {"batch_sensitivity"}
-    assert sorted(rows["sample"].unique()) == list(range(9)) and (rows["step"] == 16).all()
-    assert ((rows["value"] > 0) & (rows["value"] <= rows["clip_bound"])).all()
-    np.testing.assert_allclose(rows["noise_std"], rows["sigma"] * rows["clip_bound"] / 32)
+                      "--num-batches", "300", "--mc-seed", "5")
+    assert list(rows.columns) == results.COLUMNS and (rows["step"] == 16).all()
+    assert set(rows["exp"]) == {"coupling"} and (rows["mc_seed"] == 5).all() and set(rows["direction"]) == {"none"}
     assert set(rows["update_rule"]) == {"mean"} and set(rows["reduction"]) == {"mean"}
+    np.testing.assert_allclose(rows["noise_std"], rows["sigma"] * rows["clip_bound"] / 32)
+    metadata, model, _ = checkpoint(models, rows["run"][0], 16)
+    # accounting.md §3.4: k_min from δ_size = δ/(10·T), n = N − 1.
+    plan = sensitivity.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
+    assert plan.k_min == accounting.size_threshold(511, 32 / 512, 1e-5 / 160) > 0
+    assert (rows["k_min"] == plan.k_min).all()
+    dataset = load_dataset("synthetic")
+    transform = sensitivity.Transform.of_run(metadata)
+    h = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
+                                          [[index] for index in range(512)])
+    for point in (3, 7):
+        mine = rows[rows["point"] == point]
+        statistics = mine[mine["quantity"] != "batch_sensitivity"].set_index("quantity")["value"]
+        others = np.delete(h, point, axis=0)
+        mean_x = others.mean(axis=0)
+        np.testing.assert_allclose(statistics["center_distance"], np.linalg.norm(h[point] - mean_x), rtol=1e-5)
+        np.testing.assert_allclose(statistics["spread"], np.mean(np.sum((others - mean_x) ** 2, axis=1)), rtol=1e-5)
+        assert statistics["max_deviation"] >= np.max(np.linalg.norm(others - mean_x, axis=1)) * (1 - 1e-6)
+        samples = mine[mine["quantity"] == "batch_sensitivity"]
+        kept = drawn_batches(plan, point)
+        assert len(samples) == len(kept) and plan.draws >= 300
+        assert {(int(block), int(sample)) for block, sample in zip(samples["block"], samples["sample"])} == set(kept)
+        np.testing.assert_array_equal(samples["k"], [len(kept[int(b), int(s)]) for b, s in
+                                                     zip(samples["block"], samples["sample"])])
+        checked = samples.iloc[::25]
+        reference = sensitivity.reference_batch_sensitivities(
+            model, dataset.train_x, dataset.train_y, transform, point,
+            [kept[int(block), int(sample)] for block, sample in zip(checked["block"], checked["sample"])])
+        np.testing.assert_allclose(checked["value"], reference, rtol=1e-4)
+    # Δ_B <= 2Γ/(k+1) <= Γ; the dataset statistics are distances between transformed gradients (up to 2Γ).
+    assert (rows["value"] >= 0).all() and (rows["value"] <= 2 * rows["clip_bound"]).all()
+    samples = rows[rows["quantity"] == "batch_sensitivity"]
+    assert (samples["value"] <= 2 * samples["clip_bound"] / (samples["k"] + 1)).all()
 
 
 def test_renyi_mean_rows_match_the_reference(measure, models):
-    _, rows = measure("--reduction", "mean", "--exp", "renyi", "--points", "5", "--stage", "0.6", "--alpha", "3",
-                      "--num-iters", "2", "--num-batches", "3")
+    _, rows = measure("--reduction", "mean", "--exp", "renyi", "--estimator", "jensen", "--points", "5", "--stage",
+                      "0.6", "--alpha", "3", "--num-iters", "2", "--num-batches", "3")
+    assert set(rows["exp"]) == {"jensen"} and (rows["mc_seed"] == 0).all()
     assert len(rows) == 2 * 2 * 3 and set(rows["direction"]) == {"remove", "add"}
     assert (rows["alpha"] == 3).all() and (rows["step"] == 8).all()
     metadata, model, _ = checkpoint(models, rows["run"][0], 8)
@@ -130,8 +177,8 @@ def test_run_trained_on_other_data_is_refused(measure, models, tmp_path):
 
 
 def test_same_seed_gives_identical_file_and_rerun_skips(measure, tmp_path):
-    flags = ["--reduction", "mean", "--exp", "renyi", "--points", "1", "4", "--stage", "all", "--alpha", "2",
-             "--num-iters", "2", "--num-batches", "2"]
+    flags = ["--reduction", "mean", "--exp", "renyi", "--estimator", "jensen", "--points", "1", "4", "--stage", "all",
+             "--alpha", "2", "--num-iters", "2", "--num-batches", "2"]
     measure(*flags, res_name="a")
     measure(*flags, res_name="b")
     first, second = (tmp_path / "res" / "a.csv").read_bytes(), (tmp_path / "res" / "b.csv").read_bytes()
@@ -188,8 +235,16 @@ BAD_INPUTS = [
     (["--points", "random:0"], "--points"),
     (["--stage", "1.5"], "--stage"),
     (["--stage", "late"], "--stage"),
-    (["--exp", "renyi", "--reduction", "mean", "--alpha", "1"], "--alpha"),
-    (["--exp", "renyi", "--reduction", "mean", "--alpha", "2.5"], "--alpha"),
+    (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "1"], "--alpha"),
+    (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "2.5"], "--alpha"),
+    (["--exp", "eps_delta", "--reduction", "mean", "--estimator", "jensen"], "--estimator"),
+    (["--reduction", "sum", "--estimator", "coupling"], "--estimator"),
+    (["--reduction", "mean", "--mc-blocks", "0"], "--mc-blocks"),
+    (["--reduction", "mean", "--max-sizes", "8"], "--max-sizes"),
+    (["--reduction", "mean", "--size-delta", "1.5"], "--size-delta"),
+    (["--mc-seed", "-1"], "--mc-seed"),
+    (["--run", "..", "--reduction", "sum"], "--run"),
+    (["--run", "elsewhere", "--save-name", "other"], "--save-name"),
     (["--num-batches", "0"], "--num-batches"),
     (["--num-iters", "-1"], "--num-iters"),
     (["--exp", "gaussian"], "--exp"),
@@ -242,3 +297,88 @@ def test_train_dpsgd_names_the_same_run(models, tmp_path):
     """The flags name one run for both scripts: what compute_sensitivity.py trained is found finished."""
     result = run_in_process("train_dpsgd.py", *RUN, "--reduction", "sum", "--models-dir", models, cwd=tmp_path)
     assert result.returncode == 0 and "already trained" in result.stdout
+
+
+# --- issue 11: a run named once, Monte-Carlo seeds, what was measured -----------------------
+
+def sum_run_name(models):
+    return next(name for name in sorted(os.listdir(models)) if name.startswith("synthetic_mlp_sum_psac_eps10_bs32_seed0_")
+                and "less" not in name)
+
+
+def test_run_by_name_measures_a_sum_run_under_the_mean_rule_with_no_training_flag(models, tmp_path):
+    name = sum_run_name(models)
+    result = run_in_process("compute_sensitivity.py", "--run", name, "--models-dir", models, "--exp", "eps_delta",
+                            "--reduction", "mean", "--points", "0-9", "--stage", "final", "--num-batches", "200",
+                            "--res-name", "by_name", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = pd.read_csv(tmp_path / "res" / "by_name.csv")
+    assert set(rows["run"]) == {name} and set(rows["update_rule"]) == {"sum"} and set(rows["reduction"]) == {"mean"}
+    assert set(rows["exp"]) == {"coupling"} and sorted(rows["point"].unique()) == list(range(10))
+    np.testing.assert_allclose(rows["noise_std"], rows["sigma"] * rows["clip_bound"] / 32)
+    assert set(rows["quantity"]) == {"batch_sensitivity", "center_distance", "spread", "max_deviation"}
+    # The same run by folder, with the flags it was trained with, adds nothing.
+    again = run_in_process("compute_sensitivity.py", "--run", os.path.join(models, name), *RUN, "--reduction", "mean",
+                           "--points", "0-9", "--num-batches", "200", "--res-name", "by_name", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "0 rows written" in again.stdout and "10 (point, stage, experiment)" in again.stdout
+
+
+def test_run_by_name_defaults_to_its_trained_rule(models, tmp_path):
+    result = run_in_process("compute_sensitivity.py", "--run", sum_run_name(models), "--models-dir", models,
+                            "--points", "0", "--res-name", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = pd.read_csv(tmp_path / "res" / "x.csv")
+    assert set(rows["quantity"]) == {"grad_norm"} and set(rows["exp"]) == {"norm"} and rows["mc_seed"].isna().all()
+
+
+def test_a_flag_that_disagrees_with_run_json_shows_both_values(models, tmp_path):
+    name = sum_run_name(models)
+    result = run_in_process("compute_sensitivity.py", "--run", name, "--models-dir", models, "--epochs", "2",
+                            "--points", "0", "--res-name", "x", cwd=tmp_path)
+    assert_usage_error(result, "--epochs")
+    assert "given 2.0" in result.stderr and "has 1.0" in result.stderr and "run.json" in result.stderr
+    assert snapshot(tmp_path) == {}
+
+
+def test_run_that_does_not_exist_is_trained_under_its_name(tmp_path):
+    result = run_in_process("compute_sensitivity.py", "--run", "fresh", *RUN, "--epochs", "0.25", "--points", "0",
+                            "--res-name", "x", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    metadata = json.loads((tmp_path / "models" / "fresh" / "run.json").read_text())
+    assert metadata["run"] == "fresh" and metadata["total_steps"] == 4
+    assert set(pd.read_csv(tmp_path / "res" / "x.csv")["run"]) == {"fresh"}
+
+
+def test_two_mc_seeds_give_two_independent_sets_of_rows(measure):
+    flags = ["--reduction", "mean", "--points", "2", "--num-batches", "100"]
+    _, first = measure(*flags)
+    assert set(first["mc_seed"]) == {0}  # the run's seed
+    result, rows = measure(*flags, "--mc-seed", "9")
+    assert "0 (point, stage, experiment) combinations already there" in result.stdout
+    assert sorted(rows["mc_seed"].unique()) == [0, 9]
+    samples = {seed: part[part["quantity"] == "batch_sensitivity"] for seed, part in rows.groupby("mc_seed")}
+    assert not np.array_equal(samples[0]["value"].to_numpy()[:50], samples[9]["value"].to_numpy()[:50])
+    statistics = {seed: part[part["quantity"] == "spread"]["value"].item() for seed, part in rows.groupby("mc_seed")}
+    assert statistics[0] == statistics[9]  # no Monte Carlo in the dataset statistics
+    result, _ = measure(*flags, "--mc-seed", "9")
+    assert "0 rows written" in result.stdout
+
+
+def test_sum_rule_norms_are_measured_once_whatever_the_accountant(measure):
+    measure("--reduction", "sum", "--exp", "eps_delta", "--points", "0-2")
+    result, rows = measure("--reduction", "sum", "--exp", "renyi", "--points", "0-2", "--mc-seed", "4")
+    assert "0 rows written" in result.stdout and len(rows) == 3 and set(rows["exp"]) == {"norm"}
+
+
+def test_rows_are_added_to_a_file_written_before_the_new_columns(measure, tmp_path):
+    _, rows = measure("--reduction", "sum", "--points", "0")
+    old = rows.drop(columns=["mc_seed", "block", "k", "k_min"])
+    old.to_csv(tmp_path / "res" / "out.csv", index=False)
+    _, rows = measure("--reduction", "sum", "--points", "0-1")
+    assert list(rows["point"]) == [0, 1] and rows["mc_seed"].isna().all()
+
+
+def test_res_dir_chooses_the_folder(measure, tmp_path):
+    measure("--reduction", "sum", "--points", "0", "--res-dir", "elsewhere")
+    assert (tmp_path / "elsewhere" / "out.csv").exists() and not (tmp_path / "res").exists()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from perinstance import sensitivity
+from perinstance import accounting, sensitivity
 from perinstance.sensitivity import (
     EPS_DELTA_KEY,
     RENYI_SET_KEY,
@@ -280,3 +280,150 @@ def test_renyi_slices_cover_every_set_once():
     covered = [(target, key) for slices in passes for target, first, end in slices for key in range(first, end)]
     assert sorted(covered) == [(target, key) for target in range(3) for key in range(5)]
     assert all(sum(1 + (end - first) * 2 for _, first, end in slices) <= 6 for slices in passes)
+
+
+# --- mean rule, coupling (accounting.md §2, §3.2, §3.4) ---------------------------------------
+
+# Sizes 0 and 1 (m(∅) = 0, a batch of one), a gap, and N − 1 (every other row).
+COUPLING_SIZES = np.array([0, 1, 2, 5, 9, TRAIN_SIZE - 1])
+
+
+def coupling_plan(seed=3, step=7, sizes=COUPLING_SIZES, blocks=2, permutations=3):
+    return sensitivity.CouplingPlan(seed, step, sizes, blocks, permutations)
+
+
+def drawn_batches(plan, num_rows=TRAIN_SIZE):
+    """Every draw's batch as an explicit index list (the prefix of its permutation), in the order drawn."""
+    return [plan.permutation(block, index, num_rows)[:size].tolist()
+            for block in range(plan.blocks) for index in range(plan.permutations) for size in plan.sizes]
+
+
+def all_rows(data, count):
+    """h_i of the first `count` examples, one forward/backward each (float64)."""
+    inputs, labels = data
+    return sensitivity.reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[index] for index in range(count)])
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
+def test_coupling_sensitivity_matches_reference_and_rejects_batches_holding_the_point(data, hold):
+    inputs, labels = data
+    plan = coupling_plan()
+    points = [0, 6, 13]
+    rows, point_gradients = engine_inputs(data, points, hold=hold)
+    _, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
+    batches = drawn_batches(plan)
+    for row, point in enumerate(points):
+        holds_point = np.array([point in batch for batch in batches])
+        assert holds_point.any() and not holds_point.all()
+        np.testing.assert_array_equal(np.isnan(samples.values[row]), holds_point)
+        kept = [batch for batch in batches if point not in batch]
+        reference = sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, point, kept)
+        assert_close(samples.values[row][~holds_point], reference)
+
+
+def test_coupling_rows_are_kept_batches_with_their_true_size(data):
+    plan = coupling_plan()
+    points = [2, 11]
+    _, samples = sensitivity.measure_coupling(*engine_inputs(data, points), plan)
+    batches = drawn_batches(plan)
+    position, block, sample, size, value = samples.accepted()
+    draw = np.concatenate([np.flatnonzero(~np.isnan(samples.values[row])) for row in range(len(points))])
+    per_block = plan.permutations * len(plan.sizes)
+    for row, point in enumerate(points):
+        mine = position == row
+        batches_kept = [batches[index] for index in draw[mine]]
+        assert all(point not in batch for batch in batches_kept)
+        # k = |B ∩ X|: the batch has k rows, none of them x*.
+        np.testing.assert_array_equal(size[mine], [len(set(batch) - {point}) for batch in batches_kept])
+        np.testing.assert_array_equal(block[mine], draw[mine] // per_block)
+        for number in range(plan.blocks):
+            in_block = mine & (block == number)
+            np.testing.assert_array_equal(sample[in_block], np.arange(in_block.sum()))
+    np.testing.assert_array_equal(value, samples.values[position, draw])
+
+
+def test_coupling_of_a_point_outside_the_training_set_is_never_rejected(data):
+    inputs, labels = data
+    outside = TRAIN_SIZE
+    plan = coupling_plan(sizes=np.array([0, 1, 4, TRAIN_SIZE]))
+    rows, point_gradients = engine_inputs(data, [outside, 3], universe=TRAIN_SIZE + 1)
+    statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
+    assert not np.isnan(samples.values[0]).any() and np.isnan(samples.values[1]).any()
+    reference = sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, outside,
+                                                          drawn_batches(plan))
+    assert_close(samples.values[0], reference)
+    # X is the whole training set: every statistic is exact.
+    h = all_rows(data, TRAIN_SIZE + 1)
+    training, point = h[:TRAIN_SIZE], h[outside]
+    mean = training.mean(axis=0)
+    assert_close(statistics.center_distance[0], np.linalg.norm(point - mean))
+    assert_close(statistics.spread[0], np.mean(np.sum((training - mean) ** 2, axis=1)))
+    assert_close(statistics.max_deviation[0], np.max(np.linalg.norm(training - mean, axis=1)))
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
+def test_dataset_statistics_match_a_direct_computation(data, hold):
+    points = [0, 9, TRAIN_SIZE - 1]
+    statistics, _ = sensitivity.measure_coupling(*engine_inputs(data, points, hold=hold), coupling_plan())
+    h = all_rows(data, TRAIN_SIZE)
+    for row, point in enumerate(points):
+        others = np.delete(h, point, axis=0)
+        mean_x = others.mean(axis=0)
+        assert_close(statistics.center_distance[row], np.linalg.norm(h[point] - mean_x))
+        assert_close(statistics.spread[row], np.mean(np.sum((others - mean_x) ** 2, axis=1)))
+        exact = np.max(np.linalg.norm(others - mean_x, axis=1))
+        bound = np.max(np.linalg.norm(h - h.mean(axis=0), axis=1)) + np.linalg.norm(h.mean(axis=0) - mean_x)
+        assert_close(statistics.max_deviation[row], bound)
+        assert exact <= statistics.max_deviation[row] * (1 + 1e-12)
+
+
+def test_coupling_is_deterministic_and_seeded(data, monkeypatch):
+    plan = coupling_plan()
+    first = sensitivity.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
+    again = sensitivity.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
+    assert first.tobytes() == again.tobytes()
+    rows, point_gradients = engine_inputs(data, [4])
+    alone = sensitivity.measure_coupling(rows, point_gradients, plan)[1].values
+    np.testing.assert_allclose(alone[0], first[1], rtol=1e-12)  # independent of the other points
+    monkeypatch.setattr(rows, "pass_batches", lambda num_points, output_bytes: 2 * len(plan.sizes) + 1)  # 2 per pass
+    split = sensitivity.measure_coupling(rows, point_gradients, plan)[1].values
+    np.testing.assert_allclose(split, alone, rtol=1e-12)
+    other_seed = sensitivity.measure_coupling(rows, point_gradients, coupling_plan(seed=4))[1].values
+    assert not np.allclose(np.nan_to_num(other_seed), np.nan_to_num(alone))
+    other_step = coupling_plan(step=8)
+    assert not np.array_equal(other_step.permutation(0, 0, TRAIN_SIZE), plan.permutation(0, 0, TRAIN_SIZE))
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
+def test_coupling_over_many_column_blocks_and_products(data, monkeypatch, hold):
+    """Column blocks of 50 (13 of them) and products over groups of 4 blocks: the same values as one
+    block, and the same statistics."""
+    plan = coupling_plan()
+    whole = sensitivity.measure_coupling(*engine_inputs(data, [0, 8], hold=hold), plan)
+    monkeypatch.setattr(sensitivity, "COLUMN_BLOCK", 50)
+    rows, point_gradients = engine_inputs(data, [0, 8], hold=hold)
+    assert rows.dim > sensitivity.PRODUCT_BLOCKS * 50 * 2
+    split = sensitivity.measure_coupling(rows, point_gradients, plan)
+    np.testing.assert_allclose(split[1].values, whole[1].values, rtol=1e-12)
+    for name in ("center_distance", "spread", "max_deviation"):
+        np.testing.assert_allclose(getattr(split[0], name), getattr(whole[0], name), rtol=1e-12)
+
+
+def test_coupling_of_a_point_at_the_mean_is_small():
+    """A null population (every h_i equal): every batch mean is h*, so Δ_B = 0 for k ≥ 1 (§6.8)."""
+    rows = sensitivity.HeldRows([torch.ones((8, 3), dtype=torch.float64)], None)
+    points = sensitivity.PointGradients(torch.ones((2, 3), dtype=torch.float64), np.array([0, 5]), None)
+    statistics, samples = sensitivity.measure_coupling(rows, points, coupling_plan(sizes=np.array([0, 1, 3, 7])))
+    values = samples.values.reshape(2, -1, 4)
+    np.testing.assert_allclose(values[:, :, 0], np.sqrt(3))  # k = 0: ||h*||
+    assert np.nanmax(values[:, :, 1:]) < 1e-12
+    assert np.all(statistics.center_distance < 1e-12) and np.all(statistics.spread < 1e-12)
+
+
+def test_coupling_plan_draws_at_least_num_batches_per_point():
+    plan = sensitivity.coupling_plan(seed=0, step=5, n=999, sample_rate=0.05, size_delta=1e-6, num_batches=1000,
+                                     blocks=4, max_sizes=32)
+    assert plan.k_min == accounting.size_threshold(999, 0.05, 1e-6) == plan.sizes[0] > 0
+    assert len(plan.sizes) <= 33 and np.all(np.diff(plan.sizes) > 0)
+    assert plan.draws >= 1000 > plan.draws - plan.blocks * len(plan.sizes)
+    assert plan.permutations == -(-1000 // (4 * len(plan.sizes)))

@@ -1,0 +1,148 @@
+"""Benchmark of the mean rule's all-point measurement by coupling (accounting.md §2, §3.2, §3.4; not a test).
+
+    python benchmarks/bench_mean_rule.py [--num-batches 10000] [--slice-batches 100]
+    python benchmarks/bench_mean_rule.py --smoke   # seconds: synthetic data at LeNet-5's input size (CI)
+
+Side by side in one process, on every training point of the embedded MNIST subset (8,000) with
+LeNet-5 (61,706 parameters), both from the same per-sample gradients held in memory:
+
+1. the coupling engine (sensitivity.measure_coupling): the dataset statistics of every point and
+   --num-batches Δ_B draws per point, on the grid of sizes of the default run (B_exp = 256, 8
+   epochs: T = 250, δ = 1e-5, δ_size = δ/(10·T), 32 grid sizes, 4 blocks);
+2. the Monte Carlo the mean rule used before (sensitivity.batch_sensitivities: independent Poisson
+   batches, s_D·h* gathered per batch, the products h_i·h* in float64), on every point but only
+   --slice-batches batches, extrapolated to --num-batches: its per-point products are timed
+   apart (they do not grow with the batches) and the rest is scaled by the number of batches.
+
+Timings do not depend on the weights, so the checkpoint is LeNet-5 at its initialisation. The
+engine's float32 values are checked against an explicit float64 evaluation of a few draws.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _smoke import synthetic_lenet_dataset  # noqa: E402
+
+from perinstance import sensitivity  # noqa: E402
+from perinstance.data import load_dataset  # noqa: E402
+from perinstance.nets import build_model  # noqa: E402
+from perinstance.sensitivity import Pool, Transform  # noqa: E402
+
+TRANSFORM = Transform("flat", clip_norm=1.0)
+BATCH_SIZE, EPOCHS, DELTA, MC_BLOCKS, MAX_SIZES = 256, 8, 1e-5, 4, 32
+SMOKE_BATCH_SIZE, SMOKE_NUM_BATCHES, SMOKE_SLICE_BATCHES = 16, 200, 5
+TARGET_SECONDS = 120
+CHECKED_POINTS, CHECKED_DRAWS = 5, 20
+
+
+class TimedRows:
+    """The held rows, timing their products h_i·h* (the per-point part of the previous Monte Carlo)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.dots_seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.rows, name)
+
+    def dots(self, point_rows):
+        started = time.perf_counter()
+        products = self.rows.dots(point_rows)
+        self.dots_seconds += time.perf_counter() - started
+        return products
+
+
+def explicit_sensitivities(rows, points, plan, samples):
+    """Δ_B of the first draws of the first points in float64 from explicit index lists, and the
+    engine's values for them: the check of the float32 products."""
+    mine, theirs = [], []
+    draws = [(block, index, size) for block in range(plan.blocks) for index in range(plan.permutations)
+             for size in plan.sizes][:CHECKED_DRAWS]
+    for position in range(min(CHECKED_POINTS, len(points.train_rows))):
+        point = points.rows[position].double()
+        for column, (block, index, size) in enumerate(draws):
+            batch = plan.permutation(block, index, rows.num_rows)[:size]
+            if points.train_rows[position] in batch:
+                continue
+            batch_mean = rows.take(batch).double().sum(dim=0) / max(size, 1)
+            theirs.append(float(torch.linalg.norm(point - batch_mean)) / (size + 1))
+            mine.append(samples.values[position, column])
+    return np.asarray(mine), np.asarray(theirs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-batches", type=int, default=10_000, help="Δ_B draws per point")
+    parser.add_argument("--slice-batches", type=int, default=100,
+                        help="batches the previous Monte Carlo is timed on (then extrapolated)")
+    parser.add_argument("--smoke", action="store_true", help="seconds: synthetic data, tiny sizes")
+    args = parser.parse_args()
+    if args.smoke:
+        dataset, batch_size = synthetic_lenet_dataset(), SMOKE_BATCH_SIZE
+        args.num_batches, args.slice_batches = SMOKE_NUM_BATCHES, SMOKE_SLICE_BATCHES
+    else:
+        dataset, batch_size = load_dataset("mnist-embedded"), BATCH_SIZE
+    x, y = dataset.train_x, dataset.train_y
+    size = len(y)
+    sample_rate = batch_size / size
+    total_steps = round(EPOCHS * size / batch_size)
+    torch.manual_seed(0)
+    model = build_model("lenet5", 1, 32, dataset.num_classes)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+          f"load average before: {os.getloadavg()[0]:.2f}")
+
+    plan = sensitivity.coupling_plan(0, 0, size - 1, sample_rate, DELTA / (10 * total_steps), args.num_batches,
+                                     MC_BLOCKS, MAX_SIZES)
+    started = time.perf_counter()
+    rows, points = sensitivity.checkpoint_gradients(model, x, y, x, y, np.arange(size), TRANSFORM)
+    gradient_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    statistics, samples = sensitivity.measure_coupling(rows, points, plan)
+    coupling_seconds = time.perf_counter() - started
+    engine_seconds = gradient_seconds + coupling_seconds
+    draws = size * plan.draws
+    accepted = np.count_nonzero(~np.isnan(samples.values))
+    mine, theirs = explicit_sensitivities(rows, points, plan, samples)
+    difference = np.max(np.abs(mine - theirs) / theirs)
+    del samples, statistics
+
+    timed = TimedRows(rows)
+    pool = Pool(seed=0, step=0, universe=size, sample_rate=sample_rate, train_columns=np.arange(size))
+    started = time.perf_counter()
+    sensitivity.batch_sensitivities(timed, points, np.arange(size), pool, args.slice_batches)
+    slice_seconds = time.perf_counter() - started
+    per_batch = (slice_seconds - timed.dots_seconds) / args.slice_batches
+    previous_seconds = gradient_seconds + timed.dots_seconds + args.num_batches * per_batch
+
+    verdict = "smoke run, far below the target's sizes" if args.smoke else (
+        f"target: all points × {args.num_batches:,} batches in ≤ {TARGET_SECONDS} s: "
+        f"{'met' if engine_seconds <= TARGET_SECONDS else 'NOT met'}")
+    print(f"\nEvery point of {len(y)}, LeNet-5 ({rows.dim} parameters), q = {batch_size}/{size}, T = {total_steps}: "
+          f"k_min = {plan.k_min} (δ_size = {DELTA / (10 * total_steps):.1e}), {len(plan.sizes)} grid sizes "
+          f"{plan.sizes[0]}..{plan.sizes[-1]}, {plan.blocks} blocks × {plan.permutations} permutations = "
+          f"{plan.draws} draws per point")
+    print(f"1. coupling engine: {engine_seconds:.1f} s = {gradient_seconds:.1f} s per-sample gradients + "
+          f"{coupling_seconds:.1f} s dataset statistics and Δ_B ({draws:,} point × batch pairs, "
+          f"{accepted / draws:.1%} accepted): {1e9 * coupling_seconds / draws:.2f} ns per point and batch ({verdict})")
+    print(f"   float32 engine vs float64 explicit index lists ({len(mine)} draws): max relative difference "
+          f"{difference:.1e}")
+    print(f"2. previous Monte Carlo, timed on {size} points × {args.slice_batches} batches: "
+          f"{timed.dots_seconds:.1f} s products h_i·h* (per point, once) + {per_batch * 1e3:.1f} ms per batch; "
+          f"extrapolated to {args.num_batches:,} batches: {previous_seconds:.0f} s with the same per-sample "
+          f"gradients ({1e9 * (previous_seconds - gradient_seconds) / (size * args.num_batches):.2f} ns per point "
+          "and batch)")
+    print(f"   coupling engine is {previous_seconds / engine_seconds:.1f}× faster end to end "
+          f"({(previous_seconds - gradient_seconds) / coupling_seconds:.1f}× without the shared gradients)")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} (the machine is shared; other processes slow every "
+          "method alike)")
+
+
+if __name__ == "__main__":
+    main()
