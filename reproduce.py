@@ -3,83 +3,239 @@
     python reproduce.py                      # quick preset: embedded MNIST, LeNet-5, CPU
     python reproduce.py --preset mnist --device cuda
     python reproduce.py --dataset imagefolder:/data/my-images
+    python reproduce.py --set mean_batch_sizes=64,256 --set num_batches=100
 
-Runs train_dpsgd.py, compute_sensitivity.py and the accountant scripts exactly as a user
-would (same code, same files under models/ and res/), skips what a previous run finished,
-and writes six figures and report.md to --out-dir (default figures/).
+A preset is a typed configuration (ReproduceConfig); `--set FIELD=VALUE` overrides any of its
+fields, checked against the field's type (`--dataset X` is `--set dataset=X`). Runs
+train_dpsgd.py, compute_sensitivity.py and the accountant scripts exactly as a user would (same
+code, same files under models/ and res/), skips what a previous run finished, and writes six
+figures and report.md to --out-dir (default figures/). report.md lists the configuration and
+every command that produced its numbers.
 """
 
+import dataclasses
+import hashlib
 import importlib.util
+import json
+import math
 import os
 import re
+import shlex
+import sys
 import time
+import typing
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, checkpoints, fileio, plots, training
+from perinstance import accounting, attacks, checkpoints, fileio, plots, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
-from perinstance.options import Parser
+from perinstance.options import HELP_FORMAT, Parser, add_device_argument
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-RENYI_ORDER = 8
-COMPOSITION_DELTA = 1e-5
+DATA_ROOT = "./data"
+# Composition along the run uses Hölder b = ∞: plain composition along the one observed trajectory
+# (accounting.md §4), in the accountant and in the curves of figure 4 alike.
+COMPOSITION_HOLDER_B = math.inf
+# The mean-rule runs save only their first and last checkpoint.
+FINAL_ONLY_SAVE_FREQ = 1_000_000
+FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
+           "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
+           "7_audit.png", "8_membership_inference.png"]
 
-# Each preset: the main (sum rule) run, the mean-rule runs at several batch sizes, and the
-# Monte-Carlo sizes of the mean-rule experiments.
+
+# --- configuration ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReproduceConfig:
+    """Everything a reproduction does. A preset is one instance; `--set FIELD=VALUE` replaces a field."""
+
+    # The main run (sum rule): figures 1, 2, 4, 5, 6.
+    dataset: str
+    model: str
+    batch_size: int
+    lr: float
+    epochs: float
+    eps: float
+    save_freq: int
+    track_points: str  # points whose ||h(g)|| is recorded at every step (figure 6), as --points
+    # The mean-rule runs, one per batch size, trained like the main run (same epochs, same target ε,
+    # σ calibrated per q): figure 3. Every point gets the certified bound at every checkpoint;
+    # `mean_points` also get `num_batches` Monte-Carlo draws of Δ_B for the estimate.
+    mean_batch_sizes: tuple[int, ...]
+    mean_points: str
+    num_batches: int
+    renyi_order: float = 8.0
+    # The audit (points spanning the ε range, simulated steps per law) and the membership attack
+    # against a non-private run of the same configuration (its own learning rate: lr 2 diverges).
+    audit_points: int = 50
+    audit_trials: int = 300_000
+    nodp_lr: float = 0.1
+    # The accountants.
+    delta: float = 1e-5  # δ of every reported (ε, δ) guarantee
+    per_step_method: typing.Literal["exact", "holder"] = "exact"  # eps_delta.py --method of the sum rule (§3.3)
+
+
 PRESETS = {
-    "tiny": {  # for CI: a few hundred synthetic points, seconds
-        "train": ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "2",
-                  "--eps", "10", "--save-freq", "4"],
-        "track": "random:64", "mean_batch_sizes": [16, 64, 128], "mean_epochs": "1", "mean_points": "random:4",
-        "num_batches": 40, "renyi_batches": 8, "renyi_iters": 4,
-    },
-    "quick": {  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
-        "train": ["--dataset", "mnist-embedded", "--model", "lenet5", "--batch-size", "256", "--lr", "2.0",
-                  "--epochs", "4", "--eps", "10", "--save-freq", "10"],
-        "track": "random:200", "mean_batch_sizes": [64, 256, 1024], "mean_epochs": "1", "mean_points": "random:10",
-        "num_batches": 200, "renyi_batches": 20, "renyi_iters": 10,
-    },
-    "mnist": {  # paper scale, meant for a GPU
-        "train": ["--dataset", "MNIST", "--model", "lenet5", "--batch-size", "256", "--lr", "2.0", "--epochs", "20",
-                  "--eps", "10", "--save-freq", "100"],
-        "track": "random:1000", "mean_batch_sizes": [64, 256, 1024, 4096], "mean_epochs": "5",
-        "mean_points": "random:100", "num_batches": 1000, "renyi_batches": 100, "renyi_iters": 20,
-    },
-    "cifar10": {  # paper scale, meant for a GPU
-        "train": ["--dataset", "CIFAR10", "--model", "resnet20", "--batch-size", "512", "--lr", "2.0",
-                  "--epochs", "40", "--eps", "10", "--save-freq", "200"],
-        "track": "random:1000", "mean_batch_sizes": [128, 512, 2048], "mean_epochs": "10",
-        "mean_points": "random:100", "num_batches": 1000, "renyi_batches": 100, "renyi_iters": 20,
-    },
+    "tiny": ReproduceConfig(  # for CI: a few hundred synthetic points, seconds
+        dataset="synthetic", model="mlp", batch_size=32, lr=0.5, epochs=2.0, eps=10.0, save_freq=4,
+        track_points="random:64", mean_batch_sizes=(16, 64, 128), mean_points="random:4", num_batches=64,
+        audit_points=6, audit_trials=20_000, nodp_lr=0.5),
+    "quick": ReproduceConfig(  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
+        dataset="mnist-embedded", model="lenet5", batch_size=256, lr=2.0, epochs=4.0, eps=10.0, save_freq=10,
+        track_points="random:200", mean_batch_sizes=(64, 256, 1024), mean_points="random:100", num_batches=1024),
+    "mnist": ReproduceConfig(  # paper scale, meant for a GPU
+        dataset="MNIST", model="lenet5", batch_size=256, lr=2.0, epochs=20.0, eps=10.0, save_freq=100,
+        track_points="random:1000", mean_batch_sizes=(64, 256, 1024, 4096), mean_points="random:1000",
+        num_batches=10_000),
+    "cifar10": ReproduceConfig(  # paper scale, meant for a GPU
+        dataset="CIFAR10", model="resnet20", batch_size=512, lr=2.0, epochs=40.0, eps=10.0, save_freq=200,
+        track_points="random:1000", mean_batch_sizes=(128, 512, 2048), mean_points="random:1000",
+        num_batches=10_000),
 }
+# Fields that define the main run, and those that define the mean-rule runs and measurements: a
+# change of one of them gives the runs and result files new names (see `variant_tag`). The dataset
+# is not among them: every name starts with it.
+MAIN_RUN_FIELDS = ("model", "batch_size", "lr", "epochs", "eps", "save_freq", "track_points")
+MEAN_RULE_FIELDS = ("mean_points", "num_batches", "renyi_order")
+NODP_RUN_FIELDS = ("model", "batch_size", "epochs", "nodp_lr")
 
+
+def field_types():
+    return {field.name: field.type for field in dataclasses.fields(ReproduceConfig)}
+
+
+def parse_field(name, text):
+    """The value of field `name` from its command-line text; ValueError when it does not fit the type."""
+    kind = field_types()[name]
+    if typing.get_origin(kind) is tuple:
+        (item, _) = typing.get_args(kind)
+        values = tuple(item(part) for part in text.split(",") if part.strip())
+        if not values:
+            raise ValueError("an empty list")
+        return values
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in typing.get_args(kind):
+            raise ValueError(f"{text!r} is not among them")
+        return text
+    value = kind(text)
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def type_name(kind):
+    if typing.get_origin(kind) is tuple:
+        return f"comma-separated {typing.get_args(kind)[0].__name__}s"
+    if typing.get_origin(kind) is typing.Literal:
+        return f"one of {', '.join(typing.get_args(kind))}"
+    return kind.__name__
+
+
+def apply_overrides(config, assignments):
+    """`config` with each `FIELD=VALUE` of --set applied in order, every value checked against its field's type."""
+    types = field_types()
+    allowed = f"fields: {', '.join(types)}"
+    changes = {}
+    for assignment in assignments:
+        name, equals, text = assignment.partition("=")
+        name = name.strip()
+        if not equals:
+            raise UsageError("--set", f"{assignment!r} is not FIELD=VALUE ({allowed})")
+        if name not in types:
+            raise UsageError("--set", f"unknown field {name!r} ({allowed})")
+        try:
+            changes[name] = parse_field(name, text.strip())
+        except ValueError as error:
+            raise UsageError("--set", f"{name}={text}: not {type_name(types[name])} ({error}; {allowed})") from None
+    return dataclasses.replace(config, **changes)
+
+
+def field_text(value):
+    """A field's value as --set and the scripts' flags take it."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def overridden(config, preset):
+    """{field: value} of the fields where `config` differs from the preset's configuration."""
+    base = PRESETS[preset]
+    return {name: getattr(config, name) for name in field_types() if getattr(config, name) != getattr(base, name)}
+
+
+def variant_tag(config, preset, fields):
+    """'' when `fields` keep the preset's values, else '-' and a hash of the changed ones, so that a run
+    or result file of another configuration never shares a name with the preset's."""
+    changed = {name: field_text(value) for name, value in overridden(config, preset).items() if name in fields}
+    if not changed:
+        return ""
+    return "-" + hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def training_flags(config, device):
+    """The flags of train_dpsgd.py (and compute_sensitivity.py) for the run `config` describes."""
+    return ["--dataset", config.dataset, "--model", config.model, "--batch-size", str(config.batch_size),
+            "--lr", str(config.lr), "--epochs", str(config.epochs), "--eps", str(config.eps),
+            "--save-freq", str(config.save_freq), "--device", device]
+
+
+# --- commands and the cache of the accountants' outputs -----------------------------------------
 
 def call_script(script, argv):
     """Run a top-level script's main(argv) in this process, as its command line would."""
-    print(f"\n$ python {script} {' '.join(argv)}", flush=True)
+    print(f"\n$ python {script} {shlex.join(argv)}", flush=True)
     spec = importlib.util.spec_from_file_location(os.path.splitext(script)[0], os.path.join(ROOT, script))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(argv)
 
 
-def up_to_date(output, inputs):
-    """True when `output` exists and is newer than every input (so the step can be skipped)."""
-    if not os.path.exists(output):
+def command_key(script, argv, inputs):
+    """What an output depends on: the script's code, its full argv, and each input file's size and hash."""
+    return {"script": script, "script_sha256": fileio.sha256_of(os.path.join(ROOT, script)), "argv": list(argv),
+            "inputs": [{"path": path, "size": os.path.getsize(path), "sha256": fileio.sha256_of(path)}
+                       for path in inputs]}
+
+
+def key_path(out):
+    """The sidecar of an accountant's output that holds the command_key it was computed with."""
+    return out + ".cmd"
+
+
+def is_cached(out, key):
+    """True when `out` exists and was computed by exactly this command on exactly these inputs."""
+    if not (os.path.exists(out) and os.path.exists(key_path(out))):
         return False
-    return all(os.path.getmtime(output) >= os.path.getmtime(path) for path in inputs if os.path.exists(path))
+    with open(key_path(out), encoding="utf-8") as handle:
+        try:
+            return json.load(handle) == key
+        except json.JSONDecodeError:
+            return False
 
 
-def account(script, res_name, out, argv=()):
-    """Run an accountant unless its output is newer than its input; return its output rows."""
-    source = os.path.join("res", f"{res_name}.csv")
-    if up_to_date(out, [source]):
-        print(f"\n(skipping {script}: {out} is up to date)")
-    else:
-        call_script(script, ["--res-name", res_name, "--out", out, *argv])
-    return pd.read_csv(out)
+class Commands:
+    """Runs the scripts of one reproduction and remembers each command, for the report."""
+
+    def __init__(self):
+        self.lines = []  # (command line, whether a cached output was reused)
+
+    def run(self, script, argv):
+        self.lines.append((f"python {script} {shlex.join(argv)}", False))
+        call_script(script, argv)
+
+    def account(self, script, argv, out, source):
+        """Run an accountant on `source` into `out` unless `out` holds this very command's output; its rows."""
+        argv = [*argv, "--out", out]
+        key = command_key(script, argv, [source])
+        cached = is_cached(out, key)
+        self.lines.append((f"python {script} {shlex.join(argv)}", cached))
+        if cached:
+            print(f"\n(skipping {script}: {out} was computed by this command on this input)")
+        else:
+            call_script(script, argv)
+            fileio.write_json(key_path(out), key)
+        return pd.read_csv(out)
 
 
 def check_out_dir(out_dir):
@@ -93,90 +249,231 @@ def check_out_dir(out_dir):
         raise UsageError("--out-dir", f"{out_dir} is not writable")
 
 
+def check_dataset(config, preset, flag):
+    """Load a dataset other than the preset's once, so that a bad one fails before any work."""
+    if config.dataset == PRESETS[preset].dataset:
+        return
+    try:
+        load_dataset(config.dataset, DATA_ROOT)
+    except UsageError as error:
+        message = error.message if flag == "--dataset" else f"dataset={config.dataset}: {error.message}"
+        raise UsageError(flag, message) from None
+
+
 def slug(text):
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def main(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="quick", choices=list(PRESETS))
-    parser.add_argument("--dataset", default=None, help="override the preset's dataset (e.g. imagefolder:PATH)")
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+    parser.add_argument("--preset", default="quick", choices=list(PRESETS), help="the configuration reproduced")
+    parser.add_argument("--dataset", default=None, help="override the preset's dataset (e.g. imagefolder:PATH); "
+                                                        "the same as --set dataset=...")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help=f"override a field of the preset (repeatable); fields: {', '.join(field_types())}")
     parser.add_argument("--out-dir", default="figures", help="where the figures and report.md go")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    args = parser.parse_args(argv)
-    preset = PRESETS[args.preset]
-    train_flags = list(preset["train"])
-    if args.dataset is not None:
-        train_flags[train_flags.index("--dataset") + 1] = args.dataset
-        load_dataset(args.dataset, "./data")  # bad paths fail here, before any work
+    add_device_argument(parser)
+    return parser
+
+
+def parse_args(argv):
+    """(preset name, configuration with every override applied, device, out_dir)."""
+    args = build_parser().parse_args(argv)
+    assignments = ([f"dataset={args.dataset}"] if args.dataset is not None else []) + args.set
+    config = apply_overrides(PRESETS[args.preset], assignments)
+    check_dataset(config, args.preset, "--dataset" if args.dataset is not None else "--set")
     check_out_dir(args.out_dir)
-    dataset_name = train_flags[train_flags.index("--dataset") + 1]
-    name = f"{args.preset}-{slug(dataset_name)}"
-    common = [*train_flags, "--device", args.device]
+    return args.preset, config, args.device, args.out_dir
+
+
+# --- the reproduction ---------------------------------------------------------------------------
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset, config, device, out_dir = parse_args(argv)
+    name = f"{preset}-{slug(config.dataset)}"
+    commands = Commands()
     started = time.time()
 
     # 1. The main run (sum rule), with per-step norms of the tracked points (figure 6).
-    main_flags = [*common, "--save-name", f"{name}-sum", "--track-points", preset["track"]]
-    call_script("train_dpsgd.py", main_flags)
-    run_dir = os.path.join("models", f"{name}-sum")
+    main_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS)}-sum"
+    main_flags = [*training_flags(config, device), "--save-name", main_name, "--track-points", config.track_points]
+    commands.run("train_dpsgd.py", main_flags)
+    run_dir = os.path.join("models", main_name)
     metadata = checkpoints.load_metadata(run_dir)
 
     # 2. Δ* of every training point at every checkpoint.
-    call_script("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
-                                           "--stage", "all", "--res-name", f"{name}-sum", "--no-train"])
-    sensitivities = pd.read_csv(os.path.join("res", f"{name}-sum.csv"))
+    commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
+                                            "--stage", "all", "--res-name", main_name, "--no-train"])
+    sensitivities = pd.read_csv(os.path.join("res", f"{main_name}.csv"))
 
-    # 3. Accountants on it: per-step (ε, δ), and composition along the run (Hölder b = ∞).
-    # With one deterministic Δ* per point (sum rule), Hölder p = ∞ is the tightest choice of §3.3.
-    per_step = account("eps_delta.py", f"{name}-sum", os.path.join("res", f"{name}-sum_eps_delta.csv"),
-                       ["--holder-p", "inf"])
-    composed = account("renyi_per_instance_sum_compo.py", f"{name}-sum",
-                       os.path.join("res", f"{name}-sum_compo_inf.csv"), ["--holder-p", "inf"])
-    tracked_out = os.path.join("res", f"{name}-tracked_compo_inf.csv")
-    tracked_source = os.path.join(run_dir, "tracked_norms.csv")
-    if not up_to_date(tracked_out, [tracked_source]):
-        call_script("renyi_per_instance_sum_compo.py", ["--res-file", tracked_source, "--out", tracked_out,
-                                                        "--holder-p", "inf"])
-    tracked = pd.read_csv(tracked_out)
+    # 3. Accountants on it: per-step (ε, δ), and composition along the run.
+    accounted = account_main_run(commands, config, main_name, run_dir)
 
     # 4. Mean update rule at several sampling rates.
-    mean_results = {}
-    for batch_size in preset["mean_batch_sizes"]:
-        flags = [*common, "--reduction", "mean", "--batch-size", str(batch_size), "--epochs", preset["mean_epochs"],
-                 "--save-name", f"{name}-mean-bs{batch_size}"]
-        flags[flags.index("--save-freq") + 1] = "1000000"
-        call_script("train_dpsgd.py", flags)
-        delta_name, renyi_name = f"{name}-mean-bs{batch_size}-delta", f"{name}-mean-bs{batch_size}-renyi"
-        call_script("compute_sensitivity.py", [*flags, "--exp", "eps_delta", "--reduction", "mean", "--points",
-                                               preset["mean_points"], "--stage", "final", "--num-batches",
-                                               str(preset["num_batches"]), "--res-name", delta_name, "--no-train"])
-        call_script("compute_sensitivity.py", [*flags, "--exp", "renyi", "--reduction", "mean", "--points",
-                                               preset["mean_points"], "--stage", "final", "--alpha", str(RENYI_ORDER),
-                                               "--num-batches", str(preset["renyi_batches"]), "--num-iters",
-                                               str(preset["renyi_iters"]), "--res-name", renyi_name, "--no-train"])
-        rdp = account("renyi_per_instance_mean.py", renyi_name, os.path.join("res", f"{renyi_name}_mean.csv"),
-                      ["--alpha", str(RENYI_ORDER)])
-        eps = account("eps_delta.py", delta_name, os.path.join("res", f"{delta_name}_eps_delta.csv"))
-        mean_results[batch_size] = (pd.read_csv(os.path.join("res", f"{delta_name}.csv")), rdp, eps)
+    mean_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS + MEAN_RULE_FIELDS)}-mean"
+    mean_results = mean_rule_experiment(commands, config, mean_name, device)
 
-    # 5. Figures and report.
-    findings = draw_figures(args.out_dir, metadata, run_dir, sensitivities, per_step, composed, tracked, mean_results,
-                            args.device)
-    report = write_report(args, preset, metadata, findings, time.time() - started)
-    print(f"\nreproduce.py --preset {args.preset}: 6 figures and {report} written in {time.time() - started:.0f}s")
+    # 5. The bounds held against attacks: the per-instance audit (sum rule on the main run, mean
+    # rule on the mean-rule run at the main batch size) and the membership attack per class.
+    attacks = attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device)
+
+    # 6. Figures and report.
+    findings = draw_figures(out_dir, config, metadata, run_dir, sensitivities, *accounted, mean_results, device)
+    findings.update(attacks)
+    findings["headlines"] = finding_lines(config, findings)
+    report = write_report(out_dir, preset, config, argv, commands, metadata, findings, time.time() - started)
+    print(f"\nreproduce.py --preset {preset}: {len(FIGURES)} figures and {report} written in {time.time() - started:.0f}s")
     for line in findings["headlines"]:
         print(f"  - {line}")
 
+
+def account_main_run(commands, config, main_name, run_dir):
+    """(per-step (ε, δ), composed ε from checkpoints, composed ε from the tracked points' every-step norms)."""
+    source = os.path.join("res", f"{main_name}.csv")
+    delta = ["--delta", str(config.delta)]
+    per_step = commands.account("eps_delta.py", ["--res-name", main_name, *delta, "--method",
+                                                 config.per_step_method],
+                                os.path.join("res", f"{main_name}_eps_delta.csv"), source)
+    compose = ["--holder-b", str(COMPOSITION_HOLDER_B), *delta]
+    composed = commands.account("renyi_per_instance_sum_compo.py", ["--res-name", main_name, *compose],
+                                os.path.join("res", f"{main_name}_compo.csv"), source)
+    tracked_source = os.path.join(run_dir, "tracked_norms.csv")
+    tracked = commands.account("renyi_per_instance_sum_compo.py", ["--res-file", tracked_source, *compose],
+                               os.path.join("res", f"{main_name}-tracked_compo.csv"), tracked_source)
+    return guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]), guarantees(tracked, ["point"])
+
+
+def guarantees(rows, index):
+    """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the certified
+    guarantee (the max over directions where rows have one), `baseline_eps` the baseline, and `delta`."""
+    if "direction" in rows:
+        rows = rows[rows["direction"] == "max"]
+    table = rows.pivot_table(index=index, columns="kind", values="eps", aggfunc="first")
+    table = table.rename(columns={"certified": "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
+    return table.join(rows.groupby(index)["delta"].first()).reset_index()
+
+
+def mean_rule_experiment(commands, config, mean_name, device):
+    """{q: (per-step series, composed series, facts)} of the mean-rule runs (figure 3, §3.2, §4).
+
+    Each run trains like the main run (same epochs and target ε; Opacus calibrates σ for its q)
+    with the mean rule, checkpoints about as often per epoch, and is measured at every checkpoint:
+    d*, v_X, b_X of every point (certified bound, composition), Δ_B samples of `mean_points` at the
+    final checkpoint (estimate), and Δ* of every point there (the sum rule at the same θ and σ)."""
+    results = {}
+    alpha = ["--alpha", f"{config.renyi_order:g}"]
+    for batch_size in config.mean_batch_sizes:
+        save_freq = max(1, round(config.save_freq * config.batch_size / batch_size))
+        run = dataclasses.replace(config, batch_size=batch_size, save_freq=save_freq)
+        run_name = f"{mean_name}-bs{batch_size}"
+        commands.run("train_dpsgd.py", [*training_flags(run, device), "--reduction", "mean", "--save-name", run_name])
+        measure = ["--run", run_name, "--no-train", "--device", device]
+        names = {part: f"{run_name}-{part}" for part in ("stats", "samples", "norms")}
+        commands.run("compute_sensitivity.py", [*measure, "--reduction", "mean", "--points", "all", "--stage", "all",
+                                                "--num-batches", "0", "--res-name", names["stats"]])
+        commands.run("compute_sensitivity.py", [*measure, "--reduction", "mean", "--points", config.mean_points,
+                                                "--stage", "final", "--num-batches", str(config.num_batches),
+                                                "--res-name", names["samples"]])
+        commands.run("compute_sensitivity.py", [*measure, "--reduction", "sum", "--points", "all", "--stage", "final",
+                                                "--res-name", names["norms"]])
+        certified = account(commands, "renyi_per_instance_mean.py", names["stats"], alpha, "renyi")
+        estimate = account(commands, "renyi_per_instance_mean.py", names["samples"], alpha, "renyi")
+        sum_rule = account(commands, "renyi_per_instance_sum.py", names["norms"], alpha, "renyi")
+        composed = account(commands, "renyi_per_instance_sum_compo.py", names["stats"], ["--delta", str(config.delta)],
+                           "compo")
+        metadata = checkpoints.load_metadata(os.path.join("models", run_name))
+        results[metadata["sample_rate"]] = mean_rule_series(metadata, config, certified, estimate, sum_rule, composed)
+    return results
+
+
+def account(commands, script, res_name, flags, suffix):
+    """An accountant on res/<res_name>.csv into res/<res_name>_<suffix>.csv (cached by its command)."""
+    return commands.account(script, ["--res-name", res_name, *flags], os.path.join("res", f"{res_name}_{suffix}.csv"),
+                            os.path.join("res", f"{res_name}.csv"))
+
+
+def mean_rule_series(metadata, config, certified, estimate, sum_rule, composed):
+    """The numbers figure 3 draws for one sampling rate, from the accountants' labelled outputs."""
+    final_step = metadata["total_steps"]
+    sample_rate, sigma, steps = metadata["sample_rate"], metadata["noise_multiplier"], metadata["total_steps"]
+
+    def per_step(rows, kind):
+        chosen = rows[(rows["kind"] == kind) & (rows["direction"] == "max") & (rows["step"] == final_step)]
+        return chosen["rdp"].to_numpy()
+
+    sum_worst = float(accounting.rdp_sgm(sample_rate, sigma, [config.renyi_order])[0])
+    orders = accounting.COMPOSITION_ORDERS
+    sum_composed, _ = accounting.rdp_to_eps(orders, accounting.baseline_rdp(sigma, sample_rate, orders, steps),
+                                            config.delta)
+    at_end = certified[(certified["step"] == final_step) & (certified["direction"] == "max")]
+    facts = {"sigma": sigma, "steps": steps, "batch_size": metadata["batch_size"],
+             "k_min": int(at_end["k_min"].iloc[0]), "estimate_points": int(estimate["point"].nunique()),
+             "estimate_samples": int(estimate.loc[estimate["kind"] == "estimate", "samples"].median()),
+             "dominated_by_k_min": float(at_end.loc[at_end["kind"] == "certified", "k_star_at_k_min"].mean()),
+             "estimate_spread": (estimate.loc[estimate["kind"] == "estimate", "rdp_max"]
+                                 / estimate.loc[estimate["kind"] == "estimate", "rdp_min"]).median()}
+    step_series = {"certified": per_step(certified, "certified"), "estimate": per_step(estimate, "estimate"),
+                   "baseline": float(per_step(certified, "baseline")[0]), "sum_rule": per_step(sum_rule, "certified"),
+                   "sum_baseline": sum_worst}
+    composed_series = {"certified": composed.loc[composed["kind"] == "certified", "eps"].to_numpy(),
+                       "baseline": float(composed.loc[composed["kind"] == "baseline", "eps"].iloc[0]),
+                       "sum_baseline": float(sum_composed)}
+    return step_series, composed_series, facts
+
+
+def attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device):
+    """Findings 8 and 9: audit summaries per rule and the membership attack per model (DP, non-private)."""
+    audits = {}
+    mean_batch = min(config.mean_batch_sizes, key=lambda size: abs(size - config.batch_size))
+    for rule, run_name, points in (("sum", main_name, config.audit_points),
+                                   ("mean", f"{mean_name}-bs{mean_batch}", max(2, config.audit_points // 2))):
+        out = os.path.join("res", f"{run_name}_audit_{rule}.csv")
+        figure = os.path.join(out_dir, FIGURES[6]) if rule == "sum" else os.path.join(out_dir, f"7_audit_{rule}.png")
+        commands.run("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule, "--trials",
+                                  str(config.audit_trials), "--delta", str(config.delta), "--out", out,
+                                  "--figure", figure, "--device", device])
+        audits[rule] = attacks.audit_summary(pd.read_csv(out))
+    nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
+    nodp = dataclasses.replace(config, lr=config.nodp_lr)
+    commands.run("train_dpsgd.py", [*training_flags(nodp, device), "--no-dp", "--save-name", nodp_name])
+    out = os.path.join("res", f"{main_name}_membership.csv")
+    commands.run("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name, "--eps-csv",
+                                             os.path.join("res", f"{main_name}_compo.csv"), "--out", out,
+                                             "--figure", os.path.join(out_dir, FIGURES[7]), "--device", device])
+    return {"audit": audits, "membership": attacks.membership_summary(pd.read_csv(out))}
+
+
+def attack_lines(findings):
+    """Findings 8 and 9 as report lines."""
+    lines = []
+    for rule, summary in findings["audit"].items():
+        for step, result in summary.items():
+            groups = ", ".join(f"{group} {values['median_lower']:.3g}/{values['median_upper']:.3g} "
+                               f"(ratio {values['median_ratio']:.3g}, {values['points']} points)"
+                               for group, values in result["groups"].items() if group != "all")
+            lines.append(f"audit, {rule} rule, step {step}, {result['trials']:,} simulated steps per law, "
+                         f"δ={result['delta']:g}: eps_lower/eps_upper medians ({result['upper_kind']} upper bound) "
+                         f"{groups}; violated: {result['violated']} of {result['points']}")
+    membership = findings["membership"]
+    lines.append("membership inference (loss threshold, per class): " + "; ".join(
+        f"{model}: mean attack accuracy {values['mean_attack_accuracy']:.3f}, Pearson r(attack, class ε) = "
+        f"{values['pearson_attack']:.2f}, r(test accuracy, class ε) = {values['pearson_test']:.2f} "
+        f"({values['classes']} classes)" for model, values in membership.items()))
+    return lines
+
+
+# --- figures -------------------------------------------------------------------------------------
 
 def final_rows(frame, step):
     return frame[frame["step"] == step]
 
 
-def draw_figures(out_dir, metadata, run_dir, sensitivities, per_step, composed, tracked, mean_results, device):
-    total_steps = metadata["total_steps"]
+def draw_figures(out_dir, config, metadata, run_dir, sensitivities, per_step, composed, tracked, mean_results,
+                 device):
     final_step = max(checkpoints.saved_steps(run_dir))
     at_end = final_rows(sensitivities, final_step).set_index("point")
-    findings = {"headlines": []}
+    findings = {}
 
     def path(name):
         return os.path.join(out_dir, name)
@@ -185,60 +482,54 @@ def draw_figures(out_dir, metadata, run_dir, sensitivities, per_step, composed, 
     step_eps = final_rows(per_step, final_step).set_index("point")
     baseline_step = float(step_eps["baseline_eps"].iloc[0])
     findings["histogram"] = plots.plot_per_step_histogram(
-        step_eps["eps"].to_numpy(), baseline_step, path("1_per_step_eps_histogram.png"),
+        step_eps["eps"].to_numpy(), baseline_step, path(FIGURES[0]),
         title=f"Per-instance per-step ε at step {final_step} (sum rule, δ={step_eps['delta'].iloc[0]:g})")
 
     # Figure 2: correct vs misclassified.
     correct = at_end.loc[step_eps.index, "correct"].astype(bool).to_numpy()
     findings["correctness"] = plots.plot_correct_vs_misclassified(
-        step_eps["eps"].to_numpy(), correct, baseline_step, path("2_correct_vs_misclassified.png"),
-        "per-instance per-step ε")
+        step_eps["eps"].to_numpy(), correct, baseline_step, path(FIGURES[1]), "per-instance per-step ε")
 
     # Figure 3: mean rule at several sampling rates.
-    sensitivities_by_rate, rdp_by_rate, baseline_by_rate, eps_by_rate, baseline_eps_by_rate = {}, {}, {}, {}, {}
-    for delta_rows, rdp_rows, eps_rows in mean_results.values():
-        rate = float(delta_rows["sample_rate"].iloc[0])
-        eps_by_rate[rate] = float(eps_rows["eps"].median())
-        baseline_eps_by_rate[rate] = float(eps_rows["baseline_eps"].iloc[0])
-        sensitivities_by_rate[rate] = delta_rows["value"].to_numpy()
-        worst = rdp_rows[rdp_rows["direction"] == "max"]
-        rdp_by_rate[rate] = worst["rdp"].to_numpy()
-        baseline_by_rate[rate] = float(worst["baseline_rdp"].iloc[0])
-    findings["rates"] = plots.plot_sampling_rates(sensitivities_by_rate, rdp_by_rate, baseline_by_rate, RENYI_ORDER,
-                                                  path("3_mean_rule_sampling_rates.png"))
-    findings["rates"].update(baseline_rdp=baseline_by_rate, median_eps=eps_by_rate, baseline_eps=baseline_eps_by_rate)
+    findings["rates"] = draw_mean_rule(mean_results, config, path(FIGURES[2]))
 
     # Figure 4: composed ε over training for an easy, a hard and a misclassified point.
     composed = composed.set_index("point")
     chosen = pick_points(composed["eps"], at_end.loc[composed.index, "correct"].astype(bool))
-    curves, baseline_curve = composition_curves(metadata, sensitivities, chosen)
-    findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path("4_composed_eps_over_training.png"),
-                                                           COMPOSITION_DELTA)
+    curves, baseline_curve = composition_curves(metadata, sensitivities, chosen, config.delta)
+    findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path(FIGURES[3]), config.delta)
 
     # Figure 5: individual accounting of every point vs its final loss; classes.
     model, payload = training.load_model(metadata, run_dir, final_step, device)
     findings["test_accuracy"] = payload["test_accuracy"]
-    dataset = load_dataset(metadata["dataset"], "./data", metadata["less_point"])
+    dataset = load_dataset(metadata["dataset"], DATA_ROOT, metadata["less_point"])
     class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
     findings["individual"] = plots.plot_individual_accounting(
         composed["eps"].to_numpy(), at_end.loc[composed.index, "loss"].to_numpy(),
         at_end.loc[composed.index, "label"].to_numpy(), dataset.class_names, class_accuracy,
-        float(composed["baseline_eps"].iloc[0]), path("5_individual_accounting.png"))
+        float(composed["baseline_eps"].iloc[0]), path(FIGURES[4]))
     findings["individual"]["lowest_class"] = int(np.argmin(class_accuracy))
     findings["individual"]["highest_class"] = int(np.argmax(class_accuracy))
 
     # Figure 6: ε from norms at checkpoints only vs from norms at every step.
     exact = tracked.set_index("point")["eps"]
     findings["estimate"] = plots.plot_estimate_accuracy(
-        composed.loc[exact.index, "eps"].to_numpy(), exact.to_numpy(), path("6_estimate_accuracy.png"),
+        composed.loc[exact.index, "eps"].to_numpy(), exact.to_numpy(), path(FIGURES[5]),
         float(composed["baseline_eps"].iloc[0]))
     findings["estimate"]["points"] = len(exact)
     findings["composed_median"] = float(composed["eps"].median())
     findings["composed_baseline"] = float(composed["baseline_eps"].iloc[0])
-    findings["total_steps"] = total_steps
-    findings["final_step"] = final_step
-    findings["chosen"] = chosen
+    findings["total_steps"] = metadata["total_steps"]
     return findings
+
+
+def draw_mean_rule(mean_results, config, path):
+    """Figure 3 and its numbers: per-step and composed guarantees of the mean rule by sampling rate."""
+    per_step = {rate: series[0] for rate, series in mean_results.items()}
+    composed = {rate: series[1] for rate, series in mean_results.items()}
+    drawn = plots.plot_mean_rule_rates(per_step, composed, config.renyi_order, config.delta, path)
+    drawn["facts"] = {rate: series[2] for rate, series in mean_results.items()}
+    return drawn
 
 
 def pick_points(eps, correct):
@@ -255,8 +546,9 @@ def pick_points(eps, correct):
     return chosen
 
 
-def composition_curves(metadata, sensitivities, chosen):
-    """Composed ε after t steps (accounting.md §4, b = ∞) at each checkpoint, for the chosen points."""
+def composition_curves(metadata, sensitivities, chosen, delta):
+    """Composed ε after t steps (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞, so the table needs only the
+    base orders) at each checkpoint, for the chosen points."""
     orders = np.asarray(accounting.COMPOSITION_ORDERS, dtype=float)
     rows = sensitivities[sensitivities["point"].isin(list(chosen.values()))]
     table_of = rows.pivot_table(index="step", columns="point", values="value", aggfunc="first")
@@ -268,61 +560,96 @@ def composition_curves(metadata, sensitivities, chosen):
     curves = {label: (np.asarray(horizon), np.empty(len(horizon))) for label in chosen}
     baseline = np.empty(len(horizon))
     for column, end in enumerate(horizon):
-        rdp = accounting.compose_rdp(table, ratio, steps, end, orders, np.inf)
-        eps, _ = accounting.rdp_to_eps(orders, rdp, COMPOSITION_DELTA)
+        rdp = accounting.compose_rdp(table, ratio, steps, end, orders, COMPOSITION_HOLDER_B)
+        eps, _ = accounting.rdp_to_eps(orders, rdp, delta)
         for index, label in enumerate(chosen):
             curves[label][1][column] = eps[index]
         baseline[column] = accounting.rdp_to_eps(
             orders, accounting.baseline_rdp(metadata["noise_multiplier"], metadata["sample_rate"], orders, end),
-            COMPOSITION_DELTA)[0]
+            delta)[0]
     return curves, (np.asarray(horizon), baseline)
 
 
-def write_report(args, preset, metadata, findings, seconds):
+# --- report --------------------------------------------------------------------------------------
+
+def finding_lines(config, findings):
+    """The numbered findings of the report, every setting quoted from `config` and the constants."""
     hist, corr, rates = findings["histogram"], findings["correctness"], findings["rates"]
     individual, estimate = findings["individual"], findings["estimate"]
-    sorted_rates = sorted(rates["median_rdp"])
-    medians = [rates["median_rdp"][rate] for rate in sorted_rates]
-    decreasing = all(a >= b for a, b in zip(medians, medians[1:]))
     misclassified_more = corr["count_misclassified"] > 0 and corr["median_misclassified"] > corr["median_correct"]
-    lines = [
+    class_eps = list(individual["class_mean_eps"].values())
+    return [
         f"median per-instance per-step ε is {hist['median']:.4g}, baseline {hist['baseline']:.4g}; "
         f"{100 * hist['share_2x_below']:.1f}% of points are at least 2× below the baseline",
         (f"misclassified median / correct median = {corr['ratio']:.3g} "
          f"({corr['count_misclassified']} misclassified, {corr['count_correct']} correct points)"
          + ("" if misclassified_more else " — NOT borne out by this run: misclassified points do not pay more")),
-        ("mean rule: median per-instance Rényi DP (α=8) by sampling rate: "
-         + ", ".join(f"q={rate:.4g}: {rates['median_rdp'][rate]:.4g} (baseline {rates['baseline_rdp'][rate]:.4g})"
-                     for rate in sorted_rates)
-         + ("; it falls as q grows" if decreasing else
-            " — it does NOT fall as q grows in this run (the papers' finding is not borne out here)")),
-        ("mean rule: median per-instance per-step ε (Δ_B samples, Hölder p=1e4) by sampling rate: "
-         + ", ".join(f"q={rate:.4g}: {rates['median_eps'][rate]:.4g} (baseline {rates['baseline_eps'][rate]:.4g})"
-                     for rate in sorted_rates)),
-        (f"composed ε over {findings['total_steps']} steps (b=∞, δ={COMPOSITION_DELTA:g}): median {findings['composed_median']:.4g}, "
+        *mean_rule_lines(config, rates),
+        (f"composed ε over {findings['total_steps']} steps (b={holder_text(COMPOSITION_HOLDER_B)}, "
+         f"δ={config.delta:g}): median {findings['composed_median']:.4g}, "
          f"baseline {findings['composed_baseline']:.4g}; "
          + ", ".join(f"{label}: {value:.4g}" for label, value in findings["curves"]["final"].items())),
         (f"Pearson r between composed ε and log final loss = {individual['pearson_log_loss']:.3f}; "
          f"class with the lowest test accuracy ({individual['lowest_class']}) has mean ε "
-         f"{individual['class_mean_eps'][list(individual['class_mean_eps'])[individual['lowest_class']]]:.4g}, "
-         f"the highest ({individual['highest_class']}) "
-         f"{individual['class_mean_eps'][list(individual['class_mean_eps'])[individual['highest_class']]]:.4g}"),
+         f"{class_eps[individual['lowest_class']]:.4g}, the highest ({individual['highest_class']}) "
+         f"{class_eps[individual['highest_class']]:.4g}"),
         (f"ε from norms at checkpoints only vs at every step, {estimate['points']} points: Pearson r = "
          f"{estimate['pearson']:.3f}, mean |error| {estimate['mean_abs_error']:.3g}, max |error| "
          f"{estimate['max_abs_error']:.3g}"),
+        *attack_lines(findings),
     ]
-    findings["headlines"] = lines
-    settings = " ".join(preset["train"])
-    figures = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
-               "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png"]
-    text = [f"# Per-instance privacy of DP-SGD: preset `{args.preset}`", "",
-            f"Run `{metadata['run']}`: `{settings}`; σ = {metadata['noise_multiplier']:.4g}, q = "
-            f"{metadata['sample_rate']:.4g}, T = {metadata['total_steps']}, Γ = {metadata['clip_bound']:g}, "
-            f"N = {metadata['dataset_size']}; test accuracy at the end "
-            f"{findings['test_accuracy']:.4f}. Took {seconds:.0f} s.", "", "## Findings", ""]
-    text += [f"{index}. {line}" for index, line in enumerate(lines, 1)]
-    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in figures]
-    path = os.path.join(args.out_dir, "report.md")
+
+
+def mean_rule_lines(config, rates):
+    """Findings 3 and 4: the mean rule per sampling rate, per step and over the whole run, and GLA's
+    sampling-rate claim judged on the certified composed ε."""
+    facts, step, composed = rates["facts"], rates["per_step"], rates["composed"]
+    ordered = sorted(facts)
+    per_step = "; ".join(
+        f"q={rate:.4g} (B={facts[rate]['batch_size']}, σ={facts[rate]['sigma']:.3g}, k_min={facts[rate]['k_min']}): "
+        f"certified {step['certified'][rate]:.4g}, estimate {step['estimate'][rate]:.4g} "
+        f"({facts[rate]['estimate_points']} points × {facts[rate]['estimate_samples']} batches, "
+        f"max/min over blocks {facts[rate]['estimate_spread']:.3g}), mean-rule baseline {step['baseline'][rate]:.4g}; "
+        f"sum rule at the same θ and σ {step['sum_rule'][rate]:.4g} (worst case {step['sum_baseline'][rate]:.4g})"
+        for rate in ordered)
+    whole = ", ".join(f"q={rate:.4g} (T={facts[rate]['steps']}): certified {composed['certified'][rate]:.4g} vs "
+                      f"mean-rule baseline {composed['baseline'][rate]:.4g}, sum rule worst case "
+                      f"{composed['sum_baseline'][rate]:.4g}" for rate in ordered)
+    medians = [composed["certified"][rate] for rate in ordered]
+    falls = all(first > second for first, second in zip(medians, medians[1:]))
+    verdict = ("GLA's claim that a higher sampling rate gives the mean rule better data-dependent privacy is "
+               + ("REPRODUCED here: the median certified ε over the run falls as q grows"
+                  if falls else "NOT reproduced here: the median certified ε over the run does not fall as q grows"))
+    return [f"mean rule, per-step Rényi DP at α={config.renyi_order:g}, final checkpoint, medians: {per_step}",
+            f"mean rule, ε over the whole run (δ={config.delta:g}, certified, b=∞), medians: {whole}; {verdict}"]
+
+
+def holder_text(exponent):
+    return "∞" if exponent == math.inf else f"{exponent:g}"
+
+
+def configuration_lines(preset, config):
+    """A table of every field of the configuration; the ones overridden on the command line are marked."""
+    changed = overridden(config, preset)
+    lines = ["| field | value |", "| --- | --- |"]
+    lines += [f"| `{name}` | `{field_text(getattr(config, name))}`{' (overridden)' if name in changed else ''} |"
+              for name in field_types()]
+    return lines
+
+
+def write_report(out_dir, preset, config, argv, commands, metadata, findings, seconds):
+    text = [f"# Per-instance privacy of DP-SGD: preset `{preset}`", "",
+            f"`{shlex.join(['python', 'reproduce.py', *argv])}` took {seconds:.0f} s. Main run `{metadata['run']}` "
+            f"on `{metadata['dataset']}`: sigma = {metadata['noise_multiplier']:.4g}, q = {metadata['sample_rate']:.4g}, "
+            f"T = {metadata['total_steps']}, Γ = {metadata['clip_bound']:g}, N = {metadata['dataset_size']}; "
+            f"test accuracy at the end {findings['test_accuracy']:.4f}.", "", "## Findings", ""]
+    text += [f"{index}. {line}" for index, line in enumerate(findings["headlines"], 1)]
+    text += ["", "## Configuration", "", *configuration_lines(preset, config)]
+    text += ["", "## Commands", "", "Every number above comes from these commands, in this order "
+             "(\"cached\": the output of the same command on the same input was reused).", "", "```"]
+    text += [f"{line}{'  # cached' if cached else ''}" for line, cached in commands.lines]
+    text += ["```", "", "## Figures", ""] + [f"![{figure}]({figure})" for figure in FIGURES]
+    path = os.path.join(out_dir, "report.md")
     fileio.write_text(path, "\n".join(text) + "\n")
     return path
 

@@ -442,6 +442,8 @@ def mean_statistics(loaded):
     rows = loaded.rows[loaded.rows["quantity"].isin(list(STATISTICS))]
     if rows.empty:
         return None
+    # Every --mc-seed of one checkpoint records the same statistics: keep one copy.
+    rows = rows.drop_duplicates(subset=["point", "step", "quantity", "value"])
     check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "quantity"])
     table = rows.pivot(index=["point", "step"], columns="quantity", values="value")
     missing = table.isna().any(axis=1) | (len(table.columns) < len(STATISTICS))
@@ -461,8 +463,12 @@ def mean_samples(loaded):
     _first_bad(rows, sizes.isna().to_numpy() | (sizes < 0).to_numpy(), loaded.path, loaded.flag,
                lambda row: f"batch_sensitivity row without a batch size k ({row['k']!r}); re-measure with "
                "compute_sensitivity.py --reduction mean (Δ_B samples must carry k, accounting.md §2)")
-    rows = rows.assign(k=sizes.astype(int), block=pd.to_numeric(rows["block"], errors="coerce").fillna(0).astype(int))
-    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "block", "sample"])
+    # Samples of several --mc-seed values pool; each (mc_seed, block) is a block of its own.
+    seed = pd.to_numeric(rows["mc_seed"], errors="coerce").fillna(-1)
+    block = pd.to_numeric(rows["block"], errors="coerce").fillna(0)
+    rows = rows.assign(k=sizes.astype(int), mc_seed=seed,
+                       block=pd.MultiIndex.from_arrays([seed, block]).factorize()[0])
+    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "mc_seed", "block", "sample"])
     rows = rows.assign(column=rows.groupby(["point", "step"]).cumcount())
     index = pd.MultiIndex.from_frame(rows[["point", "step"]].drop_duplicates().sort_values(["point", "step"]))
     def dense(column):

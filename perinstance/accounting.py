@@ -379,8 +379,14 @@ def size_grid(n, sample_rate, k_min, max_sizes):
     k_hi = max(size_upper(n, sample_rate), k_min)
     if k_hi - k_min + 1 <= max_sizes:
         return np.arange(k_min, k_hi + 1)
-    spread = (np.linspace(0.0, 1.0, max_sizes) ** 2) * (k_hi - k_min)
-    return np.unique(np.concatenate([[k_min, k_hi], k_min + np.floor(spread).astype(int)]))
+    # Quadratic spacing rounds several sizes near k_min onto one: add points until max_sizes remain.
+    count = max_sizes
+    while True:
+        spread = (np.linspace(0.0, 1.0, count) ** 2) * (k_hi - k_min)
+        grid = np.unique(np.concatenate([[k_min, k_hi], k_min + np.floor(spread).astype(int)]))
+        if len(grid) >= max_sizes:
+            return grid
+        count += max_sizes - len(grid)
 
 
 def lumped_size_log_weights(grid_sizes, n, sample_rate):

@@ -43,8 +43,8 @@ CONFIG_COLUMNS = [
 
 def results_path(res_name, res_dir="res"):
     """res/<res-name>: as named when the name ends in .csv or .parquet (the format), else
-    res/<res-name>.csv, or res/<res-name>.parquet where only that one exists (a result file
-    that outgrew storage.AUTO_PARQUET_ROWS)."""
+    res/<res-name>.csv, or res/<res-name>.parquet where only that one exists (so that the
+    accountants read `--res-name x` of either format)."""
     if storage.extension(res_name):
         return os.path.join(res_dir, res_name)
     csv_path, parquet_path = (os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))

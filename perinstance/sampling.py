@@ -31,8 +31,3 @@ def poisson_batch(seed, step, dataset_size, sample_rate):
     """Indices of the Poisson batch of `step`: each point in independently with prob q."""
     rng = step_rng(seed, BATCH_STREAM, step)
     return np.flatnonzero(rng.random(dataset_size) < sample_rate)
-
-
-def poisson_masks(rng, count, dataset_size, sample_rate):
-    """`count` independent Poisson batches as a boolean (count, dataset_size) mask."""
-    return rng.random((count, dataset_size)) < sample_rate

@@ -66,8 +66,8 @@ def add_measurement_args(parser):
                             "independent set of rows in the same file")
     group.add_argument("--num-batches", type=int, default=None,
                        help=f"mean rule: Δ_B draws per point before rejection (coupling, default "
-                            f"{DEFAULT_NUM_BATCHES[COUPLING]:,}); sets of α batches per target batch "
-                            f"(jensen, default {DEFAULT_NUM_BATCHES[JENSEN]})")
+                            f"{DEFAULT_NUM_BATCHES[COUPLING]:,}; 0: the dataset statistics only, for the certified "
+                            f"bound); sets of α batches per target batch (jensen, default {DEFAULT_NUM_BATCHES[JENSEN]})")
     group.add_argument("--mc-blocks", type=int, default=4,
                        help="coupling: independent blocks the draws are split into (their spread is reported)")
     group.add_argument("--size-delta", type=probability, default=None,
@@ -81,6 +81,9 @@ def add_measurement_args(parser):
     group.add_argument("--direction", default="both", choices=("remove", "add", "both"),
                        help="jensen: D(P||Q) (remove), D(Q||P) (add) or both")
     group.add_argument("--no-train", action="store_true", help="fail instead of training a run that has no checkpoints")
+    group.add_argument("--part-points", type=int, default=None,
+                       help="under torchrun: points per unit of work and part file (default 1024 for the sum rule, "
+                            "all points of a checkpoint for the mean rule; perinstance/sharded.py)")
     # --reduction (the rule analysed; without --run also the one the run is trained with),
     # --seed (the run's seed) and --overwrite (of the result file here) come with the training flags.
     add_training_args(parser)
@@ -140,14 +143,15 @@ class Request:
             self, reduction=reduction,
             mc_seed=None if reduction == "sum" else metadata["seed"] if self.mc_seed is None else self.mc_seed,
             size_delta=self.size_delta or metadata["delta"] / (10 * metadata["total_steps"]),
-            num_batches=self.num_batches or DEFAULT_NUM_BATCHES[self.estimator],
+            num_batches=DEFAULT_NUM_BATCHES[self.estimator] if self.num_batches is None else self.num_batches,
             alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
 
 
 def parse_request(args, given):
     """The flags of the measurement, checked before the run or the dataset is touched."""
-    if args.num_batches is not None and args.num_batches <= 0:
-        raise UsageError("--num-batches", f"must be > 0, got {args.num_batches}")
+    if args.num_batches is not None and (args.num_batches < 0 or (args.num_batches == 0 and args.estimator == JENSEN)):
+        raise UsageError("--num-batches", f"must be > 0 (or 0 with the coupling estimator: statistics only), "
+                                          f"got {args.num_batches}")
     if args.num_iters <= 0:
         raise UsageError("--num-iters", f"must be > 0, got {args.num_iters}")
     if args.mc_blocks <= 0:
@@ -478,6 +482,9 @@ def coupling_columns(request, metadata, rows, point_gradients, step):
         statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan, bar)
     count = len(statistics.spread)
     position, block, sample, size, value = samples.accepted()
+    # Δ_B ≤ ||h*|| ≤ Γ for k = 0 and ≤ 2Γ/(k+1) otherwise; float32 products can round one ulp above.
+    clip_bound = metadata["clip_bound"]
+    value = np.minimum(value, np.where(size > 0, 2 * clip_bound / (size + 1), clip_bound))
     stats = [statistics.center_distance, statistics.spread, statistics.max_deviation]
     return {
         "position": np.concatenate([np.tile(np.arange(count), 3), position]),

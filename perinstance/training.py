@@ -61,7 +61,7 @@ def resolve_training_args(args):
     """
     if args.dp == 1:
         if args.eps is not None and args.sigma is not None:
-            raise UsageError("--eps", "give either --eps (target ε) or --sigma (noise multiplier), not both")
+            raise UsageError("--eps", "give either --eps (target ε) or --sigma, not both")
         if args.sigma is None and args.eps is None:
             args.eps = DEFAULT_EPS
     for flag, value in (("--eps", args.eps), ("--sigma", args.sigma), ("--epochs", args.epochs), ("--cn", args.cn),
@@ -70,16 +70,16 @@ def resolve_training_args(args):
             raise UsageError(flag, f"must be a finite number > 0, got {value:g}")
     if args.eps is not None and args.eps > MAX_TARGET_EPS:
         raise UsageError("--eps", f"must be at most {MAX_TARGET_EPS:g}, got {args.eps:g} (such a target promises "
-                                  "no privacy, and calibrating σ for it does not end; give --sigma instead)")
+                                  "no privacy, and calibrating sigma for it does not end; give --sigma instead)")
     if args.sigma is not None and not MIN_SIGMA <= args.sigma <= MAX_SIGMA:
         raise UsageError("--sigma", f"must be in [{MIN_SIGMA:g}, {MAX_SIGMA:g}], got {args.sigma:g} (outside it the "
-                                    "accounting's arithmetic under- or overflows; --dp 0 trains without noise)")
+                                    "accounting's arithmetic under- or overflows; --no-dp trains without noise)")
     if args.cn > MAX_CLIP_NORM:
-        raise UsageError("--cn", f"must be at most {MAX_CLIP_NORM:g}, got {args.cn:g} (the noise σC would overflow)")
+        raise UsageError("--cn", f"must be at most {MAX_CLIP_NORM:g}, got {args.cn:g} (the noise std sigma·C would overflow)")
     if args.epochs > MAX_EPOCHS:
         raise UsageError("--epochs", f"must be at most {MAX_EPOCHS:g}, got {args.epochs:g}")
     if not 0 < args.delta < 1:
-        raise UsageError("--delta", f"must be in (0, 1), got {args.delta:g}")
+        raise UsageError("--target-delta", f"must be in (0, 1), got {args.delta:g}")
     if not 0 <= args.momentum < 1:
         raise UsageError("--momentum", f"must be in [0, 1), got {args.momentum:g}")
     if args.seed < 0:
@@ -133,7 +133,7 @@ def _resolve_scaling(args):
         raise UsageError("--scale-s", f"must be a finite number > 0, got {args.scale_s:g}")
     if args.scale_s is not None and args.cn / args.scale_s > MAX_CLIP_NORM:
         raise UsageError("--scale-s", f"the bound Γ = C/s = {args.cn / args.scale_s:g} must be at most "
-                                      f"{MAX_CLIP_NORM:g} (the noise σΓ would overflow)")
+                                      f"{MAX_CLIP_NORM:g} (the noise std sigma·Γ would overflow)")
 
 
 def identity_args(args):
@@ -179,7 +179,7 @@ def plan_run(args, dataset):
                                                         sample_rate=sample_rate, steps=total_steps, accountant="rdp")
             except ValueError:  # Opacus: "The privacy budget is too low." (σ would exceed its bound)
                 raise UsageError("--eps", f"{args.eps:g} cannot be reached with δ={args.delta:g}, q={sample_rate:.4g} "
-                                          f"over {total_steps} steps (σ would exceed Opacus's bound)") from None
+                                          f"over {total_steps} steps (sigma would exceed Opacus's bound)") from None
     tracked = None
     if args.track_points is not None:
         tracked = parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist()
@@ -392,7 +392,7 @@ def prepare_run_dir(args, run_dir, metadata):
     """Create the run folder, or check that an existing one holds this same run.
 
     Checks first that the folder can be written (unless the run is finished: then nothing is
-    written), and removes the temp files that killed writes left in it. --overwrite 1 deletes
+    written), and removes the temp files that killed writes left in it. --overwrite deletes
     an existing run folder, never a folder that holds anything but a run.
     """
     if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
@@ -413,11 +413,11 @@ def prepare_run_dir(args, run_dir, metadata):
         differing = run_differences(checkpoints.load_metadata(run_dir), metadata)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
-                             "use another --save-name or --overwrite 1")
+                             "use another --save-name or --overwrite")
         return
     if checkpoints.saved_steps(run_dir):
         raise UsageError("--save-name", f"{run_dir} holds checkpoints but no {checkpoints.METADATA_FILE}, so they "
-                                        "may be another run's; delete them or use --overwrite 1")
+                                        "may be another run's; delete them or use --overwrite")
     checkpoints.save_metadata(run_dir, metadata)
 
 

@@ -1,0 +1,73 @@
+"""compute_sensitivity.py under torchrun: the measurement split over the ranks, merged once.
+
+    torchrun --nproc-per-node K compute_sensitivity.py --points all --stage all --res-name x ...
+
+Rank 0 trains the run if needed, lists the work left (checkpoints × chunks of --part-points
+points whose rows the result file lacks) and sends the list to every rank; rank r measures
+items r, r+K, r+2K, ... and writes each one's rows to its own part file, atomically. The rank
+that finds every part there merges them into the result file, once, under its lock. A killed
+rank loses only the item it was measuring: rerunning the same command (with any K) measures
+only the items without a part and then merges. The rows are those of the single-process
+command: a point's values do not depend on the points measured with it (sensitivity.py).
+"""
+
+import json
+import time
+
+import pandas as pd
+
+from perinstance import distributed, sensitivity, sensitivity_cli
+from perinstance.errors import UsageError
+
+# Sum rule: points per part. A multiple of the engine's chunk (sensitivity.ROW_CHUNK), so that
+# every point is computed in the same chunk as by a single process. The mean rule needs a pass
+# over the whole training set per part, so by default all points of a checkpoint make one part.
+DEFAULT_PART_POINTS = 4 * sensitivity.ROW_CHUNK
+
+
+def part_points(args, request, points):
+    if args.part_points is not None and args.part_points <= 0:
+        raise UsageError("--part-points", f"must be > 0, got {args.part_points}")
+    if args.part_points is not None:
+        return args.part_points
+    return DEFAULT_PART_POINTS if request.reduction == "sum" else max(len(points), 1)
+
+
+def measure(world, args, request, run, points, result_file):
+    """This rank's share of the measurement; prints its `rank R/W:` line."""
+    started = time.time()
+    chunk = part_points(args, request, points)
+
+    def plan():
+        metadata = sensitivity_cli.ensure_trained(run)
+        steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), metadata["total_steps"])
+        items = [item for step in steps
+                 for item in distributed.plan_items(step, result_file.missing(metadata["run"], step, points, request),
+                                                    chunk)]
+        parts = job_parts(request, metadata, items)
+        return metadata, items, [item for item in items if not parts.has(item)]
+
+    metadata, items, todo = distributed.from_rank0(world, plan)
+    run.metadata, run.finished = metadata, True
+    parts = job_parts(request, metadata, items)
+    mine = world.share(todo)
+    for item in mine:
+        rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), args.device)
+        parts.write(item, sensitivity_cli.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
+                    "--res-name")
+
+    merged = parts.merge_once(items, lambda frames: result_file.add(pd.concat(frames, ignore_index=True)),
+                              "--res-name")
+    measured_points = len({point for item in mine for point in item.points})
+    measured_steps = len({item.step for item in mine})
+    resumed = f"; {len(items) - len(todo)} of {len(items)} parts were already there" if len(todo) < len(items) else ""
+    outcome = (f"merged all {len(items)} parts into {request.res_path}" if merged else
+               "nothing left to measure" if not items else "the last rank to finish merges")
+    print(f"{world.label}: {measured_points} points × {measured_steps} checkpoints ({len(mine)} of {len(todo)} parts "
+          f"to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
+
+
+def job_parts(request, metadata, items):
+    """The part files of this request's items: the same command finds the same folder again."""
+    description = json.dumps([metadata["run"], repr(request), [item.key for item in items]])
+    return distributed.Parts(request.res_path, description)

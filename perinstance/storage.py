@@ -1,0 +1,109 @@
+"""Result tables on disk: CSV (the default, what users open in pandas) or Parquet (compact at scale).
+
+The format follows the file's extension, `.csv` or `.parquet`. A long-format result file repeats
+~20 configuration columns on every row: ~227 bytes per measured value as CSV. Parquet stores
+each column once per page, so a column that repeats costs almost nothing and the file comes
+down to the measured values themselves (benchmarks/bench_storage.py measures bytes per value):
+
+- text, boolean and few-valued columns: dictionary encoding (a repeated value is an index,
+  run-length encoded);
+- many-valued floats (the measured Δ): BYTE_STREAM_SPLIT, which puts the sign/exponent bytes
+  of all values side by side, where zstd compresses them;
+- many-valued integers (sample, point): DELTA_BINARY_PACKED, which stores a counter in ~0 bits.
+
+A Parquet file holds exactly the table that reading its CSV twin gives back (every column
+goes through the CSV text first), so every accountant computes identical numbers from both.
+"""
+
+import io
+import os
+
+import pandas as pd
+
+from perinstance import fileio
+from perinstance.errors import UsageError
+
+CSV, PARQUET = ".csv", ".parquet"
+EXTENSIONS = (CSV, PARQUET)
+# An integer or float column with at most this many distinct values is dictionary-encoded.
+DICTIONARY_MAX_DISTINCT = 4096
+# Ten significant digits: what fileio.write_csv writes, hence what a CSV reader gets back.
+CSV_FLOAT_FORMAT = "%.10g"
+PARQUET_INSTALL_HINT = "Parquet result files need pyarrow: pip install pyarrow"
+
+
+def extension(path):
+    """`.csv` or `.parquet` if `path` ends in one (case-insensitive), else None."""
+    ending = os.path.splitext(os.fspath(path))[1].lower()
+    return ending if ending in EXTENSIONS else None
+
+
+def read_errors():
+    """The exceptions that mean "not a readable table" (pyarrow's only when it is installed)."""
+    errors = (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError)
+    try:
+        import pyarrow
+    except ImportError:
+        return errors
+    return errors + (pyarrow.ArrowException,)
+
+
+def read_frame(path):
+    """The table at `path`, in the format of its extension (CSV when it has none)."""
+    if extension(path) == PARQUET:
+        parquet = _parquet()
+        return parquet.read_table(path).to_pandas()
+    return pd.read_csv(path, keep_default_na=False, na_values=[""])
+
+
+def write_frame(path, frame, flag=None):
+    """Write `frame` atomically to `path`, in the format of its extension (CSV when it has none);
+    a failed write is a UsageError naming `flag`."""
+    if extension(path) != PARQUET:
+        fileio.write_csv(path, frame, flag)
+        return
+    parquet = _parquet()
+    import pyarrow
+
+    table = as_read_from_csv(frame)
+    dictionary, encodings = column_encodings(table)
+    arrow_table = pyarrow.Table.from_pandas(table, preserve_index=False)
+    with fileio.atomic_path(path, flag) as temp_path:
+        parquet.write_table(arrow_table, temp_path, compression="zstd", use_dictionary=dictionary,
+                            column_encoding=encodings)
+
+
+def as_read_from_csv(frame):
+    """`frame` as fileio.write_csv + read_frame would give it back: same values (floats at ten
+    significant digits, parsed by pandas' own parser), same dtypes. Only each column's distinct
+    values go through the text (a configuration column has one), and the parser infers the same
+    dtype from them as from the whole column."""
+    columns = {}
+    for column in frame.columns:
+        codes, distinct = pd.factorize(frame[column], use_na_sentinel=False)
+        text = pd.DataFrame({column: distinct}).to_csv(index=False, float_format=CSV_FLOAT_FORMAT,
+                                                       lineterminator="\n")
+        parsed = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])[column]
+        columns[column] = parsed.take(codes).reset_index(drop=True)
+    return pd.DataFrame(columns, index=pd.RangeIndex(len(frame)))
+
+
+def column_encodings(frame):
+    """(columns to dictionary-encode, {column: encoding} for the rest), as explained at the top."""
+    dictionary, encodings = [], {}
+    for column in frame.columns:
+        values = frame[column]
+        kind = values.dtype.kind
+        if kind not in "iuf" or values.nunique(dropna=False) <= DICTIONARY_MAX_DISTINCT:
+            dictionary.append(column)
+        else:
+            encodings[column] = "BYTE_STREAM_SPLIT" if kind == "f" else "DELTA_BINARY_PACKED"
+    return dictionary, encodings
+
+
+def _parquet():
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise UsageError(None, PARQUET_INSTALL_HINT) from None
+    return pyarrow.parquet
