@@ -10,12 +10,17 @@ batches of every size k >= k_min, each with its k (accounting.md §3.2, §3.4); 
 without it the training flags name the run, and a run without checkpoints is trained first
 (unless --no-train). Rows go to <res-dir>/<res-name>.csv; rerunning adds only what is missing, so
 an interrupted run resumes, and another --mc-seed adds an independent set of rows.
+
+    torchrun --nproc-per-node 4 compute_sensitivity.py --points all --stage all --res-name x ...
+
+splits the checkpoints × chunks of --part-points points over the processes; each writes its own
+part files and the last to finish merges them into the result file (perinstance/sharded.py).
 """
 
 import sys
 import time
 
-from perinstance import results, sensitivity_cli
+from perinstance import distributed, results, sensitivity_cli, sharded
 from perinstance.errors import run_main
 from perinstance.options import HELP_FORMAT, Parser, parse_points
 
@@ -38,6 +43,11 @@ def main(argv=None):
                                                   results.run_columns(run.metadata, request.reduction))
     if args.no_train:
         sensitivity_cli.require_finished(run)
+    world = distributed.World.from_env()
+    distributed.make_deterministic(args.device)
+    if world.launched:
+        with distributed.process_group(world, args.device):
+            return sharded.measure(world, args, request, run, points, result_file)
 
     started = time.time()
     metadata = sensitivity_cli.ensure_trained(run)

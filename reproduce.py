@@ -82,7 +82,7 @@ PRESETS = {
     "tiny": ReproduceConfig(  # for CI: a few hundred synthetic points, seconds
         dataset="synthetic", model="mlp", batch_size=32, lr=0.5, epochs=2.0, eps=10.0, save_freq=4,
         track_points="random:64", mean_batch_sizes=(16, 64, 128), mean_points="random:4", num_batches=64,
-        audit_points=6, audit_trials=20_000, nodp_lr=0.5),
+        audit_points=6, audit_trials=5_000, nodp_lr=0.5),
     "quick": ReproduceConfig(  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
         dataset="mnist-embedded", model="lenet5", batch_size=256, lr=2.0, epochs=4.0, eps=10.0, save_freq=10,
         track_points="random:200", mean_batch_sizes=(64, 256, 1024), mean_points="random:100", num_batches=1024),
@@ -430,18 +430,20 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, out_
                                    ("mean", f"{mean_name}-bs{mean_batch}", max(2, config.audit_points // 2))):
         out = os.path.join("res", f"{run_name}_audit_{rule}.csv")
         figure = os.path.join(out_dir, FIGURES[6]) if rule == "sum" else os.path.join(out_dir, f"7_audit_{rule}.png")
-        commands.run("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule, "--trials",
-                                  str(config.audit_trials), "--delta", str(config.delta), "--out", out,
-                                  "--figure", figure, "--device", device])
-        audits[rule] = attacks.audit_summary(pd.read_csv(out))
+        audited = commands.account("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule,
+                                                "--trials", str(config.audit_trials), "--delta", str(config.delta),
+                                                "--figure", figure, "--device", device], out,
+                                   checkpoints.metadata_path(os.path.join("models", run_name)))
+        audits[rule] = attacks.audit_summary(audited)
     nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
     nodp = dataclasses.replace(config, lr=config.nodp_lr)
     commands.run("train_dpsgd.py", [*training_flags(nodp, device), "--no-dp", "--save-name", nodp_name])
-    out = os.path.join("res", f"{main_name}_membership.csv")
-    commands.run("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name, "--eps-csv",
-                                             os.path.join("res", f"{main_name}_compo.csv"), "--out", out,
-                                             "--figure", os.path.join(out_dir, FIGURES[7]), "--device", device])
-    return {"audit": audits, "membership": attacks.membership_summary(pd.read_csv(out))}
+    eps_csv = os.path.join("res", f"{main_name}_compo.csv")
+    membership = commands.account("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name,
+                                                              "--eps-csv", eps_csv, "--figure",
+                                                              os.path.join(out_dir, FIGURES[7]), "--device", device],
+                                  os.path.join("res", f"{main_name}_membership.csv"), eps_csv)
+    return {"audit": audits, "membership": attacks.membership_summary(membership)}
 
 
 def attack_lines(findings):

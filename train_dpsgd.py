@@ -2,33 +2,97 @@
 
     python train_dpsgd.py                      # LeNet-5 on the shipped MNIST subset, ε = 10
     python train_dpsgd.py --sigma 1.0 --reduction mean --batch-size 512
+    python train_dpsgd.py --seeds 0-15         # 16 runs, one folder each (composition over runs, §4)
+    torchrun --nproc-per-node 4 train_dpsgd.py --seeds 0-15 --device auto   # the 16 runs over 4 processes
 
 The mechanism is accounting.md §1: Poisson sampling with q = batch_size/N, per-sample
 transform h (flat clipping, psac or psasc) bounded by Γ, Gaussian noise of std σΓ,
-sum or mean update rule. Rerunning the same command resumes an interrupted run.
+sum or mean update rule. Rerunning the same command resumes an interrupted run (every run
+of --seeds / --less-points resumes on its own).
 """
 
-from perinstance import checkpoints, training
-from perinstance.errors import run_main
-from perinstance.options import Parser, add_training_args
+import argparse
+import time
+
+from perinstance import checkpoints, distributed, training
+from perinstance.data import load_dataset
+from perinstance.errors import UsageError, run_main
+from perinstance.options import HELP_FORMAT, Parser, add_training_args, parse_points, parse_seeds
+
+# Runs named in a rank's summary line before it says "and N more".
+RUNS_NAMED = 8
+
+
+def build_parser():
+    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+    add_training_args(parser)
+    several = parser.add_argument_group("several runs (spread over the processes under torchrun)")
+    several.add_argument("--seeds", nargs="+", default=None,
+                         help="one run per seed, instead of --seed: 0-15, 0 1 2, 0,4,8")
+    several.add_argument("--less-points", nargs="+", default=None,
+                         help="leave-one-out runs for the add direction: one run without each of these points "
+                              "(as --points: 0-9, random:N), for every seed")
+    return parser
 
 
 def main(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0])
-    add_training_args(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    world = distributed.World.from_env()
+    runs = run_list(args)
+    distributed.make_deterministic(args.device)
 
-    metadata = training.train(args)
+    started = time.time()
+    mine = world.share(runs)
+    trained = 0
+    for run_args in mine:
+        metadata = training.train(run_args, quiet=world.size > 1)
+        trained += metadata["resumed_from"] != metadata["total_steps"]
+        print(summary(run_args, metadata), flush=True)
+    if len(runs) > 1 or world.launched:
+        names = ", ".join(run_label(run_args) for run_args in mine[:RUNS_NAMED])
+        more = f" and {len(mine) - RUNS_NAMED} more" if len(mine) > RUNS_NAMED else ""
+        print(f"{world.label}: {len(mine)} of {len(runs)} runs ({names or 'none'}{more}): {trained} trained, "
+              f"{len(mine) - trained} already trained; {time.time() - started:.1f}s", flush=True)
 
-    run_dir = training.run_dir_for(args)
+
+def run_list(args):
+    """The training flags of every run asked for: one per (seed, left-out point), in a fixed order."""
+    seeds = [args.seed] if args.seeds is None else parse_seeds(args.seeds)
+    less_points = [args.less_point]
+    if args.less_points is not None:
+        if args.less_point is not None:
+            raise UsageError("--less-points", "give either --less-point or --less-points, not both")
+        universe = len(load_dataset(args.dataset, args.data_root).train_y)
+        less_points = parse_points(args.less_points, universe, args.seed, flag="--less-points").tolist()
+    runs = []
+    for less_point in less_points:
+        for seed in seeds:
+            run_args = argparse.Namespace(**vars(args))
+            # Only the training flags name a run: the same run as `--seed S --less-point I`.
+            del run_args.seeds, run_args.less_points
+            run_args.seed, run_args.less_point = seed, less_point
+            runs.append(run_args)
+    if len(runs) > 1 and args.save_name is not None:
+        raise UsageError("--save-name", f"names one run folder, but {len(runs)} runs were asked for; leave it out "
+                                        "(each run's name comes from its flags) or tag them with --id")
+    return runs
+
+
+def run_label(run_args):
+    return f"seed {run_args.seed}" + ("" if run_args.less_point is None else f" without {run_args.less_point}")
+
+
+def summary(run_args, metadata):
+    """One line per run: what was done, its privacy parameters, accuracy and checkpoints."""
+    run_dir = training.run_dir_for(run_args)
     steps = checkpoints.saved_steps(run_dir)
     privacy = ("non-private" if metadata["dp"] == 0 else
-               f"σ={metadata['noise_multiplier']:.4g} q={metadata['sample_rate']:.4g} δ={metadata['delta']:g}"
-               + (f" (target ε={metadata['target_eps']:g})" if metadata["target_eps"] else ""))
+               f"sigma={metadata['noise_multiplier']:.4g} q={metadata['sample_rate']:.4g} delta={metadata['delta']:g}"
+               + (f" (target eps={metadata['target_eps']:g})" if metadata["target_eps"] else ""))
     status = "already trained" if metadata["resumed_from"] == metadata["total_steps"] else (
         f"trained steps {metadata['resumed_from'] + 1}-{metadata['total_steps']} in {metadata['train_seconds']:.1f}s")
-    print(f"{metadata['run']}: {status}; {privacy}; test accuracy {metadata['final_test_accuracy']:.4f}; "
-          f"{len(steps)} checkpoints in {run_dir}")
+    return (f"{metadata['run']}: {status}; {privacy}; test accuracy {metadata['final_test_accuracy']:.4f}; "
+            f"{len(steps)} checkpoints in {run_dir}")
 
 
 if __name__ == "__main__":

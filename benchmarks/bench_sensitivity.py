@@ -1,6 +1,7 @@
 """Benchmark of the sensitivity engine on the embedded MNIST subset with LeNet-5 (not a test).
 
     python benchmarks/bench_sensitivity.py [--rounds 5] [--reference-sets 5]
+    python benchmarks/bench_sensitivity.py --smoke   # seconds: synthetic data, one round, small Monte Carlo
 
 1. Δ* of all 8,000 training points at one checkpoint: samples/s of the engine's ghost norms,
    side by side (interleaved rounds) with Opacus GradSampleModule's materialised per-sample
@@ -14,6 +15,7 @@ Timings do not depend on the weights, so the checkpoint is LeNet-5 at its initia
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -27,6 +29,8 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _smoke import synthetic_lenet_dataset  # noqa: E402
+
 from perinstance import gradients, sensitivity  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
 from perinstance.nets import build_model  # noqa: E402
@@ -34,7 +38,22 @@ from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY, Pool, Trans
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 CHUNK = sensitivity.ROW_CHUNK
-BATCH_SIZE, ALPHA, NUM_ITERS, NUM_BATCHES, NUM_POINTS = 128, 8, 20, 100, 10
+
+
+@dataclasses.dataclass(frozen=True)
+class RenyiSetting:
+    """Sizes of the Rényi mean experiment: batches of `batch_size`, order `alpha`, `num_iters` target
+    batches × `num_batches` sets of α batches, for `num_points` points."""
+
+    batch_size: int
+    alpha: int
+    num_iters: int
+    num_batches: int
+    num_points: int
+
+
+PAPER_SETTING = RenyiSetting(batch_size=128, alpha=8, num_iters=20, num_batches=100, num_points=10)
+SMOKE_SETTING = RenyiSetting(batch_size=16, alpha=4, num_iters=2, num_batches=3, num_points=2)
 
 
 def lenet(dataset):
@@ -120,7 +139,7 @@ def bench_norms(dataset, rounds):
 
 # --- 2. the Rényi mean experiment --------------------------------------------------------------
 
-def time_reference(model, dataset, pool, point, reference_sets):
+def time_reference(model, dataset, pool, point, reference_sets, alpha):
     """Seconds of the reference for one target batch and for one set of α batches (the fastest of
     `reference_sets` timings: the least disturbed by other processes), and its S values."""
     x, y = dataset.train_x, dataset.train_y
@@ -131,45 +150,47 @@ def time_reference(model, dataset, pool, point, reference_sets):
         started = time.perf_counter()
         sensitivity.reference_batch_means(model, x, y, TRANSFORM, [target])
         target_seconds.append(time.perf_counter() - started)
-        batches = [np.flatnonzero(mask) for mask in pool.draw(ALPHA, RENYI_SET_KEY, 0, key)]
+        batches = [np.flatnonzero(mask) for mask in pool.draw(alpha, RENYI_SET_KEY, 0, key)]
         started = time.perf_counter()
         values.append(sensitivity.reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches])[0])
         set_seconds.append(time.perf_counter() - started - target_seconds[-1])
     return min(target_seconds), min(set_seconds), np.asarray(values)
 
 
-def bench_renyi(dataset, reference_sets):
+def bench_renyi(dataset, reference_sets, setting):
     x, y = dataset.train_x, dataset.train_y
     size = len(y)
-    points = np.sort(np.random.default_rng(0).choice(size, NUM_POINTS, replace=False))
-    pool = Pool(seed=0, step=0, universe=size, sample_rate=BATCH_SIZE / size, train_columns=np.arange(size))
+    alpha, num_iters, num_batches = setting.alpha, setting.num_iters, setting.num_batches
+    num_points = setting.num_points
+    points = np.sort(np.random.default_rng(0).choice(size, num_points, replace=False))
+    pool = Pool(seed=0, step=0, universe=size, sample_rate=setting.batch_size / size, train_columns=np.arange(size))
     model = lenet(dataset)
 
     # The reference is timed before and after the engine; the fastest timing counts, which keeps
     # the extrapolated reference (and the speed-up) on the low side.
-    before = time_reference(model, dataset, pool, points[0], reference_sets)
+    before = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
     started = time.perf_counter()
     rows, point_gradients = sensitivity.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM)
     gradient_seconds = time.perf_counter() - started
-    engine = sensitivity.renyi_statistics(rows, point_gradients, points, pool, ALPHA, NUM_ITERS, NUM_BATCHES)
+    engine = sensitivity.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
     engine_seconds = time.perf_counter() - started
     del rows, point_gradients
-    after = time_reference(model, dataset, pool, points[0], reference_sets)
+    after = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
     target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
-    per_direction = NUM_ITERS * (target_seconds + NUM_BATCHES * set_seconds)
-    reference_seconds = NUM_POINTS * len(sensitivity.DIRECTIONS) * per_direction
+    per_direction = num_iters * (target_seconds + num_batches * set_seconds)
+    reference_seconds = num_points * len(sensitivity.DIRECTIONS) * per_direction
     difference = np.max(np.abs(engine["remove"][0, 0, :reference_sets] - before[2]) / np.abs(before[2]))
 
-    sets = NUM_ITERS * NUM_BATCHES
-    print(f"\n2. Rényi mean experiment: α = {ALPHA}, {NUM_ITERS} target batches × {NUM_BATCHES} sets, batches of "
-          f"{BATCH_SIZE} (q = {BATCH_SIZE}/{size}), {NUM_POINTS} points, both directions:")
+    sets = num_iters * num_batches
+    print(f"\n2. Rényi mean experiment: α = {alpha}, {num_iters} target batches × {num_batches} sets, batches of "
+          f"{setting.batch_size} (q = {setting.batch_size}/{size}), {num_points} points, both directions:")
     print(f"   engine: {engine_seconds:.1f} s ({gradient_seconds:.1f} s per-sample gradients of all {size} points, "
-          f"{engine_seconds - gradient_seconds:.1f} s for {sets * ALPHA + NUM_ITERS} "
+          f"{engine_seconds - gradient_seconds:.1f} s for {sets * alpha + num_iters} "
           "batch sums and the quadratic forms)")
     print(f"   reference, fastest of {2 * reference_sets} timings for one point: {target_seconds:.2f} s per target "
-          f"batch, {set_seconds:.2f} s per set of {ALPHA} batches")
-    print(f"   reference extrapolated: {NUM_POINTS} points × 2 directions × {NUM_ITERS} × ({target_seconds:.2f} + "
-          f"{NUM_BATCHES} × {set_seconds:.2f}) s = {reference_seconds:.0f} s ({reference_seconds / 3600:.1f} h), "
+          f"batch, {set_seconds:.2f} s per set of {alpha} batches")
+    print(f"   reference extrapolated: {num_points} points × 2 directions × {num_iters} × ({target_seconds:.2f} + "
+          f"{num_batches} × {set_seconds:.2f}) s = {reference_seconds:.0f} s ({reference_seconds / 3600:.1f} h), "
           f"i.e. {per_direction / 60:.1f} min per point and direction")
     print(f"   speed-up: {reference_seconds / engine_seconds:.0f}×   (engine vs reference on the timed sets: "
           f"max relative difference {difference:.1e})")
@@ -179,12 +200,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reference-sets", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true",
+                        help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
     args = parser.parse_args()
-    dataset = load_dataset("mnist-embedded")
+    if args.smoke:
+        args.rounds, args.reference_sets = 1, 1
+    dataset = synthetic_lenet_dataset() if args.smoke else load_dataset("mnist-embedded")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"load average before: {os.getloadavg()[0]:.2f}")
     bench_norms(dataset, args.rounds)
-    bench_renyi(dataset, args.reference_sets)
+    bench_renyi(dataset, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 

@@ -4,6 +4,7 @@ Same model (LeNet-5), data (the embedded MNIST subset), expected batch size and 
 of steps, measured side by side in one process; printed as samples/s and ratios.
 
     python benchmarks/bench_training.py [--steps 60] [--batch-size 256] [--repeats 3]
+    python benchmarks/bench_training.py --smoke     # seconds: 128 synthetic points, 3 steps of 32
 """
 
 import argparse
@@ -19,12 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _smoke import synthetic_lenet_dataset  # noqa: E402
+
 from perinstance import training  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
 from perinstance.nets import build_model  # noqa: E402
 from perinstance.options import Parser, add_training_args  # noqa: E402
 
 warnings.filterwarnings("ignore")
+SMOKE_SIZES = {"steps": 3, "batch_size": 32, "repeats": 1}
 
 
 def time_this_trainer(dataset, steps, batch_size):
@@ -41,9 +45,14 @@ def time_this_trainer(dataset, steps, batch_size):
     return steps * batch_size / (time.perf_counter() - started)
 
 
-def time_opacus(dataset, steps, batch_size):
+def lenet(dataset, dp=True):
     torch.manual_seed(0)
-    model = build_model("lenet5", 1, 32, 10)
+    channels, size, _ = dataset.train_x.shape[1:]
+    return build_model("lenet5", channels, size, dataset.num_classes, dp=dp)
+
+
+def time_opacus(dataset, steps, batch_size):
+    model = lenet(dataset)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DataLoader(TensorDataset(dataset.train_x, dataset.train_y), batch_size=batch_size)
     model, optimizer, loader = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
@@ -53,8 +62,7 @@ def time_opacus(dataset, steps, batch_size):
 
 
 def time_non_private(dataset, steps, batch_size):
-    torch.manual_seed(0)
-    model = build_model("lenet5", 1, 32, 10, dp=False)
+    model = lenet(dataset, dp=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(dataset.train_x, dataset.train_y), batch_size=batch_size, shuffle=True)
     return _time_loop(model, optimizer, loader, steps, batch_size)
@@ -87,16 +95,19 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help=f"synthetic data, {SMOKE_SIZES}, for CI")
     args = parser.parse_args()
-    dataset = load_dataset("mnist-embedded")
+    if args.smoke:
+        vars(args).update(SMOKE_SIZES)
+    dataset = synthetic_lenet_dataset() if args.smoke else load_dataset("mnist-embedded")
     results = {"this trainer": [], "opacus make_private": [], "non-private SGD": []}
     for _ in range(args.repeats):  # interleaved, so load changes hit all three alike
         results["this trainer"].append(time_this_trainer(dataset, args.steps, args.batch_size))
         results["opacus make_private"].append(time_opacus(dataset, args.steps, args.batch_size))
         results["non-private SGD"].append(time_non_private(dataset, args.steps, args.batch_size))
     best = {name: max(values) for name, values in results.items()}
-    print(f"LeNet-5, embedded MNIST, batch {args.batch_size}, {args.steps} steps, best of {args.repeats}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"LeNet-5, {dataset.name} ({len(dataset.train_y)} points), batch {args.batch_size}, {args.steps} steps, "
+          f"best of {args.repeats}, {torch.get_num_threads()} threads")
     for name, rate in best.items():
         print(f"  {name:22s} {rate:9.0f} samples/s")
     print(f"  ratio this trainer / opacus:      {best['this trainer'] / best['opacus make_private']:.2f}x")

@@ -76,6 +76,9 @@ def resolve_device(text, world=None):
     if text == "auto":
         text = "cuda" if torch.cuda.is_available() else "cpu"
     if text == "cuda" and world.launched:
+        if torch.cuda.is_available() and world.local_rank >= torch.cuda.device_count():
+            raise UsageError("--device", f"process {world.local_rank} of this node has no GPU of its own "
+                                         f"({torch.cuda.device_count()} GPUs): start at most that many processes")
         text = f"cuda:{world.local_rank}"
     return text
 

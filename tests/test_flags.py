@@ -131,6 +131,8 @@ MEANINGS = {
     "--res-name": Meaning("the result file <res-dir>/<res-name>.csv", "res_name", "<res-dir>/<res-name>.csv",
                           defaults=NONE),
     "--res-dir": Meaning("folder of the result files", "res_dir", "folder of the result files"),
+    "--part-points": Meaning("under torchrun: points per unit of work and part file", "part_points",
+                             "under torchrun", "int", defaults=NONE),
     "--mc-seed": Meaning("seed of every Monte-Carlo draw (default: the run's seed)", "mc_seed",
                          "seed of every Monte-Carlo draw", "non_negative_int", defaults=NONE),
     "--num-batches": Meaning("mean rule: Δ_B draws per point (coupling) or sets of α batches per target (jensen)",

@@ -1,25 +1,63 @@
+import dataclasses
+import importlib.util
+import os
 import re
+import typing
 
 import matplotlib.image
+import numpy as np
 import pytest
-from conftest import assert_usage_error, snapshot
+from conftest import ROOT, assert_usage_error, run_in_process, snapshot
+from PIL import Image
 
-FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
-           "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png"]
+# The tiny preset on a small image folder instead of its synthetic points (a dataset override),
+# with the sizes that need more points than the folder has overridden too.
+IMAGE_OVERRIDES = ["--set", "track_points=random:16", "--set", "mean_batch_sizes=8,16"]
+CHANGED_ACCOUNTANT = ["--set", "per_step_method=holder"]
+
+
+def load_reproduce():
+    spec = importlib.util.spec_from_file_location("reproduce_module", os.path.join(ROOT, "reproduce.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reproduce = load_reproduce()
+FIGURES = reproduce.FIGURES
+
+
+def write_image_folder(root, classes=3, train_per_class=32, test_per_class=8):
+    """PATH/train/<class>/*.png and PATH/test/<class>/*.png: 8×8 grey images, a brightness per class plus noise."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train_per_class), ("test", test_per_class)):
+        for label in range(classes):
+            folder = root / split / f"c{label}"
+            folder.mkdir(parents=True)
+            for index in range(count):
+                pixels = np.clip(60 + 60 * label + rng.normal(0, 40, size=(8, 8)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels, "L").save(folder / f"{index}.png")
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    from conftest import run_in_process
+def image_runs(tmp_path_factory):
+    """The tiny preset on an image folder: a first run, the same again, and one with a changed accountant flag.
+    Returns (workdir, dataset name, {run: (result, report text, per-step (ε, δ) output bytes)})."""
     workdir = tmp_path_factory.mktemp("reproduce")
-    first = run_in_process("reproduce.py", "--preset", "tiny", "--out-dir", "out", cwd=workdir)
-    second = run_in_process("reproduce.py", "--preset", "tiny", "--out-dir", "out", cwd=workdir)
-    return workdir, first, second
+    write_image_folder(workdir / "images")
+    dataset = f"imagefolder:{workdir / 'images'}"
+    base = ["--preset", "tiny", "--dataset", dataset, *IMAGE_OVERRIDES, "--out-dir", "out"]
+    runs = {}
+    for label, extra in (("first", []), ("again", []), ("changed", CHANGED_ACCOUNTANT)):
+        result = run_in_process("reproduce.py", *base, *extra, cwd=workdir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        per_step = sorted((workdir / "res").glob("*-sum_eps_delta.csv"))
+        runs[label] = (result, (workdir / "out" / "report.md").read_text(), [path.read_bytes() for path in per_step])
+    return workdir, dataset, runs
 
 
-def test_tiny_preset_writes_six_figures(tiny_run):
-    workdir, first, _ = tiny_run
-    assert first.returncode == 0, first.stderr[-2000:]
+def test_tiny_preset_writes_every_figure(image_runs):
+    workdir, _, _ = image_runs
     for name in FIGURES:
         data = (workdir / "out" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
@@ -27,34 +65,144 @@ def test_tiny_preset_writes_six_figures(tiny_run):
         assert image.shape[0] > 200 and image.shape[1] > 200
 
 
-def test_report_states_findings_with_numbers(tiny_run):
-    workdir, _, _ = tiny_run
-    report = (workdir / "out" / "report.md").read_text()
-    findings = [line for line in report.splitlines() if re.match(r"^\d\. ", line)]
-    assert len(findings) == 7
+def test_report_states_findings_with_numbers(image_runs):
+    _, _, runs = image_runs
+    report = runs["first"][1]
+    findings = [line for line in report.splitlines() if re.match(r"^\d+\. ", line)]
+    # Seven findings of the sum and mean rules, two audits (sum and mean rule) and the membership attack.
+    assert len(findings) == 10
     for line in findings:
-        assert re.search(r"\d", line[3:]), line
+        assert re.search(r"\d", line.split(". ", 1)[1]), line
+    assert "certified" in findings[2] and "estimate" in findings[2] and "mean-rule baseline" in findings[3]
+    assert "GLA's claim" in findings[3] and ("REPRODUCED" in findings[3] or "NOT reproduced" in findings[3])
+    assert "violated: 0 of" in findings[7] and "membership inference" in findings[9]
     assert "baseline" in findings[0] and "Pearson r" in report
     for name in FIGURES:
         assert f"({name})" in report
 
 
-def test_rerun_skips_finished_steps(tiny_run):
-    _, first, second = tiny_run
-    assert second.returncode == 0
-    assert "already trained" in second.stdout and "trained steps" not in second.stdout
-    assert "skipping" in second.stdout
-    assert "0 rows written" in second.stdout
-    assert "trained steps" in first.stdout
+def test_report_reflects_the_dataset_override(image_runs):
+    _, dataset, runs = image_runs
+    result, report, _ = runs["first"]
+    assert "synthetic" not in report  # the preset's own dataset is named nowhere
+    assert f"on `{dataset}`" in report and "N = 96" in report  # from the main run's run.json
+    assert f"| `dataset` | `{dataset}` (overridden) |" in report
+    assert "| `mean_batch_sizes` | `8,16` (overridden) |" in report
+    assert "| `num_batches` | `64` |" in report  # not overridden: the preset's value, unmarked
+    trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
+    # The main run, one mean-rule run per batch size and the non-private run of the membership attack.
+    assert len(trainings) == 4 and all(f"--dataset {dataset} " in line for line in trainings)
+    # Every command of the report is one that the run printed as it executed it, and vice versa.
+    printed = [line[2:] for line in result.stdout.splitlines() if line.startswith("$ ")]
+    assert report_commands(report) == printed
 
 
-@pytest.mark.parametrize("flags,flag", [
-    (["--preset", "huge"], "--preset"),
-    (["--dataset", "imagefolder:/nonexistent/images"], "--dataset"),
+ACCOUNTANTS = ("eps_delta.py", "renyi_per_instance_sum.py", "renyi_per_instance_mean.py", "renyi_per_instance_sum_compo.py",
+               "audit.py", "membership_inference.py")
+
+
+def report_command_lines(report):
+    """The lines of the report's Commands section, with their '# cached' marks."""
+    return report.split("## Commands")[1].split("```")[1].strip().splitlines()
+
+
+def report_commands(report):
+    return [line.removesuffix("  # cached") for line in report_command_lines(report)]
+
+
+def uncached_accountants(report):
+    return [line for line in report_command_lines(report)
+            if line.split()[1] in ACCOUNTANTS and not line.endswith("  # cached")]
+
+
+def test_rerun_reuses_everything(image_runs):
+    _, _, runs = image_runs
+    first, again = runs["first"][0], runs["again"][0]
+    assert "trained steps" in first.stdout and "skipping" not in first.stdout
+    assert not any(line.endswith("# cached") for line in report_command_lines(runs["first"][1]))
+    assert "already trained" in again.stdout and "trained steps" not in again.stdout
+    assert "0 rows written" in again.stdout
+    assert uncached_accountants(runs["again"][1]) == []
+    # Three accountants of the main run, four per mean-rule run, two audits and the membership attack.
+    assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == 3 + 4 * 2 + 3
+    assert runs["again"][2] == runs["first"][2]
+
+
+def test_changed_accountant_flag_recomputes_only_that_output(image_runs, tmp_path):
+    workdir, _, runs = image_runs
+    result, report, per_step = runs["changed"]
+    assert "| `per_step_method` | `holder` (overridden) |" in report
+    [command] = uncached_accountants(report)
+    out = command.split("--out ")[1].split()[0]
+    assert command.startswith("python eps_delta.py ") and out.endswith("-sum_eps_delta.csv")
+    assert "--method holder" in command
+    assert f"(skipping eps_delta.py: {out} " not in result.stdout
+    # The recomputed output is what the accountant writes on its own for --method holder, not the exact one.
+    argv = command.split()[2:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "direct.csv")
+    direct = run_in_process("eps_delta.py", *argv, cwd=workdir)
+    assert direct.returncode == 0, direct.stderr
+    assert per_step == [(tmp_path / "direct.csv").read_bytes()]
+    assert per_step != runs["first"][2]
+
+
+def test_presets_hold_values_of_their_fields_types():
+    for preset in reproduce.PRESETS.values():
+        for field in dataclasses.fields(preset):
+            value = getattr(preset, field.name)
+            if isinstance(value, tuple):
+                assert value and all(type(item) is int for item in value), field.name
+            elif typing.get_origin(field.type) is typing.Literal:
+                assert value in typing.get_args(field.type), field.name
+            else:
+                assert type(value) is field.type, (field.name, value)
+
+
+def test_overrides_are_parsed_by_field_type():
+    tiny = reproduce.PRESETS["tiny"]
+    config = reproduce.apply_overrides(tiny, ["mean_batch_sizes=64,256", "num_batches=100", "lr=0.25",
+                                              "per_step_method=holder", "mean_points=random:7", "num_batches=120"])
+    assert config == dataclasses.replace(tiny, mean_batch_sizes=(64, 256), num_batches=120, lr=0.25,
+                                         per_step_method="holder", mean_points="random:7")
+    assert reproduce.overridden(config, "tiny") == {"mean_batch_sizes": (64, 256), "num_batches": 120, "lr": 0.25,
+                                                    "per_step_method": "holder", "mean_points": "random:7"}
+    assert reproduce.apply_overrides(tiny, ["epochs=2"]) == tiny  # 2 is the preset's 2.0
+
+
+def test_a_changed_run_or_measurement_gets_a_new_name_and_an_accountant_flag_does_not():
+    tiny = reproduce.PRESETS["tiny"]
+    main_fields, mean_fields = reproduce.MAIN_RUN_FIELDS, reproduce.MAIN_RUN_FIELDS + reproduce.MEAN_RULE_FIELDS
+    assert reproduce.variant_tag(tiny, "tiny", mean_fields) == ""
+    lr = reproduce.apply_overrides(tiny, ["lr=0.3"])
+    other_lr = reproduce.apply_overrides(tiny, ["lr=0.4"])
+    assert re.fullmatch(r"-[0-9a-f]{8}", reproduce.variant_tag(lr, "tiny", main_fields))
+    assert reproduce.variant_tag(lr, "tiny", main_fields) != reproduce.variant_tag(other_lr, "tiny", main_fields)
+    points = reproduce.apply_overrides(tiny, ["mean_points=random:5"])
+    assert reproduce.variant_tag(points, "tiny", main_fields) == ""
+    assert reproduce.variant_tag(points, "tiny", mean_fields) != ""
+    accountant = reproduce.apply_overrides(tiny, ["delta=1e-6", "per_step_method=holder"])
+    assert reproduce.variant_tag(accountant, "tiny", mean_fields) == ""
+
+
+@pytest.mark.parametrize("flags,flag,fragments", [
+    (["--preset", "huge"], "--preset", []),
+    (["--dataset", "imagefolder:/nonexistent/images"], "--dataset", ["/nonexistent/images"]),
+    (["--set", "dataset=imagefolder:/nonexistent/images"], "--set", ["dataset=", "/nonexistent/images"]),
+    (["--set", "batchsize=64"], "--set", ["'batchsize'", "mean_batch_sizes", "renyi_order"]),
+    (["--set", "num_batches"], "--set", ["FIELD=VALUE", "num_batches"]),
+    (["--set", "num_batches=many"], "--set", ["num_batches=many", "int", "mean_points"]),
+    (["--set", "mean_batch_sizes=64,x"], "--set", ["mean_batch_sizes=64,x", "comma-separated ints"]),
+    (["--set", "mean_batch_sizes="], "--set", ["mean_batch_sizes", "empty"]),
+    (["--set", "lr=nan"], "--set", ["lr=nan", "finite"]),
+    (["--set", "eps=inf"], "--set", ["eps=inf", "finite"]),
+    (["--set", "per_step_method=gla"], "--set", ["per_step_method=gla", "one of exact, holder"]),
 ])
-def test_bad_input(tmp_path, run, flags, flag):
+def test_bad_input(tmp_path, run, flags, flag, fragments):
     before = snapshot(tmp_path)
-    assert_usage_error(run("reproduce.py", *flags), flag)
+    result = run("reproduce.py", "--preset", "tiny", *flags) if flags[0] != "--preset" else run("reproduce.py", *flags)
+    assert_usage_error(result, flag)
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr)
     assert snapshot(tmp_path) == before
 
 
