@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser, probability
+from perinstance.options import HELP_FORMAT, Parser
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
            "k_min", "samples", "method"]
@@ -40,9 +40,7 @@ def build_parser():
     parser.add_argument("--gaussian", choices=["analytic", "classic"], default=None,
                         help="--method holder only: the Gaussian mechanism's ε, exact (Balle & Wang 2018, default) "
                              "or the classic formula")
-    parser.add_argument("--failure", type=probability, default=None,
-                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
-                             "k_min = 0)")
+    accountants.add_failure_argument(parser)
     return parser
 
 

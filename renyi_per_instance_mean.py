@@ -19,7 +19,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, probability
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
            "k_star_at_k_min", "delta_fail", "estimator"]
@@ -35,8 +35,7 @@ def build_parser():
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=["joint", "per-target"], default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
-    parser.add_argument("--failure", type=probability, default=None,
-                        help="β of the certified event (default δ_size, or the training δ/(10·T) when k_min = 0)")
+    accountants.add_failure_argument(parser)
     return parser
 
 

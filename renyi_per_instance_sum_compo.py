@@ -20,7 +20,7 @@ import pandas as pd
 
 from perinstance import accountants, accounting
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, probability
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float
 
 COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
 # Orders above this (from a small Hölder exponent b) make the bound meaningless.
@@ -44,8 +44,7 @@ def build_parser():
                              "0: exact)")
     parser.add_argument("--kind", choices=["certified", "estimate"], default="certified",
                         help="mean rule: compose the certified per-step bound (default) or the Monte-Carlo estimate")
-    parser.add_argument("--failure", type=probability, default=None,
-                        help="mean rule: β of the certified event (default δ_size, or delta/(10·T²) when k_min = 0)")
+    accountants.add_failure_argument(parser)
     return parser
 
 

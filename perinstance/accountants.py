@@ -66,6 +66,12 @@ def add_delta_argument(parser):
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
 
 
+def add_failure_argument(parser):
+    parser.add_argument("--failure", type=probability, default=None,
+                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
+                             "k_min = 0)")
+
+
 def check_delta(delta):
     """--delta: a probability strictly between 0 and 1 (NaN is not)."""
     if not 0 < delta < 1:

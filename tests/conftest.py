@@ -6,6 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,3 +69,13 @@ def run_in_process(script, *args, cwd):
 def run(tmp_path):
     """Run a script in `tmp_path` in-process; an uncaught exception fails the test with its traceback."""
     return lambda script, *args: run_in_process(script, *args, cwd=tmp_path)
+
+
+def leave_one_out_statistics(gradients, point):
+    """The mean rule's dataset statistics of accounting.md §2 by direct computation: the quantity
+    names of the result rows with d* = ||h* − μ_X||, v_X and the exact b_X of X = the rows but `point`."""
+    others = np.delete(gradients, point, axis=0)
+    center = others.mean(axis=0)
+    deviations = np.linalg.norm(others - center, axis=1)
+    return (("center_distance", np.linalg.norm(gradients[point] - center)), ("spread", np.mean(deviations ** 2)),
+            ("max_deviation", deviations.max()))

@@ -14,7 +14,7 @@ import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import assert_usage_error, run_in_process, run_script, snapshot
+from conftest import assert_usage_error, leave_one_out_statistics, run_in_process, run_script, snapshot
 from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize, stats
@@ -92,10 +92,7 @@ def coupling_rows(gradients, points, batch, size_delta, draws, step=0, blocks=2,
     rows = []
     for point in points:
         others = np.delete(gradients, point, axis=0)
-        center = others.mean(axis=0)
-        deviations = np.linalg.norm(others - center, axis=1)
-        for quantity, value in (("center_distance", np.linalg.norm(gradients[point] - center)),
-                                ("spread", np.mean(deviations ** 2)), ("max_deviation", deviations.max())):
+        for quantity, value in leave_one_out_statistics(gradients, point):
             rows.append(row(**base, point=point, correct=point % 2, quantity=quantity, value=value))
         for block in range(blocks):
             sample = 0

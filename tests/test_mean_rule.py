@@ -12,6 +12,7 @@ import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import leave_one_out_statistics
 from dp_accounting.pld import pld_privacy_accountant
 from scipy import integrate, stats
 from scipy.special import logsumexp
@@ -254,11 +255,7 @@ def coupling_rows(gradients, points, batch_size, sigma, clip_bound, size_delta, 
                 update_rule="mean", target_eps=np.nan, delta=1e-5, accuracy=0.9, mc_seed=0, k_min=k_min)
     rows = []
     for point in points:
-        others = np.delete(gradients, point, axis=0)
-        center = others.mean(axis=0)
-        deviations = np.linalg.norm(others - center, axis=1)
-        for quantity, value in (("center_distance", np.linalg.norm(gradients[point] - center)),
-                                ("spread", np.mean(deviations ** 2)), ("max_deviation", deviations.max())):
+        for quantity, value in leave_one_out_statistics(gradients, point):
             rows.append(dict(base, point=point, quantity=quantity, value=value, sample=0, block=0, k=np.nan))
     for block in range(blocks):
         for index in range(permutations):
