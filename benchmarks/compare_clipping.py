@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, sensitivity, training  # noqa: E402
+from perinstance import accounting, results, sensitivity, training  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
 from perinstance.options import Parser, add_training_args, parse_points  # noqa: E402
 
@@ -64,7 +64,7 @@ def run_variant(flags, seed, epochs, models_dir, setting, points):
     dataset = load_dataset(metadata["dataset"])
     norms, _ = sensitivity.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
                                              sensitivity.Transform.of_run(metadata))
-    noise_std = metadata["noise_multiplier"] * metadata["clip_bound"]
+    noise_std = results.noise_std(metadata, "sum")
     eps = accounting.eps_delta_holder(norms[:, None], noise_std, metadata["sample_rate"], DELTA, np.inf)
     baseline = accounting.baseline_eps_delta(metadata["noise_multiplier"], metadata["sample_rate"], DELTA)
     return payload["test_accuracy"], float(np.median(eps)), baseline, float(norms.max() / metadata["clip_bound"])

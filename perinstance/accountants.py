@@ -16,7 +16,7 @@ import pandas as pd
 from perinstance import accounting, fileio
 from perinstance.errors import UsageError
 from perinstance.options import add_overwrite_argument, parse_points, probability
-from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path
+from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path, rule_noise_std
 
 TABLE_ROWS = 20
 # Which update rule each quantity is measured for (results.QUANTITIES).
@@ -203,8 +203,7 @@ def _config(rows, path, flag):
                lambda row: f"{row['quantity']} rows have reduction {REDUCTION_OF[row['quantity']]}, "
                f"not {row['reduction']!r}")
     # noise_std is σΓ in sum units and σΓ/B_exp in mean units (accounting.md §1).
-    divisor = np.where(rows["reduction"] == "mean", rows["batch_size"], 1.0)
-    expected = rows["sigma"] * rows["clip_bound"] / divisor
+    expected = rule_noise_std(rows["sigma"], rows["clip_bound"], rows["batch_size"], rows["reduction"])
     _first_bad(rows, ~np.isclose(rows["noise_std"], expected, rtol=1e-6, atol=0), path, flag,
                lambda row: f"noise_std {row['noise_std']} is not sigma*clip_bound"
                f"{'/batch_size' if row['reduction'] == 'mean' else ''} (reduction {row['reduction']})")

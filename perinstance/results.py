@@ -123,9 +123,13 @@ def _check_numbers(frame, path, flag, unit):
 
 
 def noise_std(metadata, reduction):
-    """Noise std in the units of the analysed rule: σΓ (sum) or σΓ/B_exp (mean), accounting.md §1."""
-    std = metadata["noise_multiplier"] * metadata["clip_bound"]
-    return std if reduction == "sum" else std / metadata["batch_size"]
+    """Noise std of a run in the units of the analysed rule (rule_noise_std)."""
+    return rule_noise_std(metadata["noise_multiplier"], metadata["clip_bound"], metadata["batch_size"], reduction)
+
+
+def rule_noise_std(noise_multiplier, clip_bound, batch_size, reduction):
+    """accounting.md §1: σΓ in sum units, σΓ/B_exp in mean units (elementwise on arrays)."""
+    return noise_multiplier * clip_bound / np.where(np.asarray(reduction) == "mean", batch_size, 1.0)
 
 
 def run_columns(metadata, reduction):

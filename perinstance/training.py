@@ -346,7 +346,7 @@ class Trainer:
         if meta["dp"] == 0:
             return [total / max(len(batch), 1) for total in summed], losses
         generator = sampling.torch_generator(self.args.seed, sampling.NOISE_STREAM, step, self.device)
-        noise_std = meta["noise_multiplier"] * meta["clip_bound"]
+        noise_std = results.noise_std(meta, "sum")
         noises = [torch.normal(0.0, noise_std, param.shape, generator=generator, device=self.device)
                   for param in self.params]
         if meta["update_rule"] == "sum":
