@@ -381,3 +381,37 @@ def test_composition_refuses_a_rule_it_was_not_trained_with(tmp_path, run):
     rows.to_csv(tmp_path / "res" / "toy.csv", index=False)
     result = run("renyi_per_instance_sum_compo.py", "--res-name", "toy")
     assert result.returncode == 2 and "trained with the sum rule" in result.stderr
+
+
+# --- identity 6: the certified event on a real checkpoint ---------------------------------------
+
+def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
+    """||m(B) − μ_X|| > r_k for uniform k-subsets of a trained model's transformed gradients happens
+    at a rate ≤ β (binomial margin); a radius without the concentration term is exceeded often, so
+    the check has the power to see a wrong r_k."""
+    from perinstance import sensitivity, training
+    from perinstance.data import load_dataset
+    from perinstance.options import Parser, add_training_args
+
+    parser = Parser()
+    add_training_args(parser)
+    args = parser.parse_args(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
+                              "--epochs", "1", "--models-dir", str(tmp_path)])
+    metadata = training.train(args, quiet=True)
+    model, _ = training.load_model(metadata, training.run_dir_for(args), metadata["total_steps"])
+    dataset = load_dataset("synthetic")
+    held = sensitivity.HeldRows.compute(model, dataset.train_x, dataset.train_y,
+                                        sensitivity.Transform.of_run(metadata))
+    gradients = held.take(np.arange(len(dataset.train_y))).double().numpy()
+    others = gradients[1:]
+    center = others.mean(axis=0)
+    deviations = np.linalg.norm(others - center, axis=1)
+    spread, largest = np.mean(deviations ** 2), deviations.max()
+    rng = np.random.default_rng(3)
+    failure, trials = 0.05, 3000
+    for k in (4, 16, 64):
+        distances = np.array([np.linalg.norm(others[rng.choice(len(others), k, replace=False)].mean(axis=0) - center)
+                              for _ in range(trials)])
+        radius = math.sqrt(spread / k) + largest * math.sqrt(2 * math.log(1 / failure) / k)
+        assert np.sum(distances > radius) <= stats.binom.ppf(0.999, trials, failure)
+        assert np.mean(distances > 0.5 * math.sqrt(spread / k)) > 0.5
