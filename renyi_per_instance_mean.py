@@ -73,25 +73,30 @@ def coupling(loaded, args):
     frames = []
     common = dict(k_min=sizes.k_min, estimator="coupling")
     point_index = None
-    for order_column, alpha in enumerate(table.orders):
-        def moments(sensitivity, column=order_column):
-            return table.log_moments(np.asarray(sensitivity) / config.clip_bound)[..., column]
+    # (α−1)·RDP_SGM at every order, looked up once per sensitivity: (..., orders).
+    def moments(sensitivity):
+        return table.log_moments(np.asarray(sensitivity) / config.clip_bound)
+
+    baseline_moments = moments(needed[0])
+    certified_moments = moments(certified) if statistics is not None else None
+    sample_moments = moments(np.nan_to_num(values)) if samples is not None else None
+    for column, alpha in enumerate(table.orders):
         if statistics is not None:
             fail = sizes.delta_fail("certified")
-            log_terms = moments(certified) + log_weights
-            rdp = accounting.mixture_rdp(moments(certified), log_weights, math.log(1 - fail), alpha)
+            log_terms = certified_moments[..., column] + log_weights
+            rdp = accounting.mixture_rdp(certified_moments[..., column], log_weights, math.log(1 - fail), alpha)
             frames.append(statistics.index.to_frame(index=False).assign(
                 alpha=alpha, kind="certified", rdp=rdp, rdp_min=math.nan, rdp_max=math.nan, samples=0,
                 k_star=grid[np.argmax(log_terms, axis=1)], delta_fail=fail, **common))
             point_index = statistics.index
         if samples is not None:
-            frames.append(estimate(index, values, batch_sizes, blocks, moments, sizes, alpha, loaded)
-                          .assign(alpha=alpha, **common))
+            frames.append(estimate(index, values, batch_sizes, blocks, sample_moments[..., column], sizes, alpha,
+                                   loaded).assign(alpha=alpha, **common))
             point_index = index if point_index is None else point_index.union(index)
-        baseline_terms = moments(needed[0]) + log_weights
+        baseline_terms = baseline_moments[..., column] + log_weights
         fail = sizes.delta_fail("baseline")
         frames.append(point_index.to_frame(index=False).assign(
-            alpha=alpha, kind="baseline", rdp=accounting.mixture_rdp(moments(needed[0]), log_weights,
+            alpha=alpha, kind="baseline", rdp=accounting.mixture_rdp(baseline_moments[..., column], log_weights,
                                                                      math.log(1 - fail), alpha),
             rdp_min=math.nan, rdp_max=math.nan, samples=0, k_star=grid[np.argmax(baseline_terms)], delta_fail=fail,
             **common))
@@ -109,11 +114,11 @@ def coupling(loaded, args):
     return with_directions(result, config.sample_rate)
 
 
-def estimate(index, values, batch_sizes, blocks, moments, sizes, alpha, loaded):
+def estimate(index, values, batch_sizes, blocks, sample_moments, sizes, alpha, loaded):
     """§3.2 estimate per point, pooled over blocks, with the min and max of the per-block estimates."""
     grid = accountants.sample_grid(batch_sizes, sizes, loaded)
     log_weights = accounting.lumped_size_log_weights(grid, sizes.n, sizes.sample_rate)
-    log_moments = np.where(np.isnan(values), np.nan, moments(np.nan_to_num(values)))
+    log_moments = np.where(np.isnan(values), np.nan, sample_moments)
     log_mass = math.log(1 - sizes.delta_fail("estimate"))
 
     def rho(mask):

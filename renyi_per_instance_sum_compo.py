@@ -150,7 +150,6 @@ def mean_rule(loaded, args):
 def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
     """{step: (points, (P, O) per-step ρ)} of the mean rule at every checkpoint (§3.2)."""
     config = loaded.config
-    result = {}
     if kind == "certified":
         statistics = accountants.mean_statistics(loaded)
         if statistics is None:
@@ -161,11 +160,7 @@ def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
         table = accountants.mean_rule_table(config, args.alpha, [bound], COMPOSITION_LEVEL_STEP)
         rdp = accountants.mixture_rdp_by_point(table, bound, log_weights,
                                                math.log(1 - sizes.delta_fail("certified")), config)
-        steps = statistics.index.get_level_values("step").to_numpy()
-        points = statistics.index.get_level_values("point").to_numpy()
-        for step in np.unique(steps):
-            result[int(step)] = (points[steps == step], rdp[steps == step])
-        return result
+        return by_checkpoint(statistics.index, rdp)
     samples = accountants.mean_samples(loaded)
     if samples is None:
         raise UsageError(loaded.flag, f"{loaded.path} has no Δ_B samples to estimate from (--kind estimate)")
@@ -180,11 +175,14 @@ def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
         means, _ = accounting.stratified_log_means(moments, batch_sizes, sample_grid)
         rdp[:, column] = accounting.mixture_rdp(means, sample_weights, math.log(1 - sizes.delta_fail("estimate")),
                                                 alpha)
+    return by_checkpoint(index, rdp)
+
+
+def by_checkpoint(index, rdp):
+    """{step: (points, their rows of rdp)} for an index of (point, step) pairs."""
     steps = index.get_level_values("step").to_numpy()
     points = index.get_level_values("point").to_numpy()
-    for step in np.unique(steps):
-        result[int(step)] = (points[steps == step], rdp[steps == step])
-    return result
+    return {int(step): (points[steps == step], rdp[steps == step]) for step in np.unique(steps)}
 
 
 def main(argv=None):
