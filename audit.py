@@ -99,16 +99,16 @@ def summary_lines(rows):
 def main(argv=None):
     args = parse_args(argv)
     run = attacks.open_run(args.run, args.models_dir, args.data_root)
-    metadata = run.metadata
-    if metadata["dp"] == 0 or metadata["noise_multiplier"] == 0:
+    config = run.config
+    if not config.private or config.noise_multiplier == 0:
         raise UsageError("--run", f"{run.name} is trained without noise: it has no privacy to audit")
-    rule = args.rule or metadata["update_rule"]
-    points = None if args.points is None else parse_points(args.points, len(run.dataset.train_y), metadata["seed"])
-    seed = metadata["seed"] if args.mc_seed is None else args.mc_seed
+    rule = args.rule or config.update_rule
+    points = None if args.points is None else parse_points(args.points, len(run.dataset.train_y), config.seed)
+    seed = config.seed if args.mc_seed is None else args.mc_seed
     request = attacks.AuditRequest(rule=rule, trials=args.trials, delta=args.delta, statistic=args.statistic,
                                    upper_batches=args.upper_batches, seed=seed, points=points, spread=args.spread)
     out, figure = output_paths(args, run.name, rule)
-    steps = sensitivity_cli.resolve_stages(args.stages, run.saved_steps(), metadata["total_steps"])
+    steps = sensitivity_cli.resolve_stages(args.stages, run.saved_steps(), config.total_steps)
 
     started = time.time()
     frames = [attacks.audit_checkpoint(run, step, request, args.device) for step in steps]

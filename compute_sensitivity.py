@@ -5,10 +5,12 @@
 
 --reduction sum: Δ* = ||h(g*)|| per point and checkpoint. --reduction mean (coupling, the default
 estimator): the dataset statistics d*, v_X, b_X of each point and --num-batches draws of Δ_B from
-batches of every size k >= k_min, each with its k (accounting.md §3.2, §3.4); --estimator jensen
+batches of every size k >= k_min, each with its k (accounting.md §3.2, §3.4; --histogram-precision R
+stores them as histograms rounded up by at most 1 + R, an upper bound); --estimator jensen
 --exp renyi: GLA's statistic S. --run names a run (its run.json supplies the training flags);
 without it the training flags name the run, and a run without checkpoints is trained first
-(unless --no-train). Rows go to <res-dir>/<res-name>.csv; rerunning adds only what is missing, so
+(unless --no-train). Rows go to <res-dir>/<res-name>.csv (.parquet once the file holds more than
+100,000 rows, or as named by an extension); rerunning adds only what is missing, so
 an interrupted run resumes, and another --mc-seed adds an independent set of rows.
 
     torchrun --nproc-per-node 4 compute_sensitivity.py --points all --stage all --res-name x ...
@@ -37,10 +39,11 @@ def main(argv=None):
     # Every flag is checked before anything is trained, measured or written.
     request = sensitivity_cli.parse_request(args, given)
     run = sensitivity_cli.find_run(args, given)
-    request = request.for_run(run.metadata, given)
-    points = parse_points(args.points, run.universe, run.metadata["seed"])
+    request = request.for_run(run.config, given)
+    points = parse_points(args.points, run.universe, run.config.seed)
     result_file = sensitivity_cli.ResultFile.open(request.res_path, request.overwrite,
-                                                  results.run_columns(run.metadata, request.reduction))
+                                                  results.run_columns(run.config, request.reduction),
+                                                  automatic=request.automatic_format)
     if args.no_train:
         sensitivity_cli.require_finished(run)
     world = distributed.World.from_env()
@@ -50,11 +53,11 @@ def main(argv=None):
             return sharded.measure(world, args, request, run, points, result_file)
 
     started = time.time()
-    metadata = sensitivity_cli.ensure_trained(run)
-    steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), metadata["total_steps"])
+    config = sensitivity_cli.ensure_trained(run)
+    steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
     written, skipped = 0, 0
     for step in steps:
-        missing = result_file.missing(metadata["run"], step, points, request)
+        missing = result_file.missing(config.run, step, points, request)
         skipped += sum(len(points) - len(todo) for todo in missing.values())
         needed = sorted(set().union(*missing.values()))
         if not needed:
@@ -64,8 +67,8 @@ def main(argv=None):
         result_file.add(rows)
         written += len(rows)
 
-    print(f"{metadata['run']}: {len(points)} points × {len(steps)} stages (steps {', '.join(map(str, steps))}): "
-          f"{written} rows written to {request.res_path}, {skipped} (point, stage, experiment) combinations "
+    print(f"{config.run}: {len(points)} points × {len(steps)} stages (steps {', '.join(map(str, steps))}): "
+          f"{written} rows written to {result_file.describe()}, {skipped} (point, stage, experiment) combinations "
           f"already there skipped; {time.time() - started:.1f}s")
 
 

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from perinstance import accountants, accounting
+from perinstance import accountants, accounting, results
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser
 
@@ -78,27 +78,27 @@ def exact(mu, delta, sample_rate, weights=None, delta_fail=0.0):
 
 
 def sum_rule(loaded, args):
-    config = loaded.config
+    mechanism = loaded.mechanism
     accountants.check_unique(loaded, KEYS)
     rows = loaded.rows.sort_values(KEYS)
     index = pd.MultiIndex.from_frame(rows[KEYS])
     if args.method == "holder":
-        holder_p = accountants.parse_holder(args.holder_p, config.total_steps)
-        eps = accounting.eps_delta_holder(rows["value"].to_numpy()[:, None], config.noise_std, config.sample_rate,
+        holder_p = accountants.parse_holder(args.holder_p, mechanism.total_steps)
+        eps = accounting.eps_delta_holder(rows["value"].to_numpy()[:, None], mechanism.noise_std, mechanism.sample_rate,
                                           args.delta, holder_p, args.gaussian)
-        baseline = accounting.baseline_eps_delta(config.noise_multiplier, config.sample_rate, args.delta, args.gaussian)
+        baseline = accounting.baseline_eps_delta(mechanism.noise_multiplier, mechanism.sample_rate, args.delta, args.gaussian)
         both = {direction: eps for direction in (*DIRECTIONS, "max")}
         worst = {direction: np.full(len(rows), baseline) for direction in (*DIRECTIONS, "max")}
         method = f"holder p={holder_p:g}"
     else:
-        both = exact(rows["value"].to_numpy()[:, None] / config.noise_std, args.delta, config.sample_rate)
-        worst_one = exact(np.array([[1.0 / config.noise_multiplier]]), args.delta, config.sample_rate)
+        both = exact(rows["value"].to_numpy()[:, None] / mechanism.noise_std, args.delta, mechanism.sample_rate)
+        worst_one = exact(np.array([[1.0 / mechanism.noise_multiplier]]), args.delta, mechanism.sample_rate)
         worst = {direction: np.full(len(rows), value[0]) for direction, value in worst_one.items()}
         method = "exact"
     common = dict(reduction="sum", delta_fail=0.0, k_min=math.nan, samples=1, method=method,
                   eps_min=math.nan, eps_max=math.nan)
-    print(f"per-step (eps, delta) of {rows['point'].nunique()} points, sum rule, noise std {config.noise_std:.4g}, "
-          f"q={config.sample_rate:.4g}, method {method}, delta={args.delta:g}")
+    print(f"per-step (eps, delta) of {rows['point'].nunique()} points, sum rule, noise std {mechanism.noise_std:.4g}, "
+          f"q={mechanism.sample_rate:.4g}, method {method}, delta={args.delta:g}")
     return pd.concat([rows_for(index, "certified", both, args.delta, **common),
                       rows_for(index, "baseline", worst, args.delta, **common)], ignore_index=True)
 
@@ -107,7 +107,7 @@ def mean_rule(loaded, args):
     if args.method == "holder":
         raise UsageError("--method", "GLA's Hölder formula is kept for the sum rule only; the mean rule uses the "
                          "exact coupling bound (allowed here: exact)")
-    config = loaded.config
+    mechanism = loaded.mechanism
     sizes = accountants.size_model(loaded, args.failure)
     statistics = accountants.mean_statistics(loaded)
     samples = accountants.mean_samples(loaded)
@@ -118,9 +118,9 @@ def mean_rule(loaded, args):
     if statistics is not None:
         index = statistics.index
         bound = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                 statistics["max_deviation"], config.clip_bound, grid, sizes.failure)
+                                                 statistics["max_deviation"], mechanism.clip_bound, grid, sizes.failure)
         fail = sizes.delta_fail("certified")
-        eps = exact(bound / config.noise_std, args.delta, config.sample_rate, weights, fail)
+        eps = exact(bound / mechanism.noise_std, args.delta, mechanism.sample_rate, weights, fail)
         frames.append(rows_for(index, "certified", eps, args.delta, delta_fail=fail, samples=0, eps_min=math.nan,
                                eps_max=math.nan, **common))
         baseline_index = index
@@ -130,11 +130,11 @@ def mean_rule(loaded, args):
         index, values, batch_sizes, blocks = samples
         sample_grid = accountants.sample_grid(batch_sizes, sizes, loaded)
         fail = sizes.delta_fail("estimate")
-        mu = values / config.noise_std
+        mu = values / mechanism.noise_std
 
         def estimate(mask):
             weights, incomplete = sample_grid_weights(np.where(mask, batch_sizes, np.nan), sample_grid, sizes)
-            eps = exact(np.where(mask, mu, np.nan), args.delta, config.sample_rate, weights, fail)
+            eps = exact(np.where(mask, mu, np.nan), args.delta, mechanism.sample_rate, weights, fail)
             return {direction: np.where(incomplete, np.nan, value) for direction, value in eps.items()}
 
         eps = estimate(np.ones(mu.shape, dtype=bool))
@@ -148,14 +148,14 @@ def mean_rule(loaded, args):
         frames.append(rows_for(index, "estimate", eps, args.delta, delta_fail=fail,
                                samples=(~np.isnan(values)).sum(axis=1), **spread, **common))
         baseline_index = index if baseline_index is None else baseline_index.union(index)
-    worst_bound = accounting.baseline_mean_sensitivity(config.clip_bound, grid)[None, :]
+    worst_bound = accounting.baseline_mean_sensitivity(mechanism.clip_bound, grid)[None, :]
     worst_fail = sizes.delta_fail("baseline")
-    worst_one = exact(worst_bound / config.noise_std, args.delta, config.sample_rate, weights, worst_fail)
+    worst_one = exact(worst_bound / mechanism.noise_std, args.delta, mechanism.sample_rate, weights, worst_fail)
     worst = {direction: np.full(len(baseline_index), value[0]) for direction, value in worst_one.items()}
     frames.append(rows_for(baseline_index, "baseline", worst, args.delta, delta_fail=worst_fail, samples=0,
                            eps_min=math.nan, eps_max=math.nan, **common))
     print(f"per-step (eps, delta) of {baseline_index.get_level_values('point').nunique()} points, mean rule "
-          f"(coupling, §3.2-§3.4), noise std {config.noise_std:.4g}, q={config.sample_rate:.4g}, n={sizes.n}, "
+          f"(coupling, §3.2-§3.4), noise std {mechanism.noise_std:.4g}, q={mechanism.sample_rate:.4g}, n={sizes.n}, "
           f"k_min={sizes.k_min} (delta_size={sizes.delta_size:.3g}), beta={sizes.failure:.3g}, delta={args.delta:g} "
           "including delta_fail")
     if sizes.k_min == 0:
@@ -178,10 +178,10 @@ def sample_grid_weights(batch_sizes, sample_grid, sizes):
 
 def main(argv=None):
     args = parse_args(argv)
-    loaded = accountants.load(args, ["grad_norm", *accountants.COUPLING_QUANTITIES], one_run=True,
+    loaded = accountants.load(args, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=True,
                               integer_columns={"sample": 0})
     out = accountants.output_path(args, "eps_delta")
-    result = sum_rule(loaded, args) if loaded.config.reduction == "sum" else mean_rule(loaded, args)
+    result = sum_rule(loaded, args) if loaded.mechanism.rule == "sum" else mean_rule(loaded, args)
     result = result.sort_values(["point", "step", "direction", "kind"], kind="mergesort")[COLUMNS]
     correct = accountants.correct_table(loaded.rows, KEYS)
     accountants.report(out, result, "eps", KEYS, ["step"], correct)

@@ -69,18 +69,18 @@ def open_runs(args):
     runs = {model: attacks.open_run(getattr(args, flag[2:].replace("-", "_")), args.models_dir, args.data_root, flag)
             for model, flag in MODELS.items()}
     for model, flag in MODELS.items():
-        metadata = runs[model].metadata
-        if (metadata["dp"] == 1) != (model == "DP"):
-            raise UsageError(flag, f"{runs[model].name} is {'non-private' if metadata['dp'] == 0 else 'a DP run'}; "
+        config = runs[model].config
+        if config.private != (model == "DP"):
+            raise UsageError(flag, f"{runs[model].name} is {'a DP run' if config.private else 'non-private'}; "
                                    "give the DP run as --run and the non-private one as --nondp-run")
-        if metadata["less_point"] is not None:
-            raise UsageError(flag, f"{runs[model].name} was trained without point {metadata['less_point']}; "
+        if config.less_point is not None:
+            raise UsageError(flag, f"{runs[model].name} was trained without point {config.less_point}; "
                                    "use runs on the whole training set")
-    private, public = runs["DP"].metadata, runs["non-private"].metadata
-    if private["dataset_fingerprint"] != public["dataset_fingerprint"]:
+    private, public = runs["DP"].config, runs["non-private"].config
+    if private.dataset_fingerprint != public.dataset_fingerprint:
         raise UsageError("--nondp-run", f"{runs['non-private'].name} was trained on other data than {runs['DP'].name}")
-    differing = sorted(key for key in set(private["args"]) | set(public["args"])
-                       if key not in NOT_COMPARED and private["args"].get(key) != public["args"].get(key))
+    differing = sorted(key for key in set(private.flags) | set(public.flags)
+                       if key not in NOT_COMPARED and private.flags.get(key) != public.flags.get(key))
     return runs, differing
 
 
@@ -89,17 +89,17 @@ def main(argv=None):
     runs, differing = open_runs(args)
     private = runs["DP"]
     labels = private.dataset.train_y.numpy()
-    class_eps = attacks.class_mean_eps(args.eps_csv, labels, private.metadata["total_steps"])
+    class_eps = attacks.class_mean_eps(args.eps_csv, labels, private.config.total_steps)
     out = args.out or os.path.join("res", f"{private.name}_membership.csv")
     figure = args.figure or os.path.join("figures", f"{private.name}_membership.png")
 
     started = time.time()
     num_classes = private.dataset.num_classes
-    seed = private.metadata["seed"] if args.mc_seed is None else args.mc_seed
+    seed = private.config.seed if args.mc_seed is None else args.mc_seed
     members = attacks.class_members(labels, private.dataset.test_y.numpy(), num_classes, seed)
     frames = []
     for model, run in runs.items():
-        step = sensitivity_cli.resolve_stages([args.stage], run.saved_steps(), run.metadata["total_steps"])[0]
+        step = sensitivity_cli.resolve_stages([args.stage], run.saved_steps(), run.config.total_steps)[0]
         frame = attacks.attack_by_class(run, step, members, args.splits, seed, args.device)
         frames.append(frame.assign(model=model, step=step, run=run.name, splits=args.splits,
                                    class_name=[private.dataset.class_names[label] for label in frame["class"]],

@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from perinstance import accountants, accounting
+from perinstance import accountants, accounting, results
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
 
@@ -55,27 +55,27 @@ def with_directions(frame, sample_rate):
 
 
 def coupling(loaded, args):
-    config = loaded.config
+    mechanism = loaded.mechanism
     sizes = accountants.size_model(loaded, args.failure)
     statistics = accountants.mean_statistics(loaded)
     samples = accountants.mean_samples(loaded)
     grid, log_weights = sizes.grid()
-    needed = [accounting.baseline_mean_sensitivity(config.clip_bound, grid)]
+    needed = [accounting.baseline_mean_sensitivity(mechanism.clip_bound, grid)]
     if statistics is not None:
         certified = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                     statistics["max_deviation"], config.clip_bound, grid,
+                                                     statistics["max_deviation"], mechanism.clip_bound, grid,
                                                      sizes.failure)
         needed.append(certified)
     if samples is not None:
         index, values, batch_sizes, blocks = samples
         needed.append(values[~np.isnan(values)])
-    table = accountants.mean_rule_table(config, args.alpha, needed)
+    table = accountants.mean_rule_table(mechanism, args.alpha, needed)
     frames = []
     common = dict(k_min=sizes.k_min, estimator="coupling")
     point_index = None
     # (α−1)·RDP_SGM at every order, looked up once per sensitivity: (..., orders).
     def moments(sensitivity):
-        return table.log_moments(np.asarray(sensitivity) / config.clip_bound)
+        return table.log_moments(np.asarray(sensitivity) / mechanism.clip_bound)
 
     baseline_moments = moments(needed[0])
     certified_moments = moments(certified) if statistics is not None else None
@@ -103,7 +103,7 @@ def coupling(loaded, args):
     result = pd.concat(frames, ignore_index=True)
     result["k_star_at_k_min"] = (result["k_star"] == sizes.k_min).astype(int)
     print(f"per-step Rényi DP of {point_index.get_level_values('point').nunique()} points, mean rule (coupling), "
-          f"noise std {config.noise_std:.4g}, q={config.sample_rate:.4g}, n={sizes.n}, k_min={sizes.k_min} "
+          f"noise std {mechanism.noise_std:.4g}, q={mechanism.sample_rate:.4g}, n={sizes.n}, k_min={sizes.k_min} "
           f"(delta_size={sizes.delta_size:.3g}), beta={sizes.failure:.3g}")
     flagged = result.loc[result["kind"] != "baseline", "k_star_at_k_min"].sum()
     if flagged:
@@ -111,7 +111,7 @@ def coupling(loaded, args):
                          "δ_size, not the data (column k_star_at_k_min)")
     if sizes.k_min == 0:
         accountants.warn("k_min = 0: the realised-size mean rule has no useful guarantee here (accounting.md §3.4)")
-    return with_directions(result, config.sample_rate)
+    return with_directions(result, mechanism.sample_rate)
 
 
 def estimate(index, values, batch_sizes, blocks, sample_moments, sizes, alpha, loaded):
@@ -152,7 +152,7 @@ def jensen(loaded, args):
 
     def one(group):
         alpha = dict(zip(keys, group.name, strict=True))["alpha"]
-        return accounting.rdp_mean_rule(group["value"].to_numpy(), loaded.config.noise_std, alpha, args.aggregate,
+        return accounting.rdp_mean_rule(group["value"].to_numpy(), loaded.mechanism.noise_std, alpha, args.aggregate,
                                         group["target_batch"].to_numpy())
 
     per_direction = rows.groupby(keys).apply(one, include_groups=False).rename("rdp").reset_index()
@@ -162,7 +162,7 @@ def jensen(loaded, args):
         kind="gla_statistic", rdp_min=math.nan, rdp_max=math.nan, samples=rows.groupby(keys).size().median(),
         k_min=math.nan, k_star=math.nan, k_star_at_k_min=0, delta_fail=math.nan,
         estimator=f"jensen {AGGREGATE_LABEL[args.aggregate]}")
-    print(f"GLA's statistic for {rows['point'].nunique()} points (mean rule, noise std {loaded.config.noise_std:.4g}, "
+    print(f"GLA's statistic for {rows['point'].nunique()} points (mean rule, noise std {loaded.mechanism.noise_std:.4g}, "
           f"aggregate {AGGREGATE_LABEL[args.aggregate]}): not a measure of the point's influence and not the mean "
           "rule's guarantee (accounting.md §3.2)")
     if args.aggregate == "per-target":
@@ -180,7 +180,7 @@ def main(argv=None):
                                   integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
         result = jensen(loaded, args)
     else:
-        loaded = accountants.load(args, accountants.COUPLING_QUANTITIES, one_run=True, integer_columns={"sample": 0})
+        loaded = accountants.load(args, results.COUPLING_QUANTITIES, one_run=True, integer_columns={"sample": 0})
         result = coupling(loaded, args)
     out = accountants.output_path(args, "renyi_per_instance_mean")
     result = result.sort_values(KEYS + ["direction", "kind"], kind="mergesort")[COLUMNS]

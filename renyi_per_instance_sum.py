@@ -35,20 +35,20 @@ def main(argv=None):
     args = parse_args(argv)
     loaded = accountants.load(args, ["grad_norm"], one_run=True)
     accountants.check_unique(loaded, ["point", "step"])
-    config, rows = loaded.config, loaded.rows.sort_values(["point", "step"])
+    mechanism, rows = loaded.mechanism, loaded.rows.sort_values(["point", "step"])
     out = accountants.output_path(args, "renyi_per_instance_sum")
 
-    rdp = accounting.rdp_sum_rule(rows["value"].to_numpy(), config.clip_bound, config.noise_multiplier,
-                                  config.sample_rate, args.alpha)
-    baseline = accounting.rdp_sgm(config.sample_rate, config.noise_multiplier, args.alpha)
+    rdp = accounting.rdp_sum_rule(rows["value"].to_numpy(), mechanism.clip_bound, mechanism.noise_multiplier,
+                                  mechanism.sample_rate, args.alpha)
+    baseline = mechanism.baseline_rdp(args.alpha, steps=1)
     keys = pd.DataFrame({"point": np.repeat(rows["point"].to_numpy(), len(args.alpha)),
                          "step": np.repeat(rows["step"].to_numpy(), len(args.alpha)),
                          "alpha": np.tile(args.alpha, len(rows)), "direction": "max"})
     result = pd.concat([keys.assign(kind="certified", rdp=rdp.ravel()),
                         keys.assign(kind="baseline", rdp=np.tile(baseline, len(rows)))], ignore_index=True)
 
-    print(f"per-step Rényi DP of {rows['point'].nunique()} points, sum rule, sigma={config.noise_multiplier:g}, "
-          f"clip bound {config.clip_bound:g}, q={config.sample_rate:.4g}, "
+    print(f"per-step Rényi DP of {rows['point'].nunique()} points, sum rule, sigma={mechanism.noise_multiplier:g}, "
+          f"clip bound {mechanism.clip_bound:g}, q={mechanism.sample_rate:.4g}, "
           f"orders {', '.join(f'{alpha:g}' for alpha in args.alpha)}")
     result = result.sort_values(KEYS + ["kind"], kind="mergesort")[COLUMNS]
     accountants.report(out, result, "rdp", KEYS, ["step", "alpha"], accountants.correct_table(rows, ["point", "step"]))

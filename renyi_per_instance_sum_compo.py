@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from perinstance import accountants, accounting
+from perinstance import accountants, accounting, results
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float
 
@@ -68,25 +68,24 @@ def holder_exponent(args, total_steps, default):
 
 def sum_rule(loaded, args):
     accountants.check_unique(loaded, ["run", "seed", "step", "point"])
-    config = loaded.config
-    holder_b = holder_exponent(args, config.total_steps, "3T")
+    mechanism = loaded.mechanism
+    holder_b = holder_exponent(args, mechanism.total_steps, "3T")
     ratios, steps, points = accountants.checkpoint_ratios(loaded)
     levels = accounting.sensitivity_levels(args.rounding, ratios)
-    orders = accounting.composition_orders(args.alpha, config.total_steps, holder_b)
-    table = accounting.RdpTable(config.sample_rate, config.noise_multiplier, orders, levels)
-    rdp = accounting.compose_rdp(table, ratios, steps, config.total_steps, args.alpha, holder_b)
+    orders = accounting.composition_orders(args.alpha, mechanism.total_steps, holder_b)
+    table = accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier, orders, levels)
+    rdp = accounting.compose_rdp(table, ratios, steps, mechanism.total_steps, args.alpha, holder_b)
     eps, best_order = accounting.rdp_to_eps(args.alpha, rdp, args.delta)
-    baseline_rdp = accounting.baseline_rdp(config.noise_multiplier, config.sample_rate, args.alpha, config.total_steps)
-    baseline_eps, baseline_order = accounting.rdp_to_eps(args.alpha, baseline_rdp, args.delta)
+    baseline_eps, baseline_order = mechanism.baseline_eps(args.delta, orders=args.alpha)
     runs = ratios.shape[0]
-    print(f"per-instance (eps, delta) of {len(points)} points over T={config.total_steps} steps, sum rule, {runs} run(s), "
-          f"{len(steps)} checkpoints, sigma={config.noise_multiplier:g}, q={config.sample_rate:.4g}, "
+    print(f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, {runs} run(s), "
+          f"{len(steps)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
           f"Hölder b={holder_b:g}, Δ rounded up to {args.rounding:g}·Γ, delta={args.delta:g}")
     if runs == 1 and np.isfinite(holder_b):
         accountants.warn("with one run, --holder-b inf (plain composition along the observed trajectory) "
                          "is never larger than a finite b")
     warn_edge(best_order, args.alpha)
-    common = dict(delta=args.delta, delta_fail=0.0, steps=config.total_steps, k_min=math.nan, reduction="sum")
+    common = dict(delta=args.delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
     return pd.concat([pd.DataFrame({"point": points, "kind": "certified", "eps": eps, "alpha": best_order, **common}),
                       pd.DataFrame({"point": points, "kind": "baseline", "eps": float(baseline_eps),
                                     "alpha": float(baseline_order), **common})], ignore_index=True)
@@ -100,8 +99,8 @@ def warn_edge(best_order, orders):
 
 
 def mean_rule(loaded, args):
-    config = loaded.config
-    total_steps = config.total_steps
+    mechanism = loaded.mechanism
+    total_steps = mechanism.total_steps
     if holder_exponent(args, total_steps, "inf") != math.inf:
         raise UsageError("--holder-b", "the mean rule is composed with b = inf only (allowed here: inf)")
     runs = accountants.run_key(loaded.rows).unique()
@@ -123,11 +122,11 @@ def mean_rule(loaded, args):
         if not np.array_equal(per_step[step][0], points):
             raise UsageError(loaded.flag, f"{loaded.path}: step {step} has other points than step {checkpoints[0]} "
                              "(every point needs a value at every checkpoint)")
-    baseline_table = accountants.mean_rule_table(config, args.alpha, [accounting.baseline_mean_sensitivity(
-        config.clip_bound, grid)], COMPOSITION_LEVEL_STEP)
+    baseline_table = accountants.mean_rule_table(mechanism, args.alpha, [accounting.baseline_mean_sensitivity(
+        mechanism.clip_bound, grid)], COMPOSITION_LEVEL_STEP)
     baseline_step = accountants.mixture_rdp_by_point(
-        baseline_table, accounting.baseline_mean_sensitivity(config.clip_bound, grid)[None, :], log_weights,
-        math.log(1 - sizes.delta_fail("baseline")), config)[0]
+        baseline_table, accounting.baseline_mean_sensitivity(mechanism.clip_bound, grid)[None, :], log_weights,
+        math.log(1 - sizes.delta_fail("baseline")), mechanism)[0]
     total = np.zeros((len(points), len(args.alpha)))
     for first, last, checkpoint in accounting.step_segments(checkpoints, total_steps):
         total += (last - first + 1) * (baseline_step if checkpoint is None else per_step[checkpoints[checkpoint]][1])
@@ -137,7 +136,7 @@ def mean_rule(loaded, args):
     baseline_budget = args.delta - total_steps * sizes.delta_fail("baseline")
     baseline_eps, baseline_order = accounting.rdp_to_eps(args.alpha, total_steps * baseline_step, baseline_budget)
     print(f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
-          f"{len(checkpoints)} checkpoints, sigma={config.noise_multiplier:g}, q={config.sample_rate:.4g}, "
+          f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
           f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = {budget:.4g}")
     warn_edge(best_order, args.alpha)
     common = dict(delta=args.delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
@@ -149,17 +148,17 @@ def mean_rule(loaded, args):
 
 def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
     """{step: (points, (P, O) per-step ρ)} of the mean rule at every checkpoint (§3.2)."""
-    config = loaded.config
+    mechanism = loaded.mechanism
     if kind == "certified":
         statistics = accountants.mean_statistics(loaded)
         if statistics is None:
             raise UsageError(loaded.flag, f"{loaded.path} has no mean-rule statistics (center_distance, spread, "
                              "max_deviation) to certify; measure with compute_sensitivity.py --reduction mean")
         bound = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                 statistics["max_deviation"], config.clip_bound, grid, sizes.failure)
-        table = accountants.mean_rule_table(config, args.alpha, [bound], COMPOSITION_LEVEL_STEP)
+                                                 statistics["max_deviation"], mechanism.clip_bound, grid, sizes.failure)
+        table = accountants.mean_rule_table(mechanism, args.alpha, [bound], COMPOSITION_LEVEL_STEP)
         rdp = accountants.mixture_rdp_by_point(table, bound, log_weights,
-                                               math.log(1 - sizes.delta_fail("certified")), config)
+                                               math.log(1 - sizes.delta_fail("certified")), mechanism)
         return by_checkpoint(statistics.index, rdp)
     samples = accountants.mean_samples(loaded)
     if samples is None:
@@ -167,8 +166,8 @@ def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
     index, values, batch_sizes, _ = samples
     sample_grid = accountants.sample_grid(batch_sizes, sizes, loaded)
     sample_weights = accounting.lumped_size_log_weights(sample_grid, sizes.n, sizes.sample_rate)
-    table = accountants.mean_rule_table(config, args.alpha, [values[~np.isnan(values)]], COMPOSITION_LEVEL_STEP)
-    log_moments = table.log_moments(np.nan_to_num(values) / config.clip_bound)
+    table = accountants.mean_rule_table(mechanism, args.alpha, [values[~np.isnan(values)]], COMPOSITION_LEVEL_STEP)
+    log_moments = table.log_moments(np.nan_to_num(values) / mechanism.clip_bound)
     rdp = np.empty((len(values), len(table.orders)))
     for column, alpha in enumerate(table.orders):
         moments = np.where(np.isnan(values), np.nan, log_moments[..., column])
@@ -187,15 +186,15 @@ def by_checkpoint(index, rdp):
 
 def main(argv=None):
     args = parse_args(argv)
-    loaded = accountants.load(args, ["grad_norm", *accountants.COUPLING_QUANTITIES], one_run=False,
+    loaded = accountants.load(args, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=False,
                               integer_columns={"sample": 0})
     trained = set(loaded.rows["update_rule"].astype(str))
-    if trained != {loaded.config.reduction}:
-        raise UsageError(loaded.flag, f"{loaded.path}: the rows analyse the {loaded.config.reduction} rule of a run "
+    if trained != {loaded.mechanism.rule}:
+        raise UsageError(loaded.flag, f"{loaded.path}: the rows analyse the {loaded.mechanism.rule} rule of a run "
                          f"trained with the {'/'.join(sorted(trained))} rule; composing over a run needs the rule it "
                          "was trained with (per-step analyses may differ)")
     out = accountants.output_path(args, "renyi_per_instance_sum_compo")
-    result = sum_rule(loaded, args) if loaded.config.reduction == "sum" else mean_rule(loaded, args)
+    result = sum_rule(loaded, args) if loaded.mechanism.rule == "sum" else mean_rule(loaded, args)
     result = result.sort_values(["point", "kind"], kind="mergesort")[COLUMNS]
     accountants.report(out, result, "eps", ["point"], [], accountants.correct_at_end(loaded.rows))
 

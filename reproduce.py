@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import resource
 import shlex
 import sys
 import time
@@ -29,9 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, attacks, checkpoints, fileio, plots, training
+from perinstance import accounting, attacks, checkpoints, fileio, plots, runs, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
+from perinstance.mechanism import Mechanism
 from perinstance.options import HELP_FORMAT, Parser, add_device_argument
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -94,6 +96,13 @@ PRESETS = {
         dataset="CIFAR10", model="resnet20", batch_size=512, lr=2.0, epochs=40.0, eps=10.0, save_freq=200,
         track_points="random:1000", mean_batch_sizes=(128, 512, 2048), mean_points="random:1000",
         num_batches=10_000),
+    # CIFAR-10 on 2 CPU cores: a linear head trained with DP-SGD on fixed ScatterNet features (Tramèr &
+    # Boneh, "Differentially Private Learning Needs Better Features (or Much More Data)", ICLR 2021).
+    # For the JPEGs: --dataset scatternet:imagefolder:PATH. README: "CIFAR-10 on a CPU".
+    "cifar10-cpu": ReproduceConfig(
+        dataset="scatternet:CIFAR10", model="linear", batch_size=4096, lr=4.0, epochs=6.0, eps=10.0,
+        save_freq=15, track_points="random:200", mean_batch_sizes=(1024, 4096, 16384), mean_points="random:100",
+        num_batches=1024, nodp_lr=1.0),
 }
 # Fields that define the main run, and those that define the mean-rule runs and measurements: a
 # change of one of them gives the runs and result files new names (see `variant_tag`). The dataset
@@ -300,7 +309,7 @@ def main(argv=None):
     main_flags = [*training_flags(config, device), "--save-name", main_name, "--track-points", config.track_points]
     commands.run("train_dpsgd.py", main_flags)
     run_dir = os.path.join("models", main_name)
-    metadata = checkpoints.load_metadata(run_dir)
+    main_run = runs.load_run(run_dir)
 
     # 2. Δ* of every training point at every checkpoint.
     commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
@@ -319,13 +328,19 @@ def main(argv=None):
     attacks = attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device)
 
     # 6. Figures and report.
-    findings = draw_figures(out_dir, config, metadata, run_dir, sensitivities, *accounted, mean_results, device)
+    findings = draw_figures(out_dir, config, main_run, run_dir, sensitivities, *accounted, mean_results, device)
     findings.update(attacks)
     findings["headlines"] = finding_lines(config, findings)
-    report = write_report(out_dir, preset, config, argv, commands, metadata, findings, time.time() - started)
-    print(f"\nreproduce.py --preset {preset}: {len(FIGURES)} figures and {report} written in {time.time() - started:.0f}s")
+    report = write_report(out_dir, preset, config, argv, commands, main_run, findings, time.time() - started)
+    print(f"\nreproduce.py --preset {preset}: {len(FIGURES)} figures and {report} written in {time.time() - started:.0f}s; "
+          f"peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
     for line in findings["headlines"]:
         print(f"  - {line}")
+
+
+def peak_resident_bytes():
+    """This process's peak resident set size: every step runs in it (call_script), so this is the run's."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
 
 
 def account_main_run(commands, config, main_name, run_dir):
@@ -382,8 +397,8 @@ def mean_rule_experiment(commands, config, mean_name, device):
         sum_rule = account(commands, "renyi_per_instance_sum.py", names["norms"], alpha, "renyi")
         composed = account(commands, "renyi_per_instance_sum_compo.py", names["stats"], ["--delta", str(config.delta)],
                            "compo")
-        metadata = checkpoints.load_metadata(os.path.join("models", run_name))
-        results[metadata["sample_rate"]] = mean_rule_series(metadata, config, certified, estimate, sum_rule, composed)
+        run = runs.load_run(os.path.join("models", run_name))
+        results[run.sample_rate] = mean_rule_series(run, config, certified, estimate, sum_rule, composed)
     return results
 
 
@@ -393,21 +408,20 @@ def account(commands, script, res_name, flags, suffix):
                             os.path.join("res", f"{res_name}.csv"))
 
 
-def mean_rule_series(metadata, config, certified, estimate, sum_rule, composed):
+def mean_rule_series(run, config, certified, estimate, sum_rule, composed):
     """The numbers figure 3 draws for one sampling rate, from the accountants' labelled outputs."""
-    final_step = metadata["total_steps"]
-    sample_rate, sigma, steps = metadata["sample_rate"], metadata["noise_multiplier"], metadata["total_steps"]
+    final_step = run.total_steps
+    sigma, steps = run.noise_multiplier, run.total_steps
+    sum_mechanism = Mechanism.of_run(run, "sum")
 
     def per_step(rows, kind):
         chosen = rows[(rows["kind"] == kind) & (rows["direction"] == "max") & (rows["step"] == final_step)]
         return chosen["rdp"].to_numpy()
 
-    sum_worst = float(accounting.rdp_sgm(sample_rate, sigma, [config.renyi_order])[0])
-    orders = accounting.COMPOSITION_ORDERS
-    sum_composed, _ = accounting.rdp_to_eps(orders, accounting.baseline_rdp(sigma, sample_rate, orders, steps),
-                                            config.delta)
+    sum_worst = float(sum_mechanism.baseline_rdp([config.renyi_order], steps=1)[0])
+    sum_composed, _ = sum_mechanism.baseline_eps(config.delta)
     at_end = certified[(certified["step"] == final_step) & (certified["direction"] == "max")]
-    facts = {"sigma": sigma, "steps": steps, "batch_size": metadata["batch_size"],
+    facts = {"sigma": sigma, "steps": steps, "batch_size": run.batch_size,
              "k_min": int(at_end["k_min"].iloc[0]), "estimate_points": int(estimate["point"].nunique()),
              "estimate_samples": int(estimate.loc[estimate["kind"] == "estimate", "samples"].median()),
              "dominated_by_k_min": float(at_end.loc[at_end["kind"] == "certified", "k_star_at_k_min"].mean()),
@@ -433,7 +447,7 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, out_
         audited = commands.account("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule,
                                                 "--trials", str(config.audit_trials), "--delta", str(config.delta),
                                                 "--figure", figure, "--device", device], out,
-                                   checkpoints.metadata_path(os.path.join("models", run_name)))
+                                   runs.run_file(os.path.join("models", run_name)))
         audits[rule] = attacks.audit_summary(audited)
     nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
     nodp = dataclasses.replace(config, lr=config.nodp_lr)
@@ -471,7 +485,7 @@ def final_rows(frame, step):
     return frame[frame["step"] == step]
 
 
-def draw_figures(out_dir, config, metadata, run_dir, sensitivities, per_step, composed, tracked, mean_results,
+def draw_figures(out_dir, config, main_run, run_dir, sensitivities, per_step, composed, tracked, mean_results,
                  device):
     final_step = max(checkpoints.saved_steps(run_dir))
     at_end = final_rows(sensitivities, final_step).set_index("point")
@@ -498,13 +512,13 @@ def draw_figures(out_dir, config, metadata, run_dir, sensitivities, per_step, co
     # Figure 4: composed ε over training for an easy, a hard and a misclassified point.
     composed = composed.set_index("point")
     chosen = pick_points(composed["eps"], at_end.loc[composed.index, "correct"].astype(bool))
-    curves, baseline_curve = composition_curves(metadata, sensitivities, chosen, config.delta)
+    curves, baseline_curve = composition_curves(main_run, sensitivities, chosen, config.delta)
     findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path(FIGURES[3]), config.delta)
 
     # Figure 5: individual accounting of every point vs its final loss; classes.
-    model, payload = training.load_model(metadata, run_dir, final_step, device)
+    model, payload = training.load_model(main_run, run_dir, final_step, device)
     findings["test_accuracy"] = payload["test_accuracy"]
-    dataset = load_dataset(metadata["dataset"], DATA_ROOT, metadata["less_point"])
+    dataset = load_dataset(main_run.dataset, DATA_ROOT, main_run.less_point)
     class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
     findings["individual"] = plots.plot_individual_accounting(
         composed["eps"].to_numpy(), at_end.loc[composed.index, "loss"].to_numpy(),
@@ -521,7 +535,7 @@ def draw_figures(out_dir, config, metadata, run_dir, sensitivities, per_step, co
     findings["estimate"]["points"] = len(exact)
     findings["composed_median"] = float(composed["eps"].median())
     findings["composed_baseline"] = float(composed["baseline_eps"].iloc[0])
-    findings["total_steps"] = metadata["total_steps"]
+    findings["total_steps"] = main_run.total_steps
     return findings
 
 
@@ -548,15 +562,15 @@ def pick_points(eps, correct):
     return chosen
 
 
-def composition_curves(metadata, sensitivities, chosen, delta):
+def composition_curves(run, sensitivities, chosen, delta):
     """Composed ε after t steps (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞, so the table needs only the
     base orders) at each checkpoint, for the chosen points."""
     orders = np.asarray(accounting.COMPOSITION_ORDERS, dtype=float)
     rows = sensitivities[sensitivities["point"].isin(list(chosen.values()))]
     table_of = rows.pivot_table(index="step", columns="point", values="value", aggfunc="first")
     steps = table_of.index.to_numpy()
-    ratio = (table_of[list(chosen.values())].to_numpy() / metadata["clip_bound"])[None]
-    table = accounting.RdpTable(metadata["sample_rate"], metadata["noise_multiplier"], orders,
+    ratio = (table_of[list(chosen.values())].to_numpy() / run.clip_bound)[None]
+    table = accounting.RdpTable(run.sample_rate, run.noise_multiplier, orders,
                                 accounting.sensitivity_levels(0.0, ratio))
     horizon = [int(step) for step in steps if step > 0]
     curves = {label: (np.asarray(horizon), np.empty(len(horizon))) for label in chosen}
@@ -566,9 +580,7 @@ def composition_curves(metadata, sensitivities, chosen, delta):
         eps, _ = accounting.rdp_to_eps(orders, rdp, delta)
         for index, label in enumerate(chosen):
             curves[label][1][column] = eps[index]
-        baseline[column] = accounting.rdp_to_eps(
-            orders, accounting.baseline_rdp(metadata["noise_multiplier"], metadata["sample_rate"], orders, end),
-            delta)[0]
+        baseline[column] = Mechanism.of_run(run, "sum").baseline_eps(delta, end, orders)[0]
     return curves, (np.asarray(horizon), baseline)
 
 
@@ -639,11 +651,11 @@ def configuration_lines(preset, config):
     return lines
 
 
-def write_report(out_dir, preset, config, argv, commands, metadata, findings, seconds):
+def write_report(out_dir, preset, config, argv, commands, main_run, findings, seconds):
     text = [f"# Per-instance privacy of DP-SGD: preset `{preset}`", "",
-            f"`{shlex.join(['python', 'reproduce.py', *argv])}` took {seconds:.0f} s. Main run `{metadata['run']}` "
-            f"on `{metadata['dataset']}`: sigma = {metadata['noise_multiplier']:.4g}, q = {metadata['sample_rate']:.4g}, "
-            f"T = {metadata['total_steps']}, Γ = {metadata['clip_bound']:g}, N = {metadata['dataset_size']}; "
+            f"`{shlex.join(['python', 'reproduce.py', *argv])}` took {seconds:.0f} s. Main run `{main_run.run}` "
+            f"on `{main_run.dataset}`: sigma = {main_run.noise_multiplier:.4g}, q = {main_run.sample_rate:.4g}, "
+            f"T = {main_run.total_steps}, Γ = {main_run.clip_bound:g}, N = {main_run.dataset_size}; "
             f"test accuracy at the end {findings['test_accuracy']:.4f}.", "", "## Findings", ""]
     text += [f"{index}. {line}" for index, line in enumerate(findings["headlines"], 1)]
     text += ["", "## Configuration", "", *configuration_lines(preset, config)]

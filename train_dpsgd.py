@@ -45,9 +45,9 @@ def main(argv=None):
     mine = world.share(runs)
     trained = 0
     for run_args in mine:
-        metadata = training.train(run_args, quiet=world.size > 1)
-        trained += metadata["resumed_from"] != metadata["total_steps"]
-        print(summary(run_args, metadata), flush=True)
+        outcome = training.train(run_args, quiet=world.size > 1)
+        trained += outcome.trained
+        print(summary(outcome), flush=True)
     if len(runs) > 1 or world.launched:
         names = ", ".join(run_label(run_args) for run_args in mine[:RUNS_NAMED])
         more = f" and {len(mine) - RUNS_NAMED} more" if len(mine) > RUNS_NAMED else ""
@@ -82,17 +82,17 @@ def run_label(run_args):
     return f"seed {run_args.seed}" + ("" if run_args.less_point is None else f" without {run_args.less_point}")
 
 
-def summary(run_args, metadata):
+def summary(outcome):
     """One line per run: what was done, its privacy parameters, accuracy and checkpoints."""
-    run_dir = training.run_dir_for(run_args)
-    steps = checkpoints.saved_steps(run_dir)
-    privacy = ("non-private" if metadata["dp"] == 0 else
-               f"sigma={metadata['noise_multiplier']:.4g} q={metadata['sample_rate']:.4g} delta={metadata['delta']:g}"
-               + (f" (target eps={metadata['target_eps']:g})" if metadata["target_eps"] else ""))
-    status = "already trained" if metadata["resumed_from"] == metadata["total_steps"] else (
-        f"trained steps {metadata['resumed_from'] + 1}-{metadata['total_steps']} in {metadata['train_seconds']:.1f}s")
-    return (f"{metadata['run']}: {status}; {privacy}; test accuracy {metadata['final_test_accuracy']:.4f}; "
-            f"{len(steps)} checkpoints in {run_dir}")
+    run = outcome.run
+    steps = checkpoints.saved_steps(outcome.run_dir)
+    privacy = ("non-private" if not run.private else
+               f"sigma={run.noise_multiplier:.4g} q={run.sample_rate:.4g} delta={run.delta:g}"
+               + (f" (target eps={run.target_eps:g})" if run.target_eps else ""))
+    status = f"trained steps {outcome.resumed_from + 1}-{run.total_steps} in {outcome.train_seconds:.1f}s" \
+        if outcome.trained else "already trained"
+    return (f"{run.run}: {status}; {privacy}; test accuracy {outcome.final_test_accuracy:.4f}; "
+            f"{len(steps)} checkpoints in {outcome.run_dir}")
 
 
 if __name__ == "__main__":

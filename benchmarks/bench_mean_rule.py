@@ -101,7 +101,7 @@ def main():
     plan = sensitivity.coupling_plan(0, 0, size - 1, sample_rate, DELTA / (10 * total_steps), args.num_batches,
                                      MC_BLOCKS, MAX_SIZES)
     started = time.perf_counter()
-    rows, points = sensitivity.checkpoint_gradients(model, x, y, x, y, np.arange(size), TRANSFORM)
+    rows, points = sensitivity.checkpoint_gradients(model, x, y, x, y, np.arange(size), TRANSFORM, hold=True)
     gradient_seconds = time.perf_counter() - started
     started = time.perf_counter()
     statistics, samples = sensitivity.measure_coupling(rows, points, plan)

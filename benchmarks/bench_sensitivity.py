@@ -1,17 +1,18 @@
-"""Benchmark of the sensitivity engine on the embedded MNIST subset with LeNet-5 (not a test).
+"""Benchmark of the sensitivity engine (not a test).
 
-    python benchmarks/bench_sensitivity.py [--rounds 5] [--reference-sets 5]
+    python benchmarks/bench_sensitivity.py [--rounds 3] [--resnet-points 512] [--reference-sets 5] [--threads 1] [--clock cpu]
     python benchmarks/bench_sensitivity.py --smoke   # seconds: synthetic data, one round, small Monte Carlo
 
-1. Δ* of all 8,000 training points at one checkpoint: samples/s of the engine's ghost norms,
-   side by side (interleaved rounds) with Opacus GradSampleModule's materialised per-sample
-   gradients, torch.func (vmap of grad), Opacus's stock ghost clipping, and a plain
-   non-private forward+backward.
+1. Δ* of every training point at one checkpoint, for LeNet-5 on the embedded MNIST subset (8,000
+   points) and ResNet-20 (GroupNorm) on random CIFAR-10-shaped inputs: samples/s of the engine's
+   norms (gradients.per_sample_norms), side by side (interleaved rounds) with Opacus
+   GradSampleModule's materialised per-sample gradients, torch.func (vmap of grad), Opacus's
+   stock ghost clipping, and a plain non-private forward+backward.
 2. The Rényi mean experiment with the paper's defaults (α = 8, 20 target batches × 100 sets
    of α batches, batches of 128) for 10 points, both directions: the engine's seconds, and
    the reference (one forward/backward per batch) timed on a slice and extrapolated.
 
-Timings do not depend on the weights, so the checkpoint is LeNet-5 at its initialisation.
+Timings do not depend on the weights, so the checkpoint is each model at its initialisation.
 """
 
 import argparse
@@ -29,15 +30,14 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _smoke import synthetic_lenet_dataset  # noqa: E402
+from _workloads import workloads  # noqa: E402
 
 from perinstance import gradients, sensitivity  # noqa: E402
-from perinstance.data import load_dataset  # noqa: E402
-from perinstance.nets import build_model  # noqa: E402
 from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY, Pool, Transform  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 CHUNK = sensitivity.ROW_CHUNK
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +54,7 @@ class RenyiSetting:
 
 PAPER_SETTING = RenyiSetting(batch_size=128, alpha=8, num_iters=20, num_batches=100, num_points=10)
 SMOKE_SETTING = RenyiSetting(batch_size=16, alpha=4, num_iters=2, num_batches=3, num_points=2)
-
-
-def lenet(dataset):
-    torch.manual_seed(0)
-    return build_model("lenet5", 1, 32, dataset.num_classes)
+SMOKE_RESNET_POINTS = 8
 
 
 # --- 1. Δ* of every point ---------------------------------------------------------------------
@@ -109,7 +105,7 @@ def plain_forward_backward(model, x, y):
 
 
 NORM_METHODS = {
-    "engine (ghost norms)": engine_norms,
+    "engine (per_sample_norms)": engine_norms,
     "Opacus GradSampleModule (materialised)": opacus_materialised_norms,
     "torch.func vmap(grad)": torch_func_norms,
     "Opacus ghost clipping (stock)": opacus_ghost_norms,
@@ -117,19 +113,19 @@ NORM_METHODS = {
 }
 
 
-def bench_norms(dataset, rounds):
-    x, y = dataset.train_x, dataset.train_y
+def bench_norms(workload, rounds, clock):
+    x, y = workload.dataset.train_x, workload.dataset.train_y
     rates = {name: [] for name in NORM_METHODS}
     for _ in range(rounds):
         for name, method in NORM_METHODS.items():
-            model = lenet(dataset)
-            started = time.perf_counter()
+            model = workload.model()
+            started = clock()
             method(model, x, y)
-            rates[name].append(len(y) / (time.perf_counter() - started))
-    engine = rates["engine (ghost norms)"]
-    print(f"\n1. Δ* of all {len(y)} training points, LeNet-5 ({sensitivity.parameter_count(lenet(dataset))} "
-          f"parameters), chunks of {CHUNK}, {rounds} interleaved rounds. Best round (least disturbed by other "
-          "processes), and the median over rounds of the same-round ratio:")
+            rates[name].append(len(y) / (clock() - started))
+    engine = rates["engine (per_sample_norms)"]
+    print(f"\n1. Δ* of all {workload.label}, {sensitivity.parameter_count(workload.model())} parameters, "
+          f"chunks of {CHUNK}, {rounds} interleaved rounds ({clock.__name__}). Best round (least disturbed by other processes), "
+          "and the median over rounds of the same-round ratio:")
     for name, rate in rates.items():
         best_ratio = max(engine) / max(rate)
         median_ratio = statistics.median(mine / theirs for mine, theirs in zip(engine, rate))
@@ -157,14 +153,15 @@ def time_reference(model, dataset, pool, point, reference_sets, alpha):
     return min(target_seconds), min(set_seconds), np.asarray(values)
 
 
-def bench_renyi(dataset, reference_sets, setting):
+def bench_renyi(workload, reference_sets, setting):
+    dataset = workload.dataset
     x, y = dataset.train_x, dataset.train_y
     size = len(y)
     alpha, num_iters, num_batches = setting.alpha, setting.num_iters, setting.num_batches
     num_points = setting.num_points
     points = np.sort(np.random.default_rng(0).choice(size, num_points, replace=False))
     pool = Pool(seed=0, step=0, universe=size, sample_rate=setting.batch_size / size, train_columns=np.arange(size))
-    model = lenet(dataset)
+    model = workload.model()
 
     # The reference is timed before and after the engine; the fastest timing counts, which keeps
     # the extrapolated reference (and the speed-up) on the low side.
@@ -198,18 +195,27 @@ def bench_renyi(dataset, reference_sets, setting):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--resnet-points", type=int, default=512)
     parser.add_argument("--reference-sets", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads; under load, one thread per process times the methods more fairly, "
+                             "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="for part 1: wall seconds, or this process's CPU seconds (with --threads 1: the same on "
+                             "an idle machine, and far less disturbed by other processes)")
     parser.add_argument("--smoke", action="store_true",
                         help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
     args = parser.parse_args()
     if args.smoke:
-        args.rounds, args.reference_sets = 1, 1
-    dataset = synthetic_lenet_dataset() if args.smoke else load_dataset("mnist-embedded")
+        args.rounds, args.reference_sets, args.resnet_points, args.threads = 1, 1, SMOKE_RESNET_POINTS, 1
+    torch.set_num_threads(args.threads)
+    lenet, resnet = workloads(args.smoke, args.resnet_points)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"load average before: {os.getloadavg()[0]:.2f}")
-    bench_norms(dataset, args.rounds)
-    bench_renyi(dataset, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING)
+    bench_norms(lenet, args.rounds, CLOCKS[args.clock])
+    bench_norms(resnet, args.rounds, CLOCKS[args.clock])
+    bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 

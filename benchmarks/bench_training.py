@@ -1,10 +1,12 @@
-"""Training throughput: this trainer vs Opacus's own make_private loop vs non-private SGD.
+"""Training throughput: this trainer vs Opacus's make_private (hooks, and ghost clipping) vs non-private SGD.
 
-Same model (LeNet-5), data (the embedded MNIST subset), expected batch size and number
-of steps, measured side by side in one process; printed as samples/s and ratios.
+For LeNet-5 on the embedded MNIST subset and ResNet-20 (GroupNorm) on random CIFAR-10-shaped
+inputs: same model, data, expected batch size and number of steps for every method, measured
+side by side (interleaved repeats) in one process; printed as samples/s and ratios.
 
-    python benchmarks/bench_training.py [--steps 60] [--batch-size 256] [--repeats 3]
-    python benchmarks/bench_training.py --smoke     # seconds: 128 synthetic points, 3 steps of 32
+    python benchmarks/bench_training.py [--steps 30] [--batch-size 256] [--resnet-steps 4]
+                                        [--resnet-batch-size 128] [--repeats 3] [--threads 1] [--clock cpu]
+    python benchmarks/bench_training.py --smoke     # seconds: tiny data, a few small steps
 """
 
 import argparse
@@ -16,67 +18,71 @@ import warnings
 import torch
 import torch.nn.functional as F
 from opacus import PrivacyEngine
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _smoke import synthetic_lenet_dataset  # noqa: E402
+from _workloads import workloads  # noqa: E402
 
-from perinstance import training  # noqa: E402
-from perinstance.data import load_dataset  # noqa: E402
-from perinstance.nets import build_model  # noqa: E402
+from perinstance import runs, training  # noqa: E402
 from perinstance.options import Parser, add_training_args  # noqa: E402
 
 warnings.filterwarnings("ignore")
-SMOKE_SIZES = {"steps": 3, "batch_size": 32, "repeats": 1}
+SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
+# Enough points for the expected batches; ResNet-20's are random, so no more are made than needed.
+RESNET_POINTS = 1024
+SMOKE_RESNET_POINTS = 32
+NOISE_MULTIPLIER, CLIP_NORM, LEARNING_RATE = 1.0, 1.0, 0.5
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def time_this_trainer(dataset, steps, batch_size):
+def time_this_trainer(workload, steps, batch_size, clock):
     parser = Parser()
     add_training_args(parser)
-    args = training.resolve_training_args(parser.parse_args(["--sigma", "1.0", "--batch-size", str(batch_size),
-                                                             "--lr", "0.5", "--models-dir", "/tmp/bench"]))
-    metadata = training.plan_run(args, dataset)
-    trainer = training.Trainer(args, metadata, dataset)
+    args = runs.resolve_training_args(parser.parse_args([
+        "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
+        "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench"]))
+    trainer = training.Trainer(runs.plan_run(args, workload.dataset), workload.dataset)
     trainer.step(1)  # warm-up
-    started = time.perf_counter()
+    started = clock()
     for step in range(2, steps + 2):
         trainer.step(step)
-    return steps * batch_size / (time.perf_counter() - started)
+    return steps * batch_size / (clock() - started)
 
 
-def lenet(dataset, dp=True):
-    torch.manual_seed(0)
-    channels, size, _ = dataset.train_x.shape[1:]
-    return build_model("lenet5", channels, size, dataset.num_classes, dp=dp)
+def time_opacus(workload, steps, batch_size, clock, mode):
+    """Opacus's own DP-SGD loop: per-sample gradients by hooks, or ghost clipping (two backwards)."""
+    model = workload.model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    loader = DataLoader(TensorDataset(workload.dataset.train_x, workload.dataset.train_y), batch_size=batch_size)
+    private = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                           criterion=nn.CrossEntropyLoss(), noise_multiplier=NOISE_MULTIPLIER,
+                                           max_grad_norm=CLIP_NORM, poisson_sampling=True, grad_sample_mode=mode)
+    if mode == "ghost":
+        model, optimizer, criterion, loader = private
+    else:
+        (model, optimizer, loader), criterion = private, nn.CrossEntropyLoss()
+    return _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock)
 
 
-def time_opacus(dataset, steps, batch_size):
-    model = lenet(dataset)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = DataLoader(TensorDataset(dataset.train_x, dataset.train_y), batch_size=batch_size)
-    model, optimizer, loader = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                            noise_multiplier=1.0, max_grad_norm=1.0,
-                                                            poisson_sampling=True)
-    return _time_loop(model, optimizer, loader, steps, batch_size)
-
-
-def time_non_private(dataset, steps, batch_size):
-    model = lenet(dataset, dp=False)
+def time_non_private(workload, steps, batch_size, clock):
+    model = workload.model(dp=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(TensorDataset(dataset.train_x, dataset.train_y), batch_size=batch_size, shuffle=True)
-    return _time_loop(model, optimizer, loader, steps, batch_size)
+    loader = DataLoader(TensorDataset(workload.dataset.train_x, workload.dataset.train_y), batch_size=batch_size,
+                        shuffle=True)
+    return _time_loop(model, optimizer, F.cross_entropy, loader, steps, batch_size, clock)
 
 
-def _time_loop(model, optimizer, loader, steps, batch_size):
+def _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock):
     batches = iter(_forever(loader))
     inputs, labels = next(batches)  # warm-up step
-    _train_step(model, optimizer, inputs, labels)
-    started = time.perf_counter()
+    _train_step(model, optimizer, criterion, inputs, labels)
+    started = clock()
     for _ in range(steps):
         inputs, labels = next(batches)
-        _train_step(model, optimizer, inputs, labels)
-    return steps * batch_size / (time.perf_counter() - started)
+        _train_step(model, optimizer, criterion, inputs, labels)
+    return steps * batch_size / (clock() - started)
 
 
 def _forever(loader):
@@ -84,34 +90,55 @@ def _forever(loader):
         yield from loader
 
 
-def _train_step(model, optimizer, inputs, labels):
+def _train_step(model, optimizer, criterion, inputs, labels):
     optimizer.zero_grad()
-    F.cross_entropy(model(inputs), labels).backward()
+    criterion(model(inputs), labels).backward()
     optimizer.step()
+
+
+METHODS = {
+    "this trainer": time_this_trainer,
+    "Opacus make_private (hooks)": lambda *sizes_and_clock: time_opacus(*sizes_and_clock, mode="hooks"),
+    "Opacus make_private (ghost)": lambda *sizes_and_clock: time_opacus(*sizes_and_clock, mode="ghost"),
+    "non-private SGD": time_non_private,
+}
+
+
+def bench(workload, steps, batch_size, repeats, clock):
+    results = {name: [] for name in METHODS}
+    for _ in range(repeats):  # interleaved, so load changes hit every method alike
+        for name, method in METHODS.items():
+            results[name].append(method(workload, steps, batch_size, clock))
+    best = {name: max(values) for name, values in results.items()}
+    print(f"\n{workload.label}, batch {batch_size}, {steps} steps, best of {repeats} ({clock.__name__}):")
+    for name, rate in best.items():
+        print(f"  {name:30s} {rate:9.1f} samples/s   this trainer is {best['this trainer'] / rate:5.2f}× this")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--resnet-steps", type=int, default=4)
+    parser.add_argument("--resnet-batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help=f"synthetic data, {SMOKE_SIZES}, for CI")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads; under load, one thread per process times the methods more fairly, "
+                             "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (with --threads 1: the same on an idle "
+                             "machine, and far less disturbed by other processes)")
+    parser.add_argument("--smoke", action="store_true", help=f"tiny data, {SMOKE_SIZES}, for CI")
     args = parser.parse_args()
     if args.smoke:
         vars(args).update(SMOKE_SIZES)
-    dataset = synthetic_lenet_dataset() if args.smoke else load_dataset("mnist-embedded")
-    results = {"this trainer": [], "opacus make_private": [], "non-private SGD": []}
-    for _ in range(args.repeats):  # interleaved, so load changes hit all three alike
-        results["this trainer"].append(time_this_trainer(dataset, args.steps, args.batch_size))
-        results["opacus make_private"].append(time_opacus(dataset, args.steps, args.batch_size))
-        results["non-private SGD"].append(time_non_private(dataset, args.steps, args.batch_size))
-    best = {name: max(values) for name, values in results.items()}
-    print(f"LeNet-5, {dataset.name} ({len(dataset.train_y)} points), batch {args.batch_size}, {args.steps} steps, "
-          f"best of {args.repeats}, {torch.get_num_threads()} threads")
-    for name, rate in best.items():
-        print(f"  {name:22s} {rate:9.0f} samples/s")
-    print(f"  ratio this trainer / opacus:      {best['this trainer'] / best['opacus make_private']:.2f}x")
-    print(f"  ratio this trainer / non-private: {best['this trainer'] / best['non-private SGD']:.2f}x")
+    torch.set_num_threads(args.threads)
+    lenet, resnet = workloads(args.smoke, SMOKE_RESNET_POINTS if args.smoke else RESNET_POINTS)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average before: "
+          f"{os.getloadavg()[0]:.2f}")
+    bench(lenet, args.steps, args.batch_size, args.repeats, CLOCKS[args.clock])
+    bench(resnet, args.resnet_steps, args.resnet_batch_size, args.repeats, CLOCKS[args.clock])
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 
 if __name__ == "__main__":

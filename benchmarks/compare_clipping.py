@@ -20,8 +20,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, results, sensitivity, training  # noqa: E402
+from perinstance import accounting, sensitivity, training  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
+from perinstance.mechanism import Mechanism  # noqa: E402
 from perinstance.options import Parser, add_training_args, parse_points  # noqa: E402
 
 SIGMA = 0.6  # about ε = 10 at δ = 1e-5 for 4 epochs of q = 0.032 (Opacus calibration: 0.608)
@@ -58,16 +59,16 @@ def run_variant(flags, seed, epochs, models_dir, setting, points):
     args = parser.parse_args(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
                               str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs), "--seed",
                               str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq", "1000000", *flags])
-    metadata = training.train(args, quiet=True)
-    run_dir = training.run_dir_for(args)
-    model, payload = training.load_model(metadata, run_dir, metadata["total_steps"])
-    dataset = load_dataset(metadata["dataset"])
+    outcome = training.train(args, quiet=True)
+    run = outcome.run
+    model, payload = training.load_model(run, outcome.run_dir, run.total_steps)
+    dataset = load_dataset(run.dataset)
     norms, _ = sensitivity.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
-                                             sensitivity.Transform.of_run(metadata))
-    noise_std = results.noise_std(metadata, "sum")
-    eps = accounting.eps_delta_holder(norms[:, None], noise_std, metadata["sample_rate"], DELTA, np.inf)
-    baseline = accounting.baseline_eps_delta(metadata["noise_multiplier"], metadata["sample_rate"], DELTA)
-    return payload["test_accuracy"], float(np.median(eps)), baseline, float(norms.max() / metadata["clip_bound"])
+                                             sensitivity.Transform.of_run(run))
+    noise_std = Mechanism.of_run(run, "sum").noise_std
+    eps = accounting.eps_delta_holder(norms[:, None], noise_std, run.sample_rate, DELTA, np.inf)
+    baseline = accounting.baseline_eps_delta(run.noise_multiplier, run.sample_rate, DELTA)
+    return payload["test_accuracy"], float(np.median(eps)), baseline, float(norms.max() / run.clip_bound)
 
 
 def main():

@@ -13,37 +13,29 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, fileio
+from perinstance import accounting, fileio, storage
 from perinstance.errors import UsageError
+from perinstance.mechanism import Mechanism, rule_noise_std
 from perinstance.options import add_overwrite_argument, parse_points, probability
-from perinstance.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, read_results, results_path, rule_noise_std
+from perinstance.results import (
+    COLUMNS,
+    CONFIG_COLUMNS,
+    QUANTITIES,
+    STATISTICS,
+    read_results,
+    results_path,
+)
 
 TABLE_ROWS = 20
 # Which update rule each quantity is measured for (results.QUANTITIES).
-REDUCTION_OF = {"grad_norm": "sum", "batch_sensitivity": "mean", "renyi_statistic": "mean",
-                "center_distance": "mean", "spread": "mean", "max_deviation": "mean"}
 NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
                    "batch_size", "dataset_size", "noise_std"]
 
 
 @dataclass(frozen=True)
-class Config:
-    """The run configuration shared by all rows (accounting.md §1)."""
-
-    noise_multiplier: float
-    clip_bound: float
-    sample_rate: float
-    batch_size: float
-    dataset_size: int
-    noise_std: float
-    total_steps: int
-    reduction: str
-
-
-@dataclass(frozen=True)
 class Loaded:
     rows: pd.DataFrame
-    config: Config
+    mechanism: Mechanism  # from the rows' configuration columns
     path: str
     flag: str
 
@@ -52,8 +44,9 @@ class Loaded:
 
 def add_input_arguments(parser):
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv (written by compute_sensitivity.py)")
-    source.add_argument("--res-file", help="read this sensitivity CSV")
+    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv, or .parquet, whichever exists (written "
+                                           "by compute_sensitivity.py); an extension names one")
+    source.add_argument("--res-file", help="read this sensitivity CSV (or Parquet file, by its extension)")
     parser.add_argument("--res-dir", default="res", help="folder of the result files (default res)")
     parser.add_argument("--out", help="output CSV (default: <res-dir>/<res-name>_<script>.csv, next to --res-file)")
     parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
@@ -113,15 +106,15 @@ def load(args, quantities, one_run, integer_columns=None):
     rows = _apply_filters(rows, args.filter)
     rows = rows[rows["quantity"].isin(quantities)]
     if rows.empty:
-        makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity]}" for quantity in quantities)
+        makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity].made_by}" for quantity in quantities)
         raise UsageError(flag, f"{path} has no {' or '.join(quantities)} rows left to account ({makers})")
     _check_single_configuration(rows, one_run)
     rows = _numeric(rows, NUMERIC_COLUMNS, path, flag)
-    config = _config(rows, path, flag)
-    _check_rows(rows, config, path, flag)
+    mechanism = _mechanism(rows, path, flag)
+    _check_rows(rows, mechanism, path, flag)
     rows = _check_integers(rows, integer_columns or {}, path, flag)
-    rows = _select_points(rows, args.points, config.dataset_size)
-    return Loaded(rows=rows, config=config, path=path, flag=flag)
+    rows = _select_points(rows, args.points, mechanism.dataset_size)
+    return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
 
 
 def _input_path(args):
@@ -193,14 +186,14 @@ def _first_bad(rows, bad, path, flag, message):
         raise UsageError(flag, f"{_where(rows, index, path)}: {message(rows.loc[index])}")
 
 
-def _config(rows, path, flag):
+def _mechanism(rows, path, flag):
     for column in ["sigma", "clip_bound", "batch_size", "dataset_size", "noise_std", "total_steps"]:
         _first_bad(rows, rows[column] <= 0, path, flag, lambda row, c=column: f"{c} must be > 0, not {row[c]}")
     _first_bad(rows, (rows["sample_rate"] <= 0) | (rows["sample_rate"] > 1), path, flag,
                lambda row: f"sample_rate must be in (0, 1], not {row['sample_rate']}")
-    expected_reduction = rows["quantity"].map(REDUCTION_OF)
+    expected_reduction = rows["quantity"].map({name: quantity.rule for name, quantity in QUANTITIES.items()})
     _first_bad(rows, rows["reduction"] != expected_reduction, path, flag,
-               lambda row: f"{row['quantity']} rows have reduction {REDUCTION_OF[row['quantity']]}, "
+               lambda row: f"{row['quantity']} rows have reduction {QUANTITIES[row['quantity']].rule}, "
                f"not {row['reduction']!r}")
     # noise_std is σΓ in sum units and σΓ/B_exp in mean units (accounting.md §1).
     expected = rule_noise_std(rows["sigma"], rows["clip_bound"], rows["batch_size"], rows["reduction"])
@@ -208,24 +201,24 @@ def _config(rows, path, flag):
                lambda row: f"noise_std {row['noise_std']} is not sigma*clip_bound"
                f"{'/batch_size' if row['reduction'] == 'mean' else ''} (reduction {row['reduction']})")
     first = rows.iloc[0]
-    return Config(noise_multiplier=float(first["sigma"]), clip_bound=float(first["clip_bound"]),
-                  sample_rate=float(first["sample_rate"]), batch_size=float(first["batch_size"]),
-                  dataset_size=int(first["dataset_size"]), noise_std=float(first["noise_std"]),
-                  total_steps=int(first["total_steps"]), reduction=str(first["reduction"]))
+    return Mechanism(noise_multiplier=float(first["sigma"]), clip_bound=float(first["clip_bound"]),
+                     sample_rate=float(first["sample_rate"]), batch_size=int(first["batch_size"]),
+                     dataset_size=int(first["dataset_size"]), total_steps=int(first["total_steps"]),
+                     rule=str(first["reduction"]))
 
 
-def _check_rows(rows, config, path, flag):
+def _check_rows(rows, mechanism, path, flag):
     step, point, value = rows["step"], rows["point"], rows["value"]
-    _first_bad(rows, (step != np.round(step)) | (step < 0) | (step > config.total_steps), path, flag,
-               lambda row: f"step {row['step']} is not a step in 0..total_steps={config.total_steps}")
-    _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= config.dataset_size), path, flag,
-               lambda row: f"point {row['point']} is not an index in 0..{config.dataset_size - 1}")
+    _first_bad(rows, (step != np.round(step)) | (step < 0) | (step > mechanism.total_steps), path, flag,
+               lambda row: f"step {row['step']} is not a step in 0..total_steps={mechanism.total_steps}")
+    _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= mechanism.dataset_size), path, flag,
+               lambda row: f"point {row['point']} is not an index in 0..{mechanism.dataset_size - 1}")
     is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity"])
     is_statistic = rows["quantity"].isin(list(STATISTICS))
     _first_bad(rows, (is_norm | is_statistic) & (value < 0), path, flag,
                lambda row: f"{row['quantity']} {row['value']} is negative")
-    _first_bad(rows, is_norm & (value > config.clip_bound), path, flag,
-               lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {config.clip_bound} (the bound Γ)")
+    _first_bad(rows, is_norm & (value > mechanism.clip_bound), path, flag,
+               lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {mechanism.clip_bound} (the bound Γ)")
 
 
 def _check_integers(rows, columns, path, flag):
@@ -288,7 +281,7 @@ def checkpoint_ratios(loaded):
         if first > 0:
             warn(f"run {run} has no checkpoint at step 0: steps 1..{first} use the worst case Γ (accounting.md §4)")
     dense = norms.reindex(pd.MultiIndex.from_product([runs, steps])).to_numpy()
-    ratios = dense.reshape(len(runs), len(steps), -1) / loaded.config.clip_bound
+    ratios = dense.reshape(len(runs), len(steps), -1) / loaded.mechanism.clip_bound
     return accounting.carry_forward(ratios), steps, norms.columns.to_numpy()
 
 
@@ -328,7 +321,8 @@ def output_path(args, script):
     if args.out:
         path = args.out
     elif args.res_name is not None:
-        path = results_path(f"{args.res_name}_{script}", args.res_dir)
+        stem = os.path.splitext(args.res_name)[0] if storage.extension(args.res_name) else args.res_name
+        path = os.path.join(args.res_dir, f"{stem}_{script}.csv")
     else:
         stem = os.path.splitext(os.path.basename(args.res_file))[0]
         path = os.path.join(os.path.dirname(args.res_file), f"{stem}_{script}.csv")
@@ -391,8 +385,6 @@ def warn(message):
 
 # --- the mean rule by coupling (accounting.md §3.2, §3.4) -----------------------------------
 
-STATISTICS = ("center_distance", "spread", "max_deviation")
-COUPLING_QUANTITIES = ["batch_sensitivity", *STATISTICS]
 # Sizes at which the certified bound and the baseline are evaluated (each size's probability is
 # lumped onto the grid size below it, which keeps the bound valid: accounting.size_grid).
 CERTIFIED_SIZES = 64
@@ -431,15 +423,15 @@ def size_model(loaded, failure=None):
         raise UsageError(loaded.flag, f"{loaded.path}: mean-rule rows need one k_min (found "
                          f"{', '.join(f'{value:g}' for value in k_mins) or 'none'}); measure them with "
                          "compute_sensitivity.py --reduction mean")
-    config = loaded.config
-    n = config.dataset_size - 1
+    mechanism = loaded.mechanism
+    n = mechanism.dataset_size - 1
     k_min = int(k_mins[0])
-    delta_size = accounting.size_failure(n, config.sample_rate, k_min)
+    delta_size = accounting.size_failure(n, mechanism.sample_rate, k_min)
     if failure is None:
         training_delta = pd.to_numeric(loaded.rows["delta"], errors="coerce").dropna()
-        fallback = (float(training_delta.iloc[0]) if len(training_delta) else 1e-5) / (10 * config.total_steps)
+        fallback = (float(training_delta.iloc[0]) if len(training_delta) else 1e-5) / (10 * mechanism.total_steps)
         failure = delta_size if delta_size > 0 else fallback
-    return SizeModel(n=n, sample_rate=config.sample_rate, k_min=k_min, delta_size=delta_size, failure=failure)
+    return SizeModel(n=n, sample_rate=mechanism.sample_rate, k_min=k_min, delta_size=delta_size, failure=failure)
 
 
 def mean_statistics(loaded):
@@ -449,7 +441,7 @@ def mean_statistics(loaded):
         return None
     # Every --mc-seed of one checkpoint records the same statistics: keep one copy.
     rows = rows.drop_duplicates(subset=["point", "step", "quantity", "value"])
-    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "quantity"])
+    check_unique(Loaded(rows, loaded.mechanism, loaded.path, loaded.flag), ["point", "step", "quantity"])
     table = rows.pivot(index=["point", "step"], columns="quantity", values="value")
     missing = table.isna().any(axis=1) | (len(table.columns) < len(STATISTICS))
     if missing.any():
@@ -473,12 +465,25 @@ def mean_samples(loaded):
     block = pd.to_numeric(rows["block"], errors="coerce").fillna(0)
     rows = rows.assign(k=sizes.astype(int), mc_seed=seed,
                        block=pd.MultiIndex.from_arrays([seed, block]).factorize()[0])
-    check_unique(Loaded(rows, loaded.config, loaded.path, loaded.flag), ["point", "step", "mc_seed", "block", "sample"])
+    check_unique(Loaded(rows, loaded.mechanism, loaded.path, loaded.flag), ["point", "step", "mc_seed", "block", "sample"])
+    rows = expand_histograms(rows, loaded)
     rows = rows.assign(column=rows.groupby(["point", "step"]).cumcount())
     index = pd.MultiIndex.from_frame(rows[["point", "step"]].drop_duplicates().sort_values(["point", "step"]))
     def dense(column):
         return rows.pivot(index=["point", "step"], columns="column", values=column).reindex(index).to_numpy(float)
     return index, dense("value"), dense("k"), dense("block")
+
+
+def expand_histograms(rows, loaded):
+    """Δ_B rows with their `count` (a histogram row of storage.histogram_rows stands for `count`
+    samples of its value; empty: 1) as that many samples, ordered by (point, step, block, k, value):
+    a histogram and the rounded-up samples it was made from give the same arrays, hence the same
+    numbers from every estimator, to the last bit (docs/sensitivity.md)."""
+    counts = pd.to_numeric(rows["count"], errors="coerce").fillna(1)
+    _first_bad(rows, ((counts < 1) | (counts != np.round(counts))).to_numpy(), loaded.path, loaded.flag,
+               lambda row: f"count {row['count']} is not an integer >= 1 (the samples a histogram row stands for)")
+    rows = rows.loc[rows.index.repeat(counts.astype(int).to_numpy())]
+    return rows.sort_values(["point", "step", "block", "k", "value"], kind="mergesort")
 
 
 def sample_grid(batch_sizes, sizes, loaded):
@@ -489,21 +494,21 @@ def sample_grid(batch_sizes, sizes, loaded):
     return grid
 
 
-def mean_rule_table(config, orders, sensitivities, relative_step=LEVEL_STEP):
+def mean_rule_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
     """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
     sensitivities round up to (§5)."""
-    ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / config.clip_bound for values in sensitivities])
+    ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound for values in sensitivities])
     levels = accounting.geometric_levels(ratios, relative_step)
-    return accounting.RdpTable(config.sample_rate, config.noise_multiplier / config.batch_size, orders, levels)
+    return accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders, levels)
 
 
-def mixture_rdp_by_point(table, sensitivities, log_weights, log_mass, config, chunk=512):
+def mixture_rdp_by_point(table, sensitivities, log_weights, log_mass, mechanism, chunk=512):
     """§3.2 for every point and order of `table`: (1/(λ−1))·(log Σ_k w_k·exp(M_k(λ)) − log mass),
     with sensitivities (P, K) per point and size; computed in chunks of points (P × K × orders)."""
     orders = table.orders
     result = np.empty((len(sensitivities), len(orders)))
     for start in range(0, len(sensitivities), chunk):
-        moments = table.log_moments(np.asarray(sensitivities[start:start + chunk]) / config.clip_bound)
+        moments = table.log_moments(np.asarray(sensitivities[start:start + chunk]) / mechanism.clip_bound)
         combined = accounting.logsumexp(moments + np.asarray(log_weights)[None, :, None], axis=1)
         result[start:start + chunk] = (combined - log_mass) / (orders - 1.0)
     return result

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from perinstance import accounting, audit, checkpoints, results, sensitivity, training
+from perinstance import accounting, audit, runs, sensitivity, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
+from perinstance.mechanism import Mechanism
 
 # Random stream of the audit's trials, apart from sampling.py's streams 0-3 (batches, noise,
 # sensitivity pools, initialisation), so that the audit never replays training's own draws.
@@ -51,42 +52,10 @@ def progress_bar(total, desc):
 
 # --- the run ------------------------------------------------------------------------------------
 
-@dataclass
-class Run:
-    """A trained run: its folder, run.json, the full dataset (points index it) and its training set."""
-
-    run_dir: str
-    metadata: dict
-    dataset: object
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-
-    @property
-    def name(self):
-        return self.metadata["run"]
-
-    @property
-    def train_columns(self):
-        """Full-dataset index of each training row."""
-        columns = np.arange(len(self.dataset.train_y))
-        less = self.metadata["less_point"]
-        return columns if less is None else np.delete(columns, less)
-
-    def train_rows(self, points):
-        """Each point's training row, −1 for the point the run was trained without."""
-        less = self.metadata["less_point"]
-        points = np.asarray(points)
-        return points if less is None else np.where(points == less, -1, points - (points > less))
-
-    def saved_steps(self):
-        planned = set(self.metadata["checkpoint_steps"])
-        return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
-
-
 def run_folder(name, models_dir, flag):
     """A run given as a folder holding run.json, or as a name under `models_dir`."""
     for folder in (name, os.path.join(models_dir, name)):
-        if os.path.isfile(checkpoints.metadata_path(folder)):
+        if os.path.isfile(runs.run_file(folder)):
             return folder
     raise UsageError(flag, f"no run {name!r}: neither a folder with run.json nor {os.path.join(models_dir, name)} "
                            "(train it with train_dpsgd.py --save-name NAME)")
@@ -95,14 +64,14 @@ def run_folder(name, models_dir, flag):
 def open_run(name, models_dir, data_root, flag="--run"):
     """The run `name` with its datasets, checked against the dataset fingerprint in run.json."""
     run_dir = run_folder(name, models_dir, flag)
-    metadata = checkpoints.load_metadata(run_dir)
-    dataset = load_dataset(metadata["dataset"], data_root)
-    if dataset.fingerprint != metadata["dataset_fingerprint"]:
-        raise UsageError("--data-root", f"the dataset {metadata['dataset']} under {data_root} is not the one "
+    config = runs.load_run(run_dir)
+    dataset = load_dataset(config.dataset, data_root)
+    if dataset.fingerprint != config.dataset_fingerprint:
+        raise UsageError("--data-root", f"the dataset {config.dataset} under {data_root} is not the one "
                                         f"{run_dir} was trained on (fingerprints differ)")
-    training_set = dataset if metadata["less_point"] is None else \
-        load_dataset(metadata["dataset"], data_root, metadata["less_point"])
-    run = Run(run_dir, metadata, dataset, training_set.train_x, training_set.train_y)
+    training_set = dataset if config.less_point is None else load_dataset(config.dataset, data_root,
+                                                                          config.less_point)
+    run = runs.OpenRun(run_dir, config, dataset, training_set.train_x, training_set.train_y)
     if not run.saved_steps():
         raise UsageError(flag, f"{run_dir} has no checkpoints")
     return run
@@ -122,13 +91,14 @@ class AuditedPoints:
 
 
 def row_norms(rows):
-    """||h_i|| of every held training row (float64)."""
-    squares = sum((block.double() ** 2).sum(dim=1) for block in rows.blocks)
+    """||h_i|| of every training row (float64)."""
+    squares = torch.cat([sum((block.double() ** 2).sum(dim=1) for block in blocks) for _, blocks in rows.chunks()])
     return squares.sqrt().cpu().numpy()
 
 
 def checkpoint_gradients(run, model, transform, points, spread, device, progress):
-    """The held gradients of every training row and the audited points.
+    """The gradients of every training row (sensitivity.checkpoint_gradients: held as far as the
+    memory budget allows, the others recomputed on each pass) and the audited points.
 
     `points` (full-dataset indices), or None and `spread` points chosen by
     audit.spread_points from every training row's Δ* and correctness at this checkpoint.
@@ -137,9 +107,6 @@ def checkpoint_gradients(run, model, transform, points, spread, device, progress
     rows, given = sensitivity.checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
                                                    run.dataset.train_y[query], run.train_rows(query), transform,
                                                    device, progress=progress)
-    if not isinstance(rows, sensitivity.HeldRows):
-        raise UsageError("--device", "the audit holds every per-sample gradient of the run in memory and they do "
-                                     "not fit here; use a device with more memory")
     if points is not None:
         return rows, AuditedPoints(query, given.rows, run.train_rows(query), given.predictions)
     norms = np.minimum(row_norms(rows), transform.bound)
@@ -148,27 +115,30 @@ def checkpoint_gradients(run, model, transform, points, spread, device, progress
 
 
 def column_sums(rows):
-    """Σ_i h_i over every held row (float64, length d)."""
-    return torch.cat([block.double().sum(dim=0) for block in rows.blocks]).cpu().numpy()
+    """Σ_i h_i over every training row (float64, length d)."""
+    return rows.column_sums().cpu().numpy()
 
 
 def top_components(rows, center, rank, seed):
-    """Leading right singular vectors V (d × l) and singular values of H − 1·centerᵀ, H the held
-    rows (center None: H itself), by randomised SVD with power iterations."""
-    blocks = rows.blocks
-    widths = [block.shape[1] for block in blocks]
-    edges = np.concatenate([[0], np.cumsum(widths)])
-    dim, count = int(edges[-1]), blocks[0].shape[0]
+    """Leading right singular vectors V (d × l) and singular values of H − 1·centerᵀ, H the
+    training rows (center None: H itself), by randomised SVD with power iterations. Each product
+    is one pass over the rows' chunks (sensitivity._Rows.chunks)."""
+    dim, count = rows.dim, rows.num_rows
+    edges = [0, *np.cumsum([high - low for low, high in sensitivity.column_spans(dim)])]
     size = min(rank + WHITENING_OVERSAMPLE, count, dim)
-    dtype, device = blocks[0].dtype, blocks[0].device
+    dtype, device = rows.dtype, rows.device
     shift = None if center is None else torch.as_tensor(center, dtype=dtype, device=device)
 
     def times(right):  # (H − 1cᵀ)·right: (count × size)
-        product = sum(block @ right[low:high] for block, low, high in zip(blocks, edges[:-1], edges[1:]))
+        product = torch.cat([sum(block @ right[low:high] for block, low, high in zip(blocks, edges[:-1], edges[1:]))
+                             for _, blocks in rows.chunks()])
         return product if shift is None else product - (shift @ right)[None, :]
 
-    def transposed_times(left):  # (H − 1cᵀ)ᵀ·left: (dim × size)
-        product = torch.cat([block.T @ left for block in blocks])
+    def transposed_times(left):  # (H − 1cᵀ)ᵀ·left: (dim × size), the chunks added in row order
+        product = None
+        for start, blocks in rows.chunks():
+            part = torch.cat([block.T @ left[start:start + len(block)] for block in blocks])
+            product = part if product is None else product.add_(part)
         return product if shift is None else product - shift[:, None] * left.sum(dim=0)[None, :]
 
     def orthonormal(matrix):
@@ -182,21 +152,6 @@ def top_components(rows, center, rank, seed):
     return right_vectors.T.cpu().numpy(), singular.cpu().numpy()
 
 
-@dataclass(frozen=True)
-class Mechanism:
-    """One DP-SGD step as audited (accounting.md §1): rule, q, B_exp and the noise std in the
-    rule's units, σΓ (sum) or σΓ/B_exp (mean)."""
-
-    rule: str
-    sample_rate: float
-    batch_size: int
-    noise_std: float
-
-    @classmethod
-    def of_run(cls, metadata, rule):
-        return cls(rule, metadata["sample_rate"], metadata["batch_size"], results.noise_std(metadata, rule))
-
-
 def shift_targets(rows, audited, rule):
     """What x* moves the update along: h* (sum rule), h* − μ_X (mean rule, the coupling
     direction of accounting.md §3.2, μ_X the mean of the other points' h_i). (P × d) float64."""
@@ -204,7 +159,7 @@ def shift_targets(rows, audited, rule):
     if rule == "sum":
         return own
     total = column_sums(rows)
-    count = rows.blocks[0].shape[0]
+    count = rows.num_rows
     inside = (audited.train_rows >= 0)[:, None]
     others_mean = (total[None, :] - inside * own) / (count - inside)
     return own - others_mean
@@ -217,7 +172,7 @@ def directions(rows, audited, mechanism, statistic, seed):
     noise_var = mechanism.noise_std ** 2
     if statistic != "whitened":
         return audit.fisher_directions(targets, np.zeros((targets.shape[1], 0)), np.zeros(0), noise_var)
-    count = rows.blocks[0].shape[0]
+    count = rows.num_rows
     if mechanism.rule == "sum":
         # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling.
         basis, singular = top_components(rows, None, WHITENING_RANK, seed)
@@ -260,10 +215,10 @@ def poisson_batches(rng, count, size, sample_rate, width=None):
 
 
 def projections_on(rows, unit):
-    """a_i = ⟨h_i, e_p⟩ for every held row and direction (float32 products, float64 result)."""
-    unit = torch.as_tensor(unit, dtype=rows.blocks[0].dtype, device=rows.blocks[0].device)
-    edges = np.concatenate([[0], np.cumsum([block.shape[1] for block in rows.blocks])])
-    product = sum(block @ unit[:, low:high].T for block, low, high in zip(rows.blocks, edges[:-1], edges[1:]))
+    """a_i = ⟨h_i, e_p⟩ for every training row and direction (float32 products, float64 result)."""
+    unit = torch.as_tensor(unit, dtype=rows.dtype, device=rows.device)
+    parts = [unit[:, low:high].T for low, high in sensitivity.column_spans(rows.dim)]
+    product = torch.cat([sum(block @ part for block, part in zip(blocks, parts)) for _, blocks in rows.chunks()])
     return product.double().cpu().numpy()
 
 
@@ -347,7 +302,13 @@ def mean_rule_sensitivities(rows, audited, members, sizes):
     ||s_D||², ⟨s_D, h*⟩ and the memberships are needed; Δ_B = ||h*|| for an empty B.
     """
     own = audited.gradients
-    sum_squares = sum((bag_sums(block, members, sizes).double() ** 2).sum(dim=1) for block in rows.blocks).numpy()
+    # ||s_D||² in passes of batches (recomputed rows hold every batch's sums of a pass at once).
+    mask = np.zeros((len(sizes), rows.num_rows), dtype=bool)
+    mask[np.repeat(np.arange(len(sizes)), sizes), members] = True
+    per_pass = rows.pass_batches(len(audited.points))
+    sum_squares = np.concatenate([
+        sum((block.double() ** 2).sum(dim=1) for block in rows.sum_blocks(mask[start:start + per_pass], rows.dtype))
+        .cpu().numpy() for start in range(0, len(sizes), per_pass)])
     own_dots = bag_sums(rows.dots(own), members, sizes).cpu().numpy()
     own_squares = (own.double() ** 2).sum(dim=1).cpu().numpy()
     member = memberships(members, sizes, audited.train_rows)
@@ -370,7 +331,7 @@ def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, cli
         norms = np.minimum(np.linalg.norm(audited.gradients.double().cpu().numpy(), axis=1), clip_bound)
         eps = accounting.per_step_eps(norms[:, None] / mechanism.noise_std, delta, mechanism.sample_rate)
         return eps, norms, "exact"
-    members, sizes = poisson_batches(_chunk_rng(seed, step, UPPER_KEY), upper_batches, rows.blocks[0].shape[0],
+    members, sizes = poisson_batches(_chunk_rng(seed, step, UPPER_KEY), upper_batches, rows.num_rows,
                                      mechanism.sample_rate)
     samples = mean_rule_sensitivities(rows, audited, members, sizes)
     eps = accounting.per_step_eps(samples / mechanism.noise_std, delta, mechanism.sample_rate)
@@ -403,10 +364,9 @@ def audit_checkpoint(run, step, request, device="cpu"):
     eps_lower holds with 95% confidence; eps_upper is the accountant's per-step ε; violated
     marks eps_lower > eps_upper, i.e. an upper bound the audit proves wrong.
     """
-    metadata = run.metadata
-    mechanism = Mechanism.of_run(metadata, request.rule)
-    model, _ = training.load_model(metadata, run.run_dir, step, device)
-    transform = sensitivity.Transform.of_run(metadata)
+    mechanism = Mechanism.of_run(run.config, request.rule)
+    model, _ = training.load_model(run.config, run.run_dir, step, device)
+    transform = sensitivity.Transform.of_run(run.config)
     with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
         rows, audited = checkpoint_gradients(run, model, transform, request.points, request.spread, device, bar)
     unit = directions(rows, audited, mechanism, request.statistic, _chunk_rng(request.seed, step, WHITENING_KEY)
@@ -513,7 +473,7 @@ def attack_by_class(run, step, members, splits, seed, device):
     """Per class: the loss-threshold attack's balanced accuracy and advantage (members: the
     class_members rows of the run's training set; non-members: the class's test points) and
     the class's test accuracy. A DataFrame with one row per class."""
-    model, _ = training.load_model(run.metadata, run.run_dir, step, device)
+    model, _ = training.load_model(run.config, run.run_dir, step, device)
     train_losses, _ = losses_and_predictions(model, run.train_x, run.train_y, device)
     test_y = run.dataset.test_y.numpy()
     test_losses, test_predicted = losses_and_predictions(model, run.dataset.test_x, run.dataset.test_y, device)

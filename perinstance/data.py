@@ -12,6 +12,7 @@ import dataclasses
 import gzip
 import hashlib
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ import torch.nn.functional as F
 
 from perinstance.errors import UsageError
 
-DATASET_CHOICES = ("mnist-embedded", "MNIST", "FashionMNIST", "CIFAR10", "synthetic", "imagefolder:PATH")
+DATASET_CHOICES = ("mnist-embedded", "MNIST", "FashionMNIST", "CIFAR10", "synthetic", "imagefolder:PATH",
+                   "scatternet:DATASET")
 
 IMAGE_SIZE = 32
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
@@ -46,6 +48,13 @@ SYNTHETIC_MEAN_SCALE = 0.3
 IMAGEFOLDER_WORKERS = 2
 IMAGEFOLDER_BATCH = 256
 PROGRESS_MIN_FILES = 5000
+
+SCATTERNET_PREFIX = "scatternet:"
+# Names the ScatterNet's definition (perinstance/nets.py) in the feature cache: change it with the filters.
+SCATTERNET_VERSION = "scatternet-j2-l8-v1"
+# Features of datasets with at least this many images are kept in <data-root>/cache/ (CIFAR-10's
+# 60,000 take minutes to compute on 2 cores and seconds to read back); smaller ones are recomputed.
+CACHE_MIN_IMAGES = 5000
 
 
 @dataclasses.dataclass
@@ -74,6 +83,8 @@ def load_dataset(name: str, data_root: str = "./data", less_point: int | None = 
 
 def _load_full_dataset(name, data_root):
     key = name.lower()
+    if key.startswith(SCATTERNET_PREFIX):
+        return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root)
     if key.startswith("imagefolder:"):
         return _load_imagefolder(name[len("imagefolder:"):])
     loaders = {
@@ -190,7 +201,13 @@ def _cifar_tensors(dataset):
 
 # --- imagefolder:PATH -------------------------------------------------------------------
 
+# The last image folder decoded in this process, {(root, listing signature): Dataset}.
+_imagefolder_memo = {}
+
+
 def _load_imagefolder(path):
+    """Decode PATH/train and PATH/test once per process; again only when a file was added, removed
+    or changed (its size or modification time)."""
     if not path:
         raise UsageError("--dataset", "imagefolder: needs a directory, e.g. imagefolder:/data/cifar10")
     root = os.path.abspath(path)
@@ -203,6 +220,26 @@ def _load_imagefolder(path):
     if test_class_names != class_names:
         raise UsageError("--dataset", f"imagefolder: train/ has classes {class_names} but test/ has "
                                       f"{test_class_names}")
+    key = (root, _listing_signature(train_files + test_files))
+    if key not in _imagefolder_memo:
+        _imagefolder_memo.clear()
+        _imagefolder_memo[key] = _decode_imagefolder(root, train_files, test_files, class_names)
+    return _imagefolder_memo[key]
+
+
+def _listing_signature(files):
+    """sha256 over every file's path, label, size and modification time."""
+    digest = hashlib.sha256()
+    for path, label in files:
+        try:
+            stat = os.stat(path)
+        except OSError:  # vanished since the listing: the decoder reports it
+            stat = None
+        digest.update(f"{path}\0{label}\0{stat and stat.st_size}\0{stat and stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def _decode_imagefolder(root, train_files, test_files, class_names):
     train_images, train_gray = _decode_images([file for file, _ in train_files])
     test_images, test_gray = _decode_images([file for file, _ in test_files])
     grayscale = train_gray and test_gray
@@ -291,6 +328,64 @@ def _channel_stats(images):
         # A constant channel carries no information; dividing by 1 keeps it finite (all zeros).
         stds.append(np.sqrt(variance) if variance > 0 else 1.0)
     return tuple(means), tuple(stds)
+
+
+# --- scatternet:DATASET ------------------------------------------------------------------
+
+# The last features computed in this process, {cache key: Dataset}: a script that loads its dataset
+# twice (to plan a run, then to train it) computes them once.
+_scatternet_memo = {}
+
+
+def _load_scatternet(base_name, data_root):
+    """The fixed ScatterNet features (nets.ScatterNet) of every image of dataset `base_name`.
+
+    The transform is the same for every dataset and uses no data, so a model trained on the
+    features with DP-SGD is DP for the images (Tramèr & Boneh, ICLR 2021). Features of large
+    datasets are cached under <data-root>/cache/, keyed by the images' fingerprint.
+    """
+    from perinstance.nets import scatter_features
+
+    if not base_name or base_name.lower().startswith(SCATTERNET_PREFIX):
+        raise UsageError("--dataset", "scatternet: needs one dataset of images, e.g. scatternet:imagefolder:PATH")
+    base = _load_full_dataset(base_name, data_root)
+    key = hashlib.sha256(f"{SCATTERNET_VERSION}:{base.fingerprint}".encode()).hexdigest()[:16]
+    if key in _scatternet_memo:
+        return _scatternet_memo[key]
+    name = f"{SCATTERNET_PREFIX}{base.name}"
+    size = len(base.train_y) + len(base.test_y)
+    cache = os.path.join(data_root, "cache", f"scatternet-{key}.pt")
+    dataset = _read_feature_cache(cache, name, base) if size >= CACHE_MIN_IMAGES else None
+    if dataset is None:
+        from tqdm import tqdm
+
+        with tqdm(total=size, desc="scatternet features", unit="img", disable=size < PROGRESS_MIN_FILES) as bar:
+            train_x, test_x = (scatter_features(images, bar.update) for images in (base.train_x, base.test_x))
+        dataset = _make_dataset(name, train_x, base.train_y, test_x, base.test_y, base.class_names)
+        if size >= CACHE_MIN_IMAGES:
+            from perinstance import fileio
+
+            # Written straight to the temp file: fileio.save_torch would first hold a second copy in memory.
+            with fileio.atomic_path(cache, "--data-root") as temp_path:
+                torch.save({"name": name, "train_x": train_x, "test_x": test_x,
+                            "fingerprint": dataset.fingerprint}, temp_path)
+    _scatternet_memo.clear()
+    _scatternet_memo[key] = dataset
+    return dataset
+
+
+def _read_feature_cache(path, name, base):
+    """The cached features of `base` as a Dataset, or None when the cache is missing or unreadable
+    (then they are computed again and the cache rewritten)."""
+    try:
+        cached = torch.load(path, weights_only=True)
+        train_x, test_x = cached["train_x"], cached["test_x"]
+        if len(train_x) != len(base.train_y) or len(test_x) != len(base.test_y) or cached["name"] != name:
+            return None
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError):
+        return None
+    return Dataset(name=name, train_x=train_x, train_y=base.train_y, test_x=test_x, test_y=base.test_y,
+                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=cached["fingerprint"])
 
 
 # --- synthetic --------------------------------------------------------------------------

@@ -151,21 +151,26 @@ def from_rank0(world, compute):
 @dataclass(frozen=True)
 class Item:
     """One unit of work: `points` at checkpoint `step`; `wanted` lists, per direction, the points
-    whose rows the result file lacks. Its key names its part file."""
+    whose rows the result file lacks; `blocks`, the Monte-Carlo blocks it measures (empty: all,
+    or none to split). Its key names its part file."""
 
     step: int
     points: tuple
     wanted: tuple  # ((direction, (point, ...)), ...)
+    blocks: tuple = ()
 
     @property
     def key(self):
-        digest = hashlib.sha256(json.dumps([self.step, self.points, self.wanted]).encode()).hexdigest()[:12]
-        return f"step_{self.step:07d}_points_{self.points[0]}-{self.points[-1]}_{digest}"
+        blocks = [list(self.blocks)] if self.blocks else []
+        digest = hashlib.sha256(json.dumps([self.step, self.points, self.wanted, *blocks]).encode()).hexdigest()[:12]
+        block_text = f"_blocks_{self.blocks[0]}-{self.blocks[-1]}" if self.blocks else ""
+        return f"step_{self.step:07d}_points_{self.points[0]}-{self.points[-1]}{block_text}_{digest}"
 
 
-def plan_items(step, missing, part_points):
+def plan_items(step, missing, part_points, blocks=0):
     """The items of one checkpoint: the points that lack rows in any direction (`missing`:
-    {direction: points}), in consecutive chunks of `part_points`."""
+    {direction: points}), in consecutive chunks of `part_points`; with `blocks` > 0 Monte-Carlo
+    blocks, one item per chunk and block, so that few points with many draws spread over ranks."""
     needed = sorted(set().union(*missing.values()))
     items = []
     for start in range(0, len(needed), part_points):
@@ -173,7 +178,9 @@ def plan_items(step, missing, part_points):
         chunk_set = set(chunk)
         wanted = tuple((direction, tuple(point for point in points if point in chunk_set))
                        for direction, points in sorted(missing.items()))
-        items.append(Item(int(step), tuple(map(int, chunk)), tuple((d, tuple(map(int, p))) for d, p in wanted)))
+        wanted = tuple((d, tuple(map(int, p))) for d, p in wanted)
+        items += [Item(int(step), tuple(map(int, chunk)), wanted, (block,)) for block in range(blocks)] or \
+            [Item(int(step), tuple(map(int, chunk)), wanted)]
     return items
 
 

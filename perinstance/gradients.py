@@ -1,13 +1,12 @@
-"""Per-sample gradients of a model (Opacus GradSampleModule), and what is built from them."""
+"""Per-sample gradients of a model (Opacus GradSampleModule), and what is built from them; per-sample
+gradient norms and the clipped gradient sum without per-sample gradients."""
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
-from opacus.grad_sample import GradSampleModuleFastGradientClipping
-from opacus.grad_sample.conv import compute_conv_grad_sample
-from opacus.utils.tensor_utils import unfold2d
 from torch import nn
 
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
@@ -60,52 +59,215 @@ def flatten(grad_samples):
     return torch.cat([grad.reshape(grad.shape[0], -1) for grad in grad_samples], dim=1)
 
 
-# --- norms only (the sum-rule sensitivity needs nothing else) ------------------------------
+# Input channels below which the grouped convolution kernel is slower than unfolding patches: the
+# convolution library vectorises over channels, 16 float32 to a 512-bit register.
+VECTOR_CHANNELS = 16
 
-def conv2d_norm_sample(layer, activations, backprops):
-    """Per-sample gradient norms of a Conv2d layer, by whichever of two exact forms is cheaper.
 
-    With unfolded inputs a_t (p values) and output gradients b_t (o values) at the T output
-    positions, g = Σ_t b_t a_tᵀ. Materialising g costs T·o·p per sample; the ghost form
-    ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t') costs T²·(o + p). LeNet-5's third convolution
-    (T = 1, 48k of its 62k weights) is far cheaper in the ghost form, its first two are not.
-    """
-    inputs = unfold2d(activations[0].to(backprops.dtype), kernel_size=layer.kernel_size, padding=layer.padding,
-                      stride=layer.stride, dilation=layer.dilation)
-    count, patch, positions = inputs.shape
-    outputs = backprops.reshape(count, -1, positions)
-    norms = {}
-    if layer.weight.requires_grad:
-        if layer.groups == 1 and positions * (patch + outputs.shape[1]) < patch * outputs.shape[1]:
-            input_gram = torch.bmm(inputs.transpose(1, 2), inputs)
-            output_gram = torch.bmm(outputs.transpose(1, 2), outputs)
-            norms[layer.weight] = (input_gram * output_gram).sum(dim=(1, 2)).clamp(min=0).sqrt()
-        else:
-            grad_sample = compute_conv_grad_sample(layer, activations, backprops)[layer.weight]
-            norms[layer.weight] = grad_sample.reshape(count, -1).norm(dim=1)
+# --- norms only, and the clipped sum from them (no per-sample gradients kept) ---------------
+#
+# Each layer's per-sample gradient is a function of its input a_i and of the gradient b_i of
+# the summed loss w.r.t. its output (no layer here mixes samples). One backward pass w.r.t. the
+# layer outputs gives every b_i and skips all weight gradients; each layer's ||g_i||² then
+# comes from (a_i, b_i) by a closed form. With weights w_i, the gradient of Σ w_i·loss_i is
+# each layer's ordinary weight gradient for outputs' gradients w_i·b_i: the clipped sum u(B)
+# of §1 (accounting.md) without a second backward through the network.
+
+def linear_squared_norms(layer, inputs, grad_outputs):
+    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||²."""
+    if inputs.dim() != 2:
+        raise ValueError(f"per-sample norms need (n, features) inputs to Linear, got shape {tuple(inputs.shape)}")
+    output_squares = grad_outputs.square().sum(dim=1)
+    squared = inputs.square().sum(dim=1) * output_squares if layer.weight.requires_grad else 0
     if layer.bias is not None and layer.bias.requires_grad:
-        norms[layer.bias] = outputs.sum(dim=2).norm(dim=1)
-    return norms
+        squared = squared + output_squares
+    return squared
 
 
-class NormSampleModule(GradSampleModuleFastGradientClipping):
-    """Opacus's ghost-clipping hooks (per-sample norms, no per-sample gradients kept), with
-    Conv2d norms from `conv2d_norm_sample`. Hooks record only in training mode."""
+def conv2d_squared_norms(layer, inputs, grad_outputs):
+    """||g_i||² of a Conv2d layer, by the cheaper of two exact forms (`conv2d_norm_costs`).
 
-    NORM_SAMPLERS = {**GradSampleModuleFastGradientClipping.NORM_SAMPLERS, nn.Conv2d: conv2d_norm_sample}
+    With input patches a_t and output gradients b_t at the T output positions, g = Σ_t b_t a_tᵀ.
+    Materialised: one grouped convolution-weight gradient (groups = samples) in the convolution
+    library, or, with fewer input channels than VECTOR_CHANNELS, where that library's grouped
+    kernel is slow, a batched product of unfolded patches. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'),
+    with the patch products a_t·a_t' summed from the products of input pixels (`_patch_gram`).
+    """
+    if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+        raise ValueError("per-sample norms of Conv2d need numeric zero padding")
+    count, outputs = grad_outputs.shape[:2]
+    output_rows = grad_outputs.reshape(count, outputs, -1)
+    squared = 0
+    if layer.weight.requires_grad:
+        costs = conv2d_norm_costs(layer.in_channels // layer.groups, outputs, layer.kernel_size,
+                                  inputs.shape[2:], grad_outputs.shape[2:], layer.padding)
+        if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
+            output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
+            squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
+        elif layer.groups == 1 and layer.in_channels < VECTOR_CHANNELS:
+            squared = torch.bmm(output_rows, _patches(layer, inputs).transpose(1, 2)).square().sum(dim=(1, 2))
+        else:
+            per_sample = torch.nn.grad.conv2d_weight(
+                inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
+                grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding, layer.dilation,
+                count * layer.groups)
+            squared = per_sample.reshape(count, -1).square().sum(dim=1)
+    if layer.bias is not None and layer.bias.requires_grad:
+        squared = squared + output_rows.sum(dim=2).square().sum(dim=1)
+    return squared
 
 
-def wrap_norms_only(model):
-    """Wrap `model` so each backward computes per-sample gradient norms only."""
-    return NormSampleModule(model, batch_first=True, loss_reduction="sum", use_ghost_clipping=True)
+def conv2d_norm_costs(in_channels, out_channels, kernel_size, input_size, output_size, padding):
+    """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
+
+    Materialised: T·o·p. Ghost: the products of all P padded input pixels (P²·c), their
+    shifted sums over the kernel columns then rows (`_patch_gram`), and the products of
+    output gradients (T²·o). LeNet-5's third convolution (T = 1, 48k of its 62k weights) and
+    ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of nets.py is not.
+    """
+    (kernel_h, kernel_w), (output_h, output_w) = kernel_size, output_size
+    padded_h, padded_w = input_size[0] + 2 * padding[0], input_size[1] + 2 * padding[1]
+    positions, pixels = output_h * output_w, padded_h * padded_w
+    materialised = positions * out_channels * in_channels * kernel_h * kernel_w
+    ghost = (pixels ** 2 * in_channels + kernel_w * (padded_h * output_w) ** 2 + kernel_h * positions ** 2
+             + positions ** 2 * out_channels)
+    return {"materialised": materialised, "ghost": ghost}
 
 
-def per_sample_norms(norm_module, inputs, labels):
+def _patch_gram(layer, inputs):
+    """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1).
+
+    A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the
+    (P, P) products of padded input pixels, shifted and summed over kernel columns, then rows.
+    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small.
+    """
+    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
+    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
+    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
+    count, _, padded_h, padded_w = padded.shape
+    pixels = padded.flatten(2)
+    pixel_gram = torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, padded_h, padded_w, padded_h, padded_w)
+    output_h = (padded_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
+    output_w = (padded_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
+
+    def columns(offset):
+        return slice(offset * dilation_w, offset * dilation_w + stride_w * (output_w - 1) + 1, stride_w)
+
+    def rows(offset):
+        return slice(offset * dilation_h, offset * dilation_h + stride_h * (output_h - 1) + 1, stride_h)
+
+    column_sums = sum(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
+    gram = sum(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
+    return gram.reshape(count, output_h * output_w, output_h * output_w)
+
+
+def _patches(layer, inputs):
+    """The (n, p, T) input patches of a Conv2d layer, one column per output position.
+
+    Copied once from a strided view of the padded input: several times faster on CPU than
+    F.unfold, which loops over the samples.
+    """
+    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
+    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
+    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
+    windows = padded.unfold(2, dilation_h * (kernel_h - 1) + 1, stride_h).unfold(3, dilation_w * (kernel_w - 1) + 1,
+                                                                                  stride_w)
+    windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
+    return windows.permute(0, 1, 4, 5, 2, 3).reshape(len(inputs), -1, windows.shape[2] * windows.shape[3])
+
+
+def group_norm_squared_norms(layer, inputs, grad_outputs):
+    """||g_i||² of a GroupNorm layer: per channel g_γ = Σ_positions b·x̂ and g_β = Σ_positions b."""
+    squared = 0
+    if layer.weight is not None and layer.weight.requires_grad:
+        # In place: on CPU a second buffer of this size costs about as much again in fresh pages.
+        products = F.group_norm(inputs, layer.num_groups, eps=layer.eps).mul_(grad_outputs)
+        squared = products.flatten(2).sum(dim=2).square().sum(dim=1)
+    if layer.bias is not None and layer.bias.requires_grad:
+        squared = squared + grad_outputs.flatten(2).sum(dim=2).square().sum(dim=1)
+    return squared
+
+
+SQUARED_NORMS = {nn.Linear: linear_squared_norms, nn.Conv2d: conv2d_squared_norms,
+                 nn.GroupNorm: group_norm_squared_norms}
+
+
+@dataclass
+class _Pass:
+    """One forward pass with every parameter layer's input and output, and the per-example losses."""
+
+    layers: list
+    inputs: list
+    outputs: list
+    logits: torch.Tensor
+    losses: torch.Tensor
+
+
+def _forward(model, inputs, labels):
+    layers = _parameter_layers(model)
+    recorded = {}
+
+    def record(layer, layer_inputs, output):
+        if layer in recorded:
+            raise ValueError(f"{type(layer).__name__} is applied twice in one forward; its per-sample gradient "
+                             "would mix both uses")
+        recorded[layer] = (layer_inputs[0].detach(), output)
+
+    handles = [layer.register_forward_hook(record) for layer in layers]
+    try:
+        logits = model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = [layer for layer in layers if layer in recorded]
+    return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][1] for layer in layers],
+                 logits, F.cross_entropy(logits, labels, reduction="none"))
+
+
+def _parameter_layers(model):
+    """The modules that own trainable parameters; each must be a type of SQUARED_NORMS."""
+    layers = [module for module in model.modules()
+              if any(param.requires_grad for param in module.parameters(recurse=False))]
+    for layer in layers:
+        if type(layer) not in SQUARED_NORMS:
+            raise ValueError(f"no per-sample norms for trainable {type(layer).__name__} layers "
+                             f"(supported: {', '.join(kind.__name__ for kind in SQUARED_NORMS)})")
+    return layers
+
+
+def _norms_of_pass(forward, keep_graph):
+    """||g_i|| from one backward w.r.t. the layer outputs, and those outputs' gradients b_i."""
+    grad_outputs = torch.autograd.grad(forward.losses.sum(), forward.outputs, retain_graph=keep_graph,
+                                       materialize_grads=True)
+    with torch.no_grad():
+        squared = sum(SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
+                      for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
+    return squared.sqrt(), grad_outputs
+
+
+def per_sample_norms(model, inputs, labels):
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
-    logits = norm_module(inputs)
-    losses = F.cross_entropy(logits, labels, reduction="none")
-    losses.sum().backward()
-    norms = norm_module.get_norm_sample().detach()
-    for param in trainable_parameters(norm_module):
-        param.grad = None
-    return norms, losses.detach(), logits.detach()
+    forward = _forward(model, inputs, labels)
+    norms, _ = _norms_of_pass(forward, keep_graph=False)
+    return norms, forward.losses.detach(), forward.logits.detach()
+
+
+def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
+    """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), never materialising g_i.
+
+    Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
+    losses; ||g_i||; logits).
+    """
+    forward = _forward(model, inputs, labels)
+    norms, grad_outputs = _norms_of_pass(forward, keep_graph=True)
+    weights = weights_of_norms(norms)
+    summed = {}
+    for last, (layer, output, grad_output) in enumerate(zip(forward.layers, forward.outputs, grad_outputs), 1):
+        # Only the layer's own backward node runs: its inputs' gradient is not asked for.
+        params = [param for param in layer.parameters(recurse=False) if param.requires_grad]
+        weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
+        grads = torch.autograd.grad(output, params, weighted, retain_graph=last < len(forward.layers))
+        summed.update(zip(params, grads))
+    # A layer the forward never applied has zero gradient.
+    return ([summed.get(param, torch.zeros_like(param)) for param in trainable_parameters(model)],
+            forward.losses.detach(), norms, forward.logits.detach())

@@ -6,32 +6,48 @@ QUANTITIES; values are raw, in the units of accounting.md.
 
 import csv
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from perinstance import storage
 from perinstance.errors import UsageError
+from perinstance.mechanism import Mechanism
 
 COLUMNS = [
     "run", "seed", "step", "stage", "total_steps", "point", "label", "correct", "loss",
     "exp", "reduction", "direction", "target_batch", "sample", "quantity", "value",
     "alpha", "sigma", "clip_bound", "sample_rate", "batch_size", "dataset_size",
     "noise_std", "dataset", "model", "clipping", "update_rule", "target_eps", "delta",
-    "accuracy", "mc_seed", "block", "k", "k_min",
+    "accuracy", "mc_seed", "block", "k", "k_min", "count",
 ]
 # Columns added after the first format: a file without them reads them as empty (NaN).
-LATER_COLUMNS = ["mc_seed", "block", "k", "k_min"]
+# `count`: the samples a Δ_B histogram row stands for (storage.histogram_rows); empty = 1.
+LATER_COLUMNS = ["mc_seed", "block", "k", "k_min", "count"]
 
-# quantity -> the script and flags that produce it, for error messages.
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """What a row's `value` is: measured for which update rule, by which command."""
+
+    rule: str
+    made_by: str
+
+
+# Every quantity a result row may hold (accounting.md §2): Δ* (sum rule); Δ_B with its k, and
+# the dataset statistics d*, v_X, b_X of §3.2 (mean rule, coupling); GLA's statistic S.
 QUANTITIES = {
-    "grad_norm": "compute_sensitivity.py --reduction sum",
-    "batch_sensitivity": "compute_sensitivity.py --reduction mean",
-    "renyi_statistic": "compute_sensitivity.py --exp renyi --reduction mean --estimator jensen",
-    "center_distance": "compute_sensitivity.py --reduction mean",
-    "spread": "compute_sensitivity.py --reduction mean",
-    "max_deviation": "compute_sensitivity.py --reduction mean",
+    "grad_norm": Quantity("sum", "compute_sensitivity.py --reduction sum"),
+    "batch_sensitivity": Quantity("mean", "compute_sensitivity.py --reduction mean"),
+    "center_distance": Quantity("mean", "compute_sensitivity.py --reduction mean"),
+    "spread": Quantity("mean", "compute_sensitivity.py --reduction mean"),
+    "max_deviation": Quantity("mean", "compute_sensitivity.py --reduction mean"),
+    "renyi_statistic": Quantity("mean", "compute_sensitivity.py --exp renyi --reduction mean --estimator jensen"),
 }
+STATISTICS = ("center_distance", "spread", "max_deviation")
+COUPLING_QUANTITIES = ("batch_sensitivity", *STATISTICS)
 
 # Columns that describe the run configuration: rows that differ in these cannot be mixed
 # in one accounting (the expectation over runs is over `run`/`seed` only).
@@ -41,14 +57,23 @@ CONFIG_COLUMNS = [
 ]
 
 
-def results_path(res_name, res_dir="res"):
-    """res/<res-name>: as named when the name ends in .csv or .parquet (the format), else
-    res/<res-name>.csv, or res/<res-name>.parquet where only that one exists (so that the
-    accountants read `--res-name x` of either format)."""
+def results_path(res_name, res_dir="res", flag="--res-name"):
+    """res/<res-name> as named when the name ends in .csv or .parquet (the format); without an
+    extension the one of res/<res-name>.csv and res/<res-name>.parquet that exists (CSV when
+    neither does), since such a file turns Parquet when it grows (storage.AUTO_PARQUET_ROWS).
+    Both existing is ambiguous: a UsageError naming `flag`."""
     if storage.extension(res_name):
         return os.path.join(res_dir, res_name)
-    csv_path, parquet_path = (os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))
-    return parquet_path if os.path.exists(parquet_path) and not os.path.exists(csv_path) else csv_path
+    csv_path, parquet_path = format_paths(res_name, res_dir)
+    if os.path.exists(csv_path) and os.path.exists(parquet_path):
+        raise UsageError(flag, f"both {csv_path} and {parquet_path} exist; name the one to use with its extension "
+                               f"({res_name}.csv or {res_name}.parquet)")
+    return parquet_path if os.path.exists(parquet_path) else csv_path
+
+
+def format_paths(res_name, res_dir="res"):
+    """(res/<name>.csv, res/<name>.parquet) for a result named without an extension."""
+    return tuple(os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))
 
 
 # Columns every row needs as a finite number: the accounting reads them (accounting.md §1, §2).
@@ -122,33 +147,37 @@ def _check_numbers(frame, path, flag, unit):
     raise UsageError(flag, f"{path} {unit} {position} (column {column}): {shown} is not a finite number")
 
 
-def noise_std(metadata, reduction):
-    """Noise std of a run in the units of the analysed rule (rule_noise_std)."""
-    return rule_noise_std(metadata["noise_multiplier"], metadata["clip_bound"], metadata["batch_size"], reduction)
-
-
-def rule_noise_std(noise_multiplier, clip_bound, batch_size, reduction):
-    """accounting.md §1: σΓ in sum units, σΓ/B_exp in mean units (elementwise on arrays)."""
-    return noise_multiplier * clip_bound / np.where(np.asarray(reduction) == "mean", batch_size, 1.0)
-
-
-def run_columns(metadata, reduction):
-    """The columns of a result row that come from the training run's metadata."""
+def run_columns(run, reduction):
+    """The columns of a result row that come from the training run (a runs.RunConfig), analysed
+    under `reduction`."""
     return {
-        "run": metadata["run"],
-        "seed": metadata["seed"],
-        "total_steps": metadata["total_steps"],
+        "run": run.run,
+        "seed": run.seed,
+        "total_steps": run.total_steps,
         "reduction": reduction,
-        "sigma": metadata["noise_multiplier"],
-        "clip_bound": metadata["clip_bound"],
-        "sample_rate": metadata["sample_rate"],
-        "batch_size": metadata["batch_size"],
-        "dataset_size": metadata["dataset_size"],
-        "noise_std": noise_std(metadata, reduction),
-        "dataset": metadata["dataset"],
-        "model": metadata["model"],
-        "clipping": metadata["clipping"],
-        "update_rule": metadata["update_rule"],
-        "target_eps": metadata["target_eps"],
-        "delta": metadata["delta"],
+        "sigma": run.noise_multiplier,
+        "clip_bound": run.clip_bound,
+        "sample_rate": run.sample_rate,
+        "batch_size": run.batch_size,
+        "dataset_size": run.dataset_size,
+        "noise_std": Mechanism.of_run(run, reduction).noise_std,
+        "dataset": run.dataset,
+        "model": run.model,
+        "clipping": run.clipping,
+        "update_rule": run.update_rule,
+        "target_eps": run.target_eps,
+        "delta": run.delta,
     }
+
+
+def result_rows(run, reduction, step, columns):
+    """Long-format rows of one checkpoint: `columns` (per-row arrays, or one value for every row),
+    the run's columns, the stage, and NaN in every column that does not apply (a float column
+    whatever the run)."""
+    frame = pd.DataFrame({"step": step, "stage": step / run.total_steps, **columns})
+    for column, value in run_columns(run, reduction).items():
+        frame[column] = np.nan if value is None else value
+    for column in COLUMNS:
+        if column not in frame:
+            frame[column] = np.nan
+    return frame[COLUMNS]

@@ -50,6 +50,13 @@ COLUMN_BLOCK = 2048
 # draws for 8,000 points, which centres the points once instead of three times.
 PASS_OUTPUT_BYTES, COUPLING_PASS_BYTES = 1 << 28, 1 << 30
 HELD_PASS_BATCHES = 4096
+# Float32 batch sums (batches × d) of one pass, at most: what RecomputedRows holds while it adds
+# the chunks in. Held rows' passes are cut alike, so that results do not depend on what is held.
+PASS_SUM_BYTES = 1 << 30
+# Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take (~0.7 GB)
+# the quick preset stays under 2 GB resident (benchmarks/bench_memory.py). Further rows are
+# recomputed on each pass, at the cost of one more per-sample pass over them per pass.
+HELD_BYTES_CPU = 1 << 29
 # Column blocks per product of the coupling engine: each float32 product sums over 8,192 columns
 # before it is added to the float64 total, a quarter of the float64 additions of one per block.
 PRODUCT_BLOCKS = 4
@@ -69,8 +76,9 @@ class Transform:
     scale_s: float | None = None
 
     @classmethod
-    def of_run(cls, metadata):
-        return cls(metadata["clipping"], metadata["clip_norm"], metadata["scale_r"], metadata["scale_s"])
+    def of_run(cls, run):
+        """The transform of a runs.RunConfig."""
+        return cls(run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 
     @property
     def bound(self):
@@ -102,12 +110,14 @@ class Predictions:
 
 @dataclass
 class PointGradients:
-    """The points under study: h* as rows (P × d), and each point's row in the training set, -1
-    for a point outside it (the --less-point point)."""
+    """The points under study: h* as rows (P × d; None when not needed), and each point's row in
+    the training set, -1 for a point outside it (the --less-point point). Without `rows`,
+    `outside_rows` holds the h* of the points outside the training set, in their order."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     train_rows: np.ndarray
     predictions: Predictions
+    outside_rows: torch.Tensor | None = None
 
     @property
     def in_training(self):
@@ -169,19 +179,14 @@ def _predictions(losses, logits, labels):
 def transformed_norms(model, inputs, labels, transform, device="cpu", progress=None):
     """Δ* = ||h(g_i)|| of each example (float64 array, accounting.md §2 sum rule) and its Predictions.
 
-    Ghost norms: per-sample gradients are never materialised.
+    Per-sample gradients are never materialised (gradients.per_sample_norms).
     """
-    module = gradients.wrap_norms_only(model)
     norms, predictions = [], []
-    try:
-        with _training_mode(model):
-            for _, x, y in _chunks(inputs, labels, device):
-                grad_norms, losses, logits = gradients.per_sample_norms(module, x, y)
-                norms.append(transform.norms(grad_norms).double().cpu())
-                predictions.append(_predictions(losses, logits, y))
-                _advance(progress, len(y))
-    finally:
-        module.cleanup()
+    for _, x, y in _chunks(inputs, labels, device):
+        grad_norms, losses, logits = gradients.per_sample_norms(model, x, y)
+        norms.append(transform.norms(grad_norms).double().cpu())
+        predictions.append(_predictions(losses, logits, y))
+        _advance(progress, len(y))
     return torch.cat(norms).numpy(), Predictions.concat(predictions)
 
 
@@ -203,18 +208,28 @@ def parameter_count(model):
     return sum(param.numel() for param in gradients.trainable_parameters(model))
 
 
-def _column_spans(dim):
+def column_spans(dim):
+    """(first, end) columns of each block of COLUMN_BLOCK columns."""
     return [(start, min(start + COLUMN_BLOCK, dim)) for start in range(0, dim, COLUMN_BLOCK)]
 
 
 class _Bags:
     """The members of each batch of a boolean (batches, rows) mask, as embedding_bag input:
-    batch sums over any row-indexed matrix are then one gather-and-add call."""
+    batch sums over any row-indexed matrix are then one gather-and-add call, which adds each
+    batch's members one after the other in row order.
 
-    def __init__(self, mask, device):
+    leading: the matrix starts with one row per batch (the sums so far) and each batch adds its
+    members onto its own row, so that sums chained over chunks of rows equal one sum over all."""
+
+    def __init__(self, mask, device, leading=False):
         batch_of_member, members = np.nonzero(mask)
         counts = np.bincount(batch_of_member, minlength=mask.shape[0])
         self.count = mask.shape[0]
+        if leading:
+            counts = counts + 1
+            # np.nonzero lists the members batch by batch: each batch's block moves up by its own row.
+            members = np.insert(members + self.count, np.concatenate([[0], np.cumsum(counts - 1)[:-1]]),
+                                np.arange(self.count))
         self.indices = torch.from_numpy(members).to(device)
         self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)[:-1]])).to(device)
 
@@ -225,7 +240,48 @@ class _Bags:
         return F.embedding_bag(self.indices, matrix, self.offsets, mode="sum")
 
 
-class HeldRows:
+class _Rows:
+    """What HeldRows and RecomputedRows share: every quantity assembled chunk by chunk (ROW_CHUNK
+    rows, in row order) and column block by column block, the same whichever rows are held, so
+    that results do not depend on the memory budget. Subclasses provide `chunks()`."""
+
+    def chunks(self):
+        """(start, column blocks) of each chunk of ROW_CHUNK rows, in row order."""
+        raise NotImplementedError
+
+    def pass_batches(self, num_points, output_bytes=PASS_OUTPUT_BYTES):
+        """Batches per Monte Carlo pass: the (batches, points) float64 products stay under
+        `output_bytes` and the float32 batch sums under PASS_SUM_BYTES, whichever rows are held
+        (the products' rounding follows their shapes)."""
+        most = HELD_PASS_BATCHES * max(1, output_bytes // PASS_OUTPUT_BYTES)
+        sums = PASS_SUM_BYTES // (self.dtype.itemsize * self.dim)
+        return max(1, min(most, output_bytes // (8 * num_points), sums))
+
+    def column_sums(self):
+        """Σ_i h_i (float64, (d,)): float64 sums of each chunk, added in row order."""
+        total = None
+        for _, blocks in self.chunks():
+            part = torch.cat([block.sum(dim=0, dtype=torch.float64) for block in blocks])
+            total = part if total is None else total.add_(part)
+        return total
+
+    def moments(self):
+        """μ = (1/N) Σ_i h_i (float64, (d,)) and ||h_i − μ||² of every row (float64, (N,)); the rows are
+        centred in their own dtype, the sums are float64."""
+        mean = self.column_sums() / self.num_rows
+        spans = column_spans(self.dim)
+        centred_sq = torch.cat([sum(_square_norms(block - mean[low:high].to(block.dtype))
+                                    for block, (low, high) in zip(blocks, spans)) for _, blocks in self.chunks()])
+        return mean, centred_sq
+
+    def dots(self, point_rows):
+        """h_i·h*_p for every row i and point p: (rows, points) float64."""
+        points = [point_rows[:, low:high].double() for low, high in column_spans(self.dim)]
+        return torch.cat([sum(block.double() @ part.T for block, part in zip(blocks, points))
+                          for _, blocks in self.chunks()])
+
+
+class HeldRows(_Rows):
     """h_i of every training point at one checkpoint, computed once and kept as column blocks."""
 
     def __init__(self, blocks, predictions):
@@ -235,7 +291,7 @@ class HeldRows:
     @classmethod
     def compute(cls, model, inputs, labels, transform, device="cpu", progress=None):
         dtype = next(model.parameters()).dtype
-        spans = _column_spans(parameter_count(model))
+        spans = column_spans(parameter_count(model))
         blocks = [torch.empty((len(labels), high - low), dtype=dtype, device=device) for low, high in spans]
         predictions = []
         for start, rows, chunk_predictions in transformed_gradient_chunks(model, inputs, labels, transform, device,
@@ -253,79 +309,117 @@ class HeldRows:
     def dim(self):
         return sum(block.shape[1] for block in self.blocks)
 
-    def pass_batches(self, num_points, output_bytes=PASS_OUTPUT_BYTES):
-        """Batches per Monte Carlo pass: the (batches, points) float64 products stay under `output_bytes`."""
-        most = HELD_PASS_BATCHES * max(1, output_bytes // PASS_OUTPUT_BYTES)
-        return max(1, min(most, output_bytes // (8 * num_points)))
+    @property
+    def dtype(self):
+        return self.blocks[0].dtype
 
-    def moments(self):
-        """μ = (1/N) Σ_i h_i (float64, (d,)) and ||h_i − μ||² of every row (float64, (N,)); the rows are
-        centred in their own dtype, the sums are float64."""
-        mean = torch.cat([block.sum(dim=0, dtype=torch.float64) for block in self.blocks]) / self.num_rows
-        centred_sq = sum(_square_norms(block - mean[low:high].to(block.dtype))
-                         for block, (low, high) in zip(self.blocks, _column_spans(self.dim)))
-        return mean, centred_sq
+    @property
+    def device(self):
+        return self.blocks[0].device
+
+    def chunks(self):
+        for start in range(0, self.num_rows, ROW_CHUNK):
+            yield start, [block[start:start + ROW_CHUNK] for block in self.blocks]
 
     def take(self, indices):
         """Rows `indices` as one (len, d) matrix."""
-        index = torch.as_tensor(indices, device=self.blocks[0].device)
+        index = torch.as_tensor(indices, device=self.device)
         return torch.cat([block[index] for block in self.blocks], dim=1)
 
     def sum_blocks(self, mask, dtype=torch.float64):
-        """Column blocks (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask."""
-        bags = _Bags(mask, self.blocks[0].device)
+        """Column blocks (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask; a
+        batch's members are added one after the other, in row order."""
+        bags = _Bags(mask, self.device)
         for block in self.blocks:
             yield bags.sums(block).to(dtype)
 
-    def dots(self, point_rows):
-        """h_i·h*_p for every row i and point p: (rows, points) float64."""
-        products = None
-        for block, (low, high) in zip(self.blocks, _column_spans(point_rows.shape[1])):
-            part = block.double() @ point_rows[:, low:high].double().T
-            products = part if products is None else products.add_(part)
-        return products
 
+class RecomputedRows(_Rows):
+    """h_i of every training point: the first `held` rows (a multiple of ROW_CHUNK) computed once and
+    kept, the others recomputed chunk by chunk on each pass, never all in memory.
 
-class RecomputedRows:
-    """h_i of every training point, recomputed chunk by chunk on each pass, never all in memory.
-
-    For training sets whose gradient matrix does not fit (CIFAR-10 × ResNet-20 is
-    50k × 0.27M floats): each Monte Carlo pass recomputes the per-sample gradients.
+    For training sets whose gradient matrix does not fit (CIFAR-10 × ResNet-20 is 50k × 0.27M
+    floats; on a CPU, more than HELD_BYTES_CPU). Its chunks are those of HeldRows.compute, computed
+    alike, so every result equals HeldRows' bit for bit (tests/test_sensitivity.py).
     """
 
-    def __init__(self, model, inputs, labels, transform, device="cpu"):
+    def __init__(self, model, inputs, labels, transform, device="cpu", held=0, progress=None, keep=()):
         self.pass_args = (model, inputs, labels, transform, device)
         self.num_rows = len(labels)
-        self.dim = parameter_count(model)
-        self.device = device
+        # Whole chunks: the recomputed chunks start where HeldRows.compute's would.
+        self.held = min(held // ROW_CHUNK * ROW_CHUNK, self.num_rows)
+        self.dim, self.dtype, self.device = parameter_count(model), next(model.parameters()).dtype, device
+        # One pass: the held rows, every row's predictions, the column sums (chunk by chunk in
+        # row order, as _Rows.column_sums) and the recomputed rows listed in `keep` (for take).
+        self.rows = HeldRows.compute(model, inputs[:self.held], labels[:self.held], transform, device,
+                                     progress) if self.held else None
+        self._sums = self.rows.column_sums() if self.held else None
+        keep = np.unique(np.asarray(keep, dtype=np.int64))
+        self._kept_index = keep[keep >= self.held]
+        self._kept = torch.empty((len(self._kept_index), self.dim), dtype=self.dtype, device=device)
+        parts = [self.rows.predictions] if self.held else []
+        spans = column_spans(self.dim)
+        for start, rows, chunk_predictions in self._recomputed(progress):
+            part = torch.cat([rows[:, low:high].contiguous().sum(dim=0, dtype=torch.float64) for low, high in spans])
+            self._sums = part if self._sums is None else self._sums.add_(part)
+            wanted = np.flatnonzero((self._kept_index >= start) & (self._kept_index < start + len(rows)))
+            self._kept[torch.as_tensor(wanted)] = rows[torch.as_tensor(self._kept_index[wanted] - start)]
+            parts.append(chunk_predictions)
+        self.predictions = Predictions.concat(parts)
 
-    def pass_batches(self, num_points, output_bytes=None):
-        """Batches per pass: their float32 sums, a float64 block and the (batches, points) float64
-        products fit in the memory budget (and the products under `output_bytes` when given)."""
-        fit = memory_budget(self.device) // (4 * self.dim + 8 * (COLUMN_BLOCK + num_points))
-        return max(1, fit if output_bytes is None else min(fit, output_bytes // (8 * num_points)))
+    def column_sums(self):
+        return self._sums.clone()
 
-    def _chunks(self):
-        for start, rows, _ in transformed_gradient_chunks(*self.pass_args):
-            yield start, rows
+    def _recomputed(self, progress=None, start=None, stop=None):
+        """(start, rows, predictions) of the chunks after the held rows (or of rows start..stop)."""
+        model, inputs, labels, transform, device = self.pass_args
+        start = self.held if start is None else start
+        stop = self.num_rows if stop is None else stop
+        for offset, rows, predictions in transformed_gradient_chunks(model, inputs[start:stop], labels[start:stop],
+                                                                     transform, device, progress):
+            yield start + offset, rows, predictions
+
+    def chunks(self):
+        if self.held:
+            yield from self.rows.chunks()
+        spans = column_spans(self.dim)
+        for start, rows, _ in self._recomputed():
+            # Contiguous column blocks, as HeldRows' (a reduction's order may follow the strides).
+            yield start, [rows[:, low:high].contiguous() for low, high in spans]
+
+    def take(self, indices):
+        """Rows `indices` as one (len, d) matrix: the held ones copied, the others from their chunk."""
+        indices = np.asarray(indices, dtype=np.int64)
+        result = torch.empty((len(indices), self.dim), dtype=self.dtype, device=self.device)
+        held = np.flatnonzero(indices < self.held)
+        if len(held):
+            result[torch.as_tensor(held, device=self.device)] = self.rows.take(indices[held])
+        position = np.searchsorted(self._kept_index, indices)
+        kept = np.flatnonzero((indices >= self.held) & (position < len(self._kept_index))
+                              & (self._kept_index[np.minimum(position, len(self._kept_index) - 1)] == indices)
+                              if len(self._kept_index) else np.zeros(len(indices), dtype=bool))
+        result[torch.as_tensor(kept, device=self.device)] = self._kept[torch.as_tensor(position[kept])]
+        missing = np.setdiff1d(np.flatnonzero(indices >= self.held), kept)
+        for first in np.unique(indices[missing] // ROW_CHUNK * ROW_CHUNK):
+            for start, rows, _ in self._recomputed(start=first, stop=min(first + ROW_CHUNK, self.num_rows)):
+                wanted = np.flatnonzero((indices >= start) & (indices < start + len(rows)))
+                result[torch.as_tensor(wanted, device=self.device)] = rows[torch.as_tensor(indices[wanted] - start)]
+        return result
 
     def sum_blocks(self, mask, dtype=torch.float64):
-        sums = None
-        for start, rows in self._chunks():
-            part = _Bags(mask[:, start:start + len(rows)], rows.device).sums(rows)
-            sums = part if sums is None else sums.add_(part)
-        for low, high in _column_spans(self.dim):
-            yield sums[:, low:high].to(dtype)
-
-    def dots(self, point_rows):
-        points = point_rows.double()
-        return torch.cat([rows.double() @ points.T for _, rows in self._chunks()])
-
-    def moments(self):
-        """As HeldRows.moments, in two passes (the mean first, then the centred norms)."""
-        mean = sum(rows.sum(dim=0, dtype=torch.float64) for _, rows in self._chunks()) / self.num_rows
-        centred_sq = torch.cat([_square_norms(rows - mean.to(rows.dtype)) for _, rows in self._chunks()])
-        return mean, centred_sq
+        """As HeldRows.sum_blocks, bit for bit: each chunk's members are added onto the sums so far
+        (the sums lead every bag), so a batch's members are still added one after the other."""
+        sums = list(self.rows.sum_blocks(mask[:, :self.held], self.dtype)) if self.held else None
+        spans = column_spans(self.dim)
+        for start, rows, _ in self._recomputed():
+            bags = _Bags(mask[:, start:start + len(rows)], rows.device, leading=sums is not None)
+            if sums is None:
+                sums = [bags.sums(rows[:, low:high]) for low, high in spans]
+                continue
+            for number, (low, high) in enumerate(spans):  # block by block: one block's old sums at a time
+                sums[number] = bags.sums(torch.cat([sums[number], rows[:, low:high]]))
+        for block in sums:
+            yield block.to(dtype)
 
 
 def _square_norms(matrix):
@@ -347,32 +441,49 @@ def memory_budget(device):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def checkpoint_gradients(model, train_x, train_y, point_x, point_y, point_train_rows, transform, device="cpu",
-                         hold=None, progress=None):
-    """The training rows and the points' h*, for the mean rule.
+def held_rows(model, num_rows, device):
+    """Training rows to hold: as many whole chunks as fit in half the memory budget, and on a CPU
+    in HELD_BYTES_CPU; all of them when they all fit."""
+    row_bytes = parameter_count(model) * next(model.parameters()).element_size()
+    fit = memory_budget(device) // 2
+    if torch.device(device).type == "cpu":
+        fit = min(fit, HELD_BYTES_CPU)
+    if num_rows * row_bytes <= fit:
+        return num_rows
+    return fit // row_bytes // ROW_CHUNK * ROW_CHUNK
 
-    The rows are held when they fit in half the memory budget, else recomputed on each
-    pass (`hold` forces either). `point_train_rows[p]` is point p's training row, or -1
-    when it is not a training point (the --less-point point).
+
+def checkpoint_gradients(model, train_x, train_y, point_x, point_y, point_train_rows, transform, device="cpu",
+                         hold=None, progress=None, point_rows=True):
+    """The training rows and the points, for the mean rule.
+
+    The first rows, as many as `held_rows` allows, are held, the others recomputed on each pass
+    (`hold` True or False holds all or none). A point that is a training row takes its h* and its
+    predictions from its training chunk, so that neither depends on what is held.
+    `point_train_rows[p]` is point p's training row, or -1 when it is not a training point (the
+    --less-point point). point_rows=False keeps only the h* of the points outside the rows (the
+    dataset statistics need no other).
     """
     point_train_rows = np.asarray(point_train_rows)
     in_training = point_train_rows >= 0
-    if hold is None:
-        itemsize = next(model.parameters()).element_size()
-        hold = len(train_y) * parameter_count(model) * itemsize <= memory_budget(device) // 2
-    if not hold:
-        point_rows, predictions = _rows_of(model, point_x, point_y, transform, device)
-        return RecomputedRows(model, train_x, train_y, transform, device), PointGradients(point_rows,
-                                                                                          point_train_rows,
-                                                                                          predictions)
-    rows = HeldRows.compute(model, train_x, train_y, transform, device, progress)
+    held = held_rows(model, len(train_y), device) if hold is None else len(train_y) if hold else 0
+    if held >= len(train_y):
+        rows = HeldRows.compute(model, train_x, train_y, transform, device, progress)
+    else:
+        keep = point_train_rows[in_training] if point_rows else ()
+        rows = RecomputedRows(model, train_x, train_y, transform, device, held, progress, keep)
     inside, outside = np.flatnonzero(in_training), np.flatnonzero(~in_training)
-    parts = [(inside, rows.take(point_train_rows[inside]), rows.predictions.take(point_train_rows[inside]))]
+    parts = [(inside, rows.take(point_train_rows[inside]) if point_rows else None,
+              rows.predictions.take(point_train_rows[inside]))]
+    outside_rows = None
     if len(outside):
-        parts.append((outside, *_rows_of(model, point_x[outside], point_y[outside], transform, device)))
-    order = torch.as_tensor(np.argsort(np.concatenate([positions for positions, _, _ in parts])))
-    point_rows = torch.cat([part_rows for _, part_rows, _ in parts])[order.to(device)]
-    predictions = Predictions.concat([part for _, _, part in parts]).take(order.numpy())
+        outside_rows, outside_predictions = _rows_of(model, point_x[outside], point_y[outside], transform, device)
+        parts.append((outside, outside_rows, outside_predictions))
+    order = np.argsort(np.concatenate([positions for positions, _, _ in parts]))
+    predictions = Predictions.concat([part for _, _, part in parts]).take(order)
+    if not point_rows:
+        return rows, PointGradients(None, point_train_rows, predictions, outside_rows)
+    point_rows = torch.cat([part_rows for _, part_rows, _ in parts])[torch.as_tensor(order).to(rows.device)]
     return rows, PointGradients(point_rows, point_train_rows, predictions)
 
 
@@ -489,7 +600,7 @@ class CouplingSamples:
 def _centred_square_norms(matrix, mean):
     """||row − μ||² of every row of `matrix` (float64), one column block at a time."""
     return sum(_square_norms(matrix[:, low:high] - mean[low:high].to(matrix.dtype))
-               for low, high in _column_spans(matrix.shape[1]))
+               for low, high in column_spans(matrix.shape[1]))
 
 
 def _prefix_masks(ranks, sizes):
@@ -504,24 +615,26 @@ def _prefix_masks(ranks, sizes):
     return mask
 
 
-def measure_coupling(rows, points, plan, progress=None):
+def measure_coupling(rows, points, plan, progress=None, blocks=None):
     """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
-    DatasetStatistics and its CouplingSamples."""
+    DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given)."""
     mean, row_centred_sq = rows.moments()
     # A training point's ||h* − μ||² is its row's; only a point outside the rows needs its own.
     device = row_centred_sq.device
     point_centred_sq = row_centred_sq[torch.as_tensor(np.maximum(points.train_rows, 0), device=device)]
     outside = torch.as_tensor(np.flatnonzero(~points.in_training), device=device)
     if len(outside):
-        point_centred_sq[outside] = _centred_square_norms(points.rows[outside.to(points.rows.device)], mean).to(device)
+        outside_rows = points.outside_rows if points.rows is None else points.rows[outside.to(points.rows.device)]
+        point_centred_sq[outside] = _centred_square_norms(outside_rows, mean).to(device)
     statistics = dataset_statistics(row_centred_sq.cpu().numpy(), point_centred_sq.cpu().numpy(),
                                     points.in_training)
-    return statistics, coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress)
+    return statistics, coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress, blocks)
 
 
-def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=None):
+def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=None, blocks=None):
     """Δ_B = ||h* − m(B)||/(k+1) (k ≥ 1; ||h*|| for k = 0, m(∅) = 0) of every point for every
-    draw of `plan` (accounting.md §2), as CouplingSamples.
+    draw of `plan` (accounting.md §2), as CouplingSamples; with `blocks`, only the draws of those
+    Monte-Carlo blocks, the others NaN (as rejected draws: CouplingSamples.accepted leaves them out).
 
     mean: μ of the rows (float64); point_centred_sq: ||h* − μ||². With c = centred at μ,
     ||h* − m||² = ||h*_c||² − 2⟨h*_c, m_c⟩ + ||m_c||²: one product of the centred points with
@@ -530,45 +643,66 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
     the result, which uncentred terms (both near ||μ||²) would not for a point near the mean.
     """
     sizes, grid = plan.sizes, len(plan.sizes)
-    dtype, device = points.rows.dtype, points.rows.device
+    dtype, device = rows.dtype, rows.device
     mean = mean.to(device=device, dtype=dtype)
     point_sq = point_centred_sq.to(device)
     point_rows = points.train_rows
     inside = points.in_training
     divisors = torch.as_tensor(np.maximum(sizes, 1), dtype=dtype, device=device)[None, :, None]
-    values = np.empty((len(point_rows), plan.draws))
-    draws = [(block, index) for block in range(plan.blocks) for index in range(plan.permutations)]
+    values = np.full((len(point_rows), plan.draws), np.nan)
     per_pass = max(1, rows.pass_batches(len(point_rows), COUPLING_PASS_BYTES) // grid)
-    for start in range(0, len(draws), per_pass):
-        chunk = draws[start:start + per_pass]
-        ranks = np.empty((len(chunk), rows.num_rows), dtype=np.int64)
-        for position, (block, index) in enumerate(chunk):
+    # A product never spans two blocks, so that a block's values do not depend on the blocks
+    # measured with it (the products' rounding follows their shapes): torchrun ranks share out the
+    # blocks. The batch sums of several blocks' chunks still come from one pass over the rows (a
+    # pass of RecomputedRows recomputes them).
+    chunks = [[(block, index) for index in range(first, min(first + per_pass, plan.permutations))]
+              for block in (range(plan.blocks) if blocks is None else blocks)
+              for first in range(0, plan.permutations, per_pass)]
+    passes = []
+    for chunk in chunks:
+        if passes and sum(map(len, passes[-1])) + len(chunk) <= per_pass:
+            passes[-1].append(chunk)
+        else:
+            passes.append([chunk])
+    spans = column_spans(rows.dim)
+    for chunks in passes:
+        draws = [draw for chunk in chunks for draw in chunk]
+        ranks = np.empty((len(draws), rows.num_rows), dtype=np.int64)
+        for position, (block, index) in enumerate(draws):
             ranks[position, plan.permutation(block, index, rows.num_rows)] = np.arange(rows.num_rows)
-        cross = torch.zeros((len(point_rows), len(chunk) * grid), dtype=torch.float64, device=device)
-        mean_sq = torch.zeros(len(chunk) * grid, dtype=torch.float64, device=device)
-        spans = _column_spans(rows.dim)
+        firsts = np.cumsum([0] + [len(chunk) for chunk in chunks])
+        cross = [torch.zeros((len(point_rows), len(chunk) * grid), dtype=torch.float64, device=device)
+                 for chunk in chunks]
+        mean_sq = [torch.zeros(len(chunk) * grid, dtype=torch.float64, device=device) for chunk in chunks]
         group, group_low = [], 0
         segment_sums = rows.sum_blocks(_prefix_masks(ranks, sizes), dtype)
         for number, (block_sums, (low, high)) in enumerate(zip(segment_sums, spans)):
-            prefix_means = block_sums.reshape(len(chunk), grid, -1).cumsum_(dim=1).div_(divisors)
-            centred_means = prefix_means.sub_(mean[low:high]).reshape(len(chunk) * grid, -1)
-            mean_sq += _square_norms(centred_means)
-            group.append(centred_means)
+            prefix_means = block_sums.reshape(len(draws), grid, -1).cumsum_(dim=1).div_(divisors)
+            centred_means = prefix_means.sub_(mean[low:high])
+            parts = [centred_means[first:end].reshape((end - first) * grid, -1)
+                     for first, end in zip(firsts[:-1], firsts[1:])]
+            for total, part in zip(mean_sq, parts):
+                total += _square_norms(part)
+            group.append(parts)
             if len(group) == PRODUCT_BLOCKS or number == len(spans) - 1:
                 centred_points = points.rows[:, group_low:high] - mean[group_low:high]
-                cross.add_(centred_points @ torch.cat(group, dim=1).T)
+                for total, grouped in zip(cross, zip(*group)):
+                    total.add_(centred_points @ torch.cat(grouped, dim=1).T)
                 group, group_low = [], high
-        # In place: at 8,000 points × 10,000 draws every (points, draws) float64 array is 640 MB.
-        squared = cross.mul_(-2.0).add_(point_sq[:, None]).add_(mean_sq[None, :]).clamp_min_(0.0)
-        chunk_values = values[:, start * grid:(start + len(chunk)) * grid]
-        chunk_values[:] = squared.sqrt_().cpu().numpy()
-        chunk_values *= np.tile(1.0 / (sizes + 1), len(chunk))
-        # A training point's draw is rejected when the point is in the prefix: its rank < k.
-        point_ranks = ranks[:, np.where(inside, point_rows, 0)].T
-        rejected = inside[:, None, None] & (point_ranks[:, :, None] < sizes[None, None, :])
-        chunk_values[rejected.reshape(len(point_rows), -1)] = np.nan
+        for chunk, chunk_cross, chunk_mean_sq, first in zip(chunks, cross, mean_sq, firsts):
+            (block, index), count = chunk[0], len(chunk)
+            start = block * plan.permutations + index  # the chunk's first draw, in the order drawn
+            # In place: at 8,000 points × 10,000 draws every (points, draws) float64 array is 640 MB.
+            squared = chunk_cross.mul_(-2.0).add_(point_sq[:, None]).add_(chunk_mean_sq[None, :]).clamp_min_(0.0)
+            chunk_values = values[:, start * grid:(start + count) * grid]
+            chunk_values[:] = squared.sqrt_().cpu().numpy()
+            chunk_values *= np.tile(1.0 / (sizes + 1), count)
+            # A training point's draw is rejected when the point is in the prefix: its rank < k.
+            point_ranks = ranks[first:first + count][:, np.where(inside, point_rows, 0)].T
+            rejected = inside[:, None, None] & (point_ranks[:, :, None] < sizes[None, None, :])
+            chunk_values[rejected.reshape(len(point_rows), -1)] = np.nan
         del cross, squared  # freed before the next pass allocates its own
-        _advance(progress, len(chunk))
+        _advance(progress, len(draws))
     return CouplingSamples(values, plan)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from perinstance import checkpoints, fileio, results, sensitivity, storage, training
+from perinstance import fileio, results, runs, sensitivity, storage, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.options import (
@@ -20,6 +20,7 @@ from perinstance.options import (
     add_alpha_argument,
     add_training_args,
     non_negative_int,
+    positive_float,
     probability,
     training_flag,
 )
@@ -30,7 +31,6 @@ NO_DIRECTION = "none"
 # dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
 # accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
 NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
-COUPLING_QUANTITIES = ("batch_sensitivity", "center_distance", "spread", "max_deviation")
 # Defaults of --num-batches: Δ_B draws per point (coupling), or sets of α batches per target (jensen).
 DEFAULT_NUM_BATCHES = {COUPLING: 10_000, JENSEN: 100}
 # accounting.md §3.2: every size of [k_min, k_hi], or at least 32 grid sizes.
@@ -59,7 +59,9 @@ def add_measurement_args(parser):
     group.add_argument("--stage", nargs="+", default=["final"],
                        help="checkpoints: fractions of training in [0, 1] (nearest saved checkpoint), "
                             "initial, middle, final, or all")
-    group.add_argument("--res-name", required=True, help="rows go to <res-dir>/<res-name>.csv")
+    group.add_argument("--res-name", required=True,
+                       help="rows go to <res-dir>/<res-name>.csv, or .parquet once the file holds more than "
+                            f"{storage.AUTO_PARQUET_ROWS:,} rows; a name ending in .csv or .parquet fixes the format")
     group.add_argument("--res-dir", default="res", help="folder of the result files")
     group.add_argument("--mc-seed", type=non_negative_int, default=None,
                        help="seed of every Monte-Carlo draw (default: the run's seed); another value gives an "
@@ -76,6 +78,10 @@ def add_measurement_args(parser):
     group.add_argument("--max-sizes", type=int, default=MIN_GRID_SIZES,
                        help=f"coupling: most grid sizes in [k_min, k_hi] (>= {MIN_GRID_SIZES}; every size when "
                             "there are fewer)")
+    group.add_argument("--histogram-precision", type=positive_float, default=None, metavar="R",
+                       help="coupling: store the Δ_B samples as histograms, each rounded UP onto the grid Γ·(1+R)^-j "
+                            "(at most a factor 1+R, an upper bound for every accountant; docs/sensitivity.md), one "
+                            "row per value and size with its count; R in (0, 1], e.g. 0.01")
     add_alpha_argument(group, [8.0], "jensen: the Rényi order α it measures, one integer >= 2 (default 8)")
     group.add_argument("--num-iters", type=int, default=20, help="jensen: target batches B_0")
     group.add_argument("--direction", default="both", choices=("remove", "add", "both"),
@@ -125,24 +131,29 @@ class Request:
     max_sizes: int
     res_path: str
     overwrite: bool
+    automatic_format: bool = False  # --res-name without .csv/.parquet: CSV, Parquet when large
+    histogram_precision: float | None = None  # coupling: Δ_B stored as histograms (storage.histogram_rows)
 
     @property
     def family(self):
         """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
         return NORM if self.reduction == "sum" else self.estimator
 
-    def for_run(self, metadata, given):
+    def for_run(self, config, given):
         """The request completed from the run: the rule analysed defaults to the rule trained (with
         --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4)."""
-        reduction = self.reduction or metadata["update_rule"]
+        reduction = self.reduction or config.update_rule
         if reduction == "sum" and "estimator" in given:
             raise UsageError("--estimator", "the sum rule has no estimator: Δ* is measured exactly "
                                             "(use --reduction mean)")
         jensen = reduction == "mean" and self.estimator == JENSEN
+        if self.histogram_precision is not None and (reduction == "sum" or jensen):
+            raise UsageError("--histogram-precision", "only the mean rule's Δ_B samples (--reduction mean, coupling "
+                                                      "estimator) are stored as histograms")
         return replace(
             self, reduction=reduction,
-            mc_seed=None if reduction == "sum" else metadata["seed"] if self.mc_seed is None else self.mc_seed,
-            size_delta=self.size_delta or metadata["delta"] / (10 * metadata["total_steps"]),
+            mc_seed=None if reduction == "sum" else config.seed if self.mc_seed is None else self.mc_seed,
+            size_delta=self.size_delta or config.delta / (10 * config.total_steps),
             num_batches=DEFAULT_NUM_BATCHES[self.estimator] if self.num_batches is None else self.num_batches,
             alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
 
@@ -164,6 +175,9 @@ def parse_request(args, given):
     if args.estimator == JENSEN and not (len(args.alpha) == 1 and args.alpha[0].is_integer() and args.alpha[0] >= 2):
         raise UsageError("--alpha", "the mean-rule Rényi statistic is measured at one integer order >= 2, got "
                                     + " ".join(f"{order:g}" for order in args.alpha))
+    if args.histogram_precision is not None and not args.histogram_precision <= 1:
+        raise UsageError("--histogram-precision", f"must be in (0, 1] (a relative rounding, e.g. 0.01), "
+                                                  f"got {args.histogram_precision:g}")
     if not args.res_name.strip() or args.res_name != os.path.basename(args.res_name):
         raise UsageError("--res-name", f"{args.res_name!r} must be a plain file name "
                                        "(rows go to <res-dir>/<res-name>.csv)")
@@ -174,7 +188,9 @@ def parse_request(args, given):
                    alpha=int(args.alpha[0]) if args.estimator == JENSEN else None, num_batches=args.num_batches,
                    num_iters=args.num_iters, directions=directions, mc_seed=args.mc_seed, mc_blocks=args.mc_blocks,
                    size_delta=args.size_delta, max_sizes=args.max_sizes,
-                   res_path=results.results_path(args.res_name, args.res_dir), overwrite=bool(args.overwrite))
+                   res_path=results.results_path(args.res_name, args.res_dir), overwrite=bool(args.overwrite),
+                   automatic_format=storage.extension(args.res_name) is None,
+                   histogram_precision=args.histogram_precision)
 
 
 def parse_stages(tokens):
@@ -215,40 +231,12 @@ def resolve_stages(stages, saved_steps, total_steps):
 # --- the run --------------------------------------------------------------------------------
 
 @dataclass
-class Run:
-    """The training run the flags name, and the datasets the measurement needs."""
+class Run(runs.OpenRun):
+    """The training run the flags name; its config is planned from the flags until the run is
+    trained, then read from its run.json."""
 
     training_args: argparse.Namespace
-    run_dir: str
-    metadata: dict  # planned from the flags until the run is trained, then its run.json
-    dataset: object  # the full dataset: points index it, including the --less-point point
-    train_x: object  # the run's training set
-    train_y: object
     finished: bool
-
-    @property
-    def less_point(self):
-        return self.metadata["less_point"]
-
-    @property
-    def universe(self):
-        return len(self.dataset.train_y)
-
-    @property
-    def train_columns(self):
-        """Indices (in the full dataset) of the run's training points, in training-row order."""
-        columns = np.arange(self.universe)
-        return columns if self.less_point is None else np.delete(columns, self.less_point)
-
-    def train_rows(self, points):
-        """Each point's row in the run's training set, -1 for the --less-point point."""
-        if self.less_point is None:
-            return np.asarray(points)
-        return np.where(points == self.less_point, -1, points - (points > self.less_point))
-
-    def saved_steps(self):
-        planned = set(self.metadata["checkpoint_steps"])
-        return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
 
 
 def find_run(args, given):
@@ -260,18 +248,18 @@ def find_run(args, given):
         training_args = named_run_args(args.run, training_args, given)
     # --overwrite belongs to the result file here: never retrain a run because of it.
     training_args.overwrite = 0
-    training.resolve_training_args(training_args)
+    runs.resolve_training_args(training_args)
     name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
     dataset = load_dataset(name, root)
     run_data = dataset if less_point is None else load_dataset(name, root, less_point)
-    metadata = training.plan_run(training_args, run_data)
-    run_dir = training.run_dir_for(training_args)
-    run = Run(training_args, run_dir, metadata, dataset, run_data.train_x, run_data.train_y, finished=False)
-    if os.path.exists(checkpoints.metadata_path(run_dir)):
-        existing = checkpoints.load_metadata(run_dir)
-        check_same_run(run_dir, existing, metadata)
-        run.metadata = existing
-        run.finished = existing["total_steps"] in run.saved_steps()
+    planned = runs.plan_run(training_args, run_data)
+    run_dir = runs.run_dir_for(training_args)
+    run = Run(run_dir, planned, dataset, run_data.train_x, run_data.train_y, training_args, finished=False)
+    if os.path.exists(runs.run_file(run_dir)):
+        existing = runs.load_run(run_dir)
+        check_same_run(run_dir, existing, planned)
+        run.config = existing
+        run.finished = existing.total_steps in run.saved_steps()
     return run
 
 
@@ -293,10 +281,10 @@ def named_run_args(run, training_args, given):
         raise UsageError("--save-name", "--run names the run already; leave --save-name out")
     run_dir = run_folder(run, training_args.models_dir)
     training_args.models_dir, training_args.save_name = os.path.split(run_dir)
-    path = checkpoints.metadata_path(run_dir)
+    path = runs.run_file(run_dir)
     if not os.path.exists(path):
         return training_args
-    recorded = checkpoints.load_metadata(run_dir)["args"]
+    recorded = runs.load_run(run_dir).flags
     for dest, value in given.items():
         if dest in recorded and dest != "reduction" and value != recorded[dest]:
             raise UsageError(training_flag(dest), f"given {value!r}, but {path} has {recorded[dest]!r}")
@@ -311,13 +299,13 @@ def require_finished(run):
         return
     steps = run.saved_steps()
     state = f"no checkpoints in {run.run_dir}" if not steps else \
-        f"{run.run_dir} is trained up to step {steps[-1]} of {run.metadata['total_steps']}"
+        f"{run.run_dir} is trained up to step {steps[-1]} of {run.config.total_steps}"
     raise UsageError("--no-train", f"{state}; train first: {training_command(run.training_args, training_defaults())}")
 
 
 def check_same_run(run_dir, existing, planned):
     """The run on disk was trained with these flags on this dataset (fingerprints equal)."""
-    differing = training.run_differences(existing, planned)
+    differing = runs.run_differences(existing, planned)
     if differing:
         raise UsageError("--save-name", f"{run_dir} holds a run that differs in {', '.join(differing)}; "
                                         "give the flags it was trained with, or another --save-name")
@@ -336,11 +324,11 @@ def training_command(args, defaults):
 
 
 def ensure_trained(run):
-    """Train the run if it has no final checkpoint (as the paper repository did); returns its metadata."""
+    """Train the run if it has no final checkpoint (as the paper repository did); returns its config."""
     if not run.finished:
-        run.metadata = training.train(run.training_args)
+        run.config = training.train(run.training_args).run
         run.finished = True
-    return run.metadata
+    return run.config
 
 
 # --- the result file --------------------------------------------------------------------------
@@ -353,17 +341,22 @@ def cell_text(value):
 
 
 class ResultFile:
-    """res/<res-name>.csv: rows already there, and locked, atomic merges of new rows.
+    """res/<res-name>.csv or .parquet: rows already there, and locked, atomic merges of new rows.
 
     Several processes (two measurements, the ranks of one torchrun) may add to one file at once:
-    each `add` takes the file's lock (fileio.locked), reads the file as it is now, merges its rows
-    in and rewrites the file atomically, so that no writer loses another's rows.
+    each `add` takes the file's lock (fileio.locked on <res-dir>/<name without extension>, one
+    lock whatever the format), reads the file as it is now, merges its rows in and rewrites the
+    file atomically, so that no writer loses another's rows.
+
+    `automatic`: named without an extension, the file is CSV while it holds at most
+    storage.AUTO_PARQUET_ROWS rows, and Parquet from then on (the CSV is then removed).
     """
 
-    def __init__(self, path, rows, config=None, replace_file=False):
-        self.path = path
+    def __init__(self, path, rows, config=None, replace_file=False, automatic=False):
+        self.path = path  # where the rows are (a new file: where they will go)
         self.config = config  # run columns the rows must agree with (None: not checked)
         self.replace_file = replace_file  # --overwrite 1: the first add replaces the file's rows
+        self.automatic = automatic
         self._keep(rows)
 
     def _keep(self, rows):
@@ -377,7 +370,7 @@ class ResultFile:
         return np.asarray([cell_text(value) for value in distinct] or [""], dtype=object)[codes]
 
     @classmethod
-    def open(cls, path, overwrite, config):
+    def open(cls, path, overwrite, config, automatic=False):
         """The file's rows (none with --overwrite 1), refusing rows of another run configuration.
 
         Checks first that its folder can take the file, and removes the temps that killed
@@ -388,8 +381,9 @@ class ResultFile:
             raise UsageError("--res-name", f"{path} is a folder, not a result file")
         fileio.remove_stale_temps(folder)
         if overwrite or not os.path.exists(path):
-            return cls(path, pd.DataFrame(columns=results.COLUMNS), config, replace_file=bool(overwrite))
-        return cls(path, cls._read(path, config), config)
+            return cls(path, pd.DataFrame(columns=results.COLUMNS), config, replace_file=bool(overwrite),
+                       automatic=automatic)
+        return cls(path, cls._read(path, config), config, automatic=automatic)
 
     @staticmethod
     def _read(path, config):
@@ -416,7 +410,10 @@ class ResultFile:
     def add(self, rows):
         """Merge `rows` into the file as it is now and rewrite it atomically, in a fixed row order,
         all under the file's lock; a row that another writer added meanwhile is kept once."""
-        with fileio.locked(self.path, "--res-name"):
+        stem = os.path.splitext(self.path)[0]
+        with fileio.locked(stem, "--res-name"):
+            if self.automatic:  # another writer may have turned it Parquet meanwhile
+                self.path = results.results_path(os.path.basename(stem), os.path.dirname(stem))
             if self.replace_file or not os.path.exists(self.path):
                 current = pd.DataFrame(columns=results.COLUMNS)
             else:
@@ -425,9 +422,34 @@ class ResultFile:
             keys = pd.DataFrame({column: self._texts(merged[column]) for column in ROW_ORDER})
             merged = merged[~keys.duplicated(keep="first").to_numpy()]
             merged = merged.sort_values(ROW_ORDER, kind="mergesort", na_position="last", ignore_index=True)
-            storage.write_frame(self.path, merged[results.COLUMNS], "--res-name")
+            target = self._target(len(merged))
+            storage.write_frame(target, merged[results.COLUMNS], "--res-name")
+            if target != self.path and os.path.exists(self.path):
+                try:  # the rows live on in the Parquet file just written
+                    os.remove(self.path)
+                except OSError as error:
+                    raise fileio.write_error(self.path, error, "--res-name") from None
+            self.path = target
             self.replace_file = False
         self._keep(merged)
+
+    def _target(self, rows):
+        """Where `rows` rows go: an automatic name turns Parquet above storage.AUTO_PARQUET_ROWS
+        rows and stays Parquet once it is (unless --overwrite 1 starts it afresh)."""
+        if not self.automatic:
+            return self.path
+        stays = storage.extension(self.path) == storage.PARQUET and os.path.exists(self.path) and not self.replace_file
+        ending = storage.PARQUET if rows > storage.AUTO_PARQUET_ROWS or stays else storage.CSV
+        return os.path.splitext(self.path)[0] + ending
+
+    def describe(self):
+        """The file's path, and why an automatic name is Parquet (for the summary line)."""
+        if not (self.automatic and storage.extension(self.path) == storage.PARQUET):
+            return self.path
+        stem = os.path.basename(os.path.splitext(self.path)[0])
+        why = (f"more than {storage.AUTO_PARQUET_ROWS:,} rows" if len(self.rows) > storage.AUTO_PARQUET_ROWS
+               else "the file was Parquet already")
+        return f"{self.path} (Parquet: {why}; --res-name {stem}.csv keeps CSV)"
 
 
 # --- measuring one checkpoint --------------------------------------------------------------------
@@ -436,12 +458,13 @@ def progress_bar(total, desc):
     return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, disable=None, leave=False)
 
 
-def measure_checkpoint(request, run, step, points, device):
-    """The rows of one checkpoint for `points` (every requested direction)."""
-    metadata = run.metadata
+def measure_checkpoint(request, run, step, points, device, blocks=None):
+    """The rows of one checkpoint for `points` (every requested direction). Coupling under
+    torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
+    config = run.config
     points = np.asarray(points)
-    model, payload = training.load_model(metadata, run.run_dir, step, device)
-    transform = sensitivity.Transform.of_run(metadata)
+    model, payload = training.load_model(config, run.run_dir, step, device)
+    transform = sensitivity.Transform.of_run(config)
     point_x, point_y = run.dataset.train_x[points], run.dataset.train_y[points]
     with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
@@ -451,18 +474,21 @@ def measure_checkpoint(request, run, step, points, device):
         else:
             rows, point_gradients = sensitivity.checkpoint_gradients(
                 model, run.train_x, run.train_y, point_x, point_y, run.train_rows(points), transform, device,
-                progress=bar)
+                progress=bar, point_rows=request.family == JENSEN or request.num_batches > 0)
             predictions = point_gradients.predictions
     if request.family == COUPLING:
-        columns = coupling_columns(request, metadata, rows, point_gradients, step)
+        columns = coupling_columns(request, config, rows, point_gradients, step, blocks)
     elif request.family == JENSEN:
-        pool = sensitivity.Pool(request.mc_seed, step, run.universe, metadata["sample_rate"], run.train_columns)
+        pool = sensitivity.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
         with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
             statistics = sensitivity.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
                                                       request.num_iters, request.num_batches, request.directions, bar)
         columns = jensen_columns(request, statistics)
-    return measurement_rows(request, metadata, step, payload["test_accuracy"], points,
-                            run.dataset.train_y[points].numpy(), predictions, columns)
+    frame = measurement_rows(request, config, step, payload["test_accuracy"], points,
+                             run.dataset.train_y[points].numpy(), predictions, columns)
+    if request.histogram_precision is None:
+        return frame
+    return storage.histogram_rows(frame, request.histogram_precision)
 
 
 def norm_columns(norms):
@@ -471,25 +497,27 @@ def norm_columns(norms):
             "target_batch": 0, "sample": 0}
 
 
-def coupling_columns(request, metadata, rows, point_gradients, step):
+def coupling_columns(request, config, rows, point_gradients, step, blocks=None):
     """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
     max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
     n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
-    larger, so its δ_size stays below --size-delta."""
-    plan = sensitivity.coupling_plan(request.mc_seed, step, metadata["dataset_size"] - 1, metadata["sample_rate"],
+    larger, so its δ_size stays below --size-delta. With `blocks`, only their draws, and the
+    statistics rows only with block 0 (each part of a torchrun measurement holds its own rows)."""
+    plan = sensitivity.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
-    with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}") as bar:
-        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan, bar)
-    count = len(statistics.spread)
+    measured = plan.blocks if blocks is None else len(blocks)
+    with progress_bar(measured * plan.permutations, f"permutations, step {step}") as bar:
+        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan, bar, blocks)
+    count = len(statistics.spread) if blocks is None or 0 in blocks else 0
     position, block, sample, size, value = samples.accepted()
     # Δ_B ≤ ||h*|| ≤ Γ for k = 0 and ≤ 2Γ/(k+1) otherwise; float32 products can round one ulp above.
-    clip_bound = metadata["clip_bound"]
+    clip_bound = config.clip_bound
     value = np.minimum(value, np.where(size > 0, 2 * clip_bound / (size + 1), clip_bound))
-    stats = [statistics.center_distance, statistics.spread, statistics.max_deviation]
+    stats = [statistics.center_distance[:count], statistics.spread[:count], statistics.max_deviation[:count]]
     return {
         "position": np.concatenate([np.tile(np.arange(count), 3), position]),
-        "quantity": np.concatenate([np.repeat(COUPLING_QUANTITIES[1:], count),
-                                    np.full(len(value), COUPLING_QUANTITIES[0])]),
+        "quantity": np.concatenate([np.repeat(results.STATISTICS, count),
+                                    np.full(len(value), "batch_sensitivity")]),
         "value": np.concatenate([*stats, value]),
         "direction": NO_DIRECTION,
         "target_batch": 0,
@@ -513,14 +541,11 @@ def jensen_columns(request, statistics):
     return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
 
 
-def measurement_rows(request, metadata, step, accuracy, points, labels, predictions, columns):
+def measurement_rows(request, config, step, accuracy, points, labels, predictions, columns):
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
-    point's index in `points`): the point's label, loss and correctness, the run's columns, and
-    NaN in every column that does not apply."""
+    point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
     position = columns.pop("position")
-    frame = pd.DataFrame({
-        "step": step,
-        "stage": step / metadata["total_steps"],
+    return results.result_rows(config, request.reduction, step, {
         "point": points[position],
         "label": labels[position],
         "correct": predictions.correct.astype(int)[position],
@@ -530,12 +555,6 @@ def measurement_rows(request, metadata, step, accuracy, points, labels, predicti
         "mc_seed": np.nan if request.mc_seed is None else request.mc_seed,
         **columns,
     })
-    for column, value in results.run_columns(metadata, request.reduction).items():
-        frame[column] = np.nan if value is None else value  # a float column whatever the run
-    for column in results.COLUMNS:
-        if column not in frame:
-            frame[column] = np.nan
-    return frame[results.COLUMNS]
 
 
 def keep_missing(rows, missing):

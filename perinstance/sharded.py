@@ -3,12 +3,14 @@
     torchrun --nproc-per-node K compute_sensitivity.py --points all --stage all --res-name x ...
 
 Rank 0 trains the run if needed, lists the work left (checkpoints × chunks of --part-points
-points whose rows the result file lacks) and sends the list to every rank; rank r measures
+points whose rows the result file lacks, × the --mc-blocks Monte-Carlo blocks of the mean rule's
+coupling draws) and sends the list to every rank; rank r measures
 items r, r+K, r+2K, ... and writes each one's rows to its own part file, atomically. The rank
 that finds every part there merges them into the result file, once, under its lock. A killed
 rank loses only the item it was measuring: rerunning the same command (with any K) measures
 only the items without a part and then merges. The rows are those of the single-process
-command: a point's values do not depend on the points measured with it (sensitivity.py).
+command: a point's values do not depend on the points measured with it, nor a block's draws on
+the blocks measured with it (sensitivity.py).
 """
 
 import json
@@ -37,22 +39,26 @@ def measure(world, args, request, run, points, result_file):
     """This rank's share of the measurement; prints its `rank R/W:` line."""
     started = time.time()
     chunk = part_points(args, request, points)
+    # Coupling draws: one part per Monte-Carlo block (each rank computes the per-sample gradients
+    # of the checkpoint again, and only its blocks' draws); the dataset statistics go with block 0.
+    blocks = request.mc_blocks if request.family == sensitivity_cli.COUPLING and request.num_batches > 0 else 0
 
     def plan():
-        metadata = sensitivity_cli.ensure_trained(run)
-        steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), metadata["total_steps"])
+        config = sensitivity_cli.ensure_trained(run)
+        steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
         items = [item for step in steps
-                 for item in distributed.plan_items(step, result_file.missing(metadata["run"], step, points, request),
-                                                    chunk)]
-        parts = job_parts(request, metadata, items)
-        return metadata, items, [item for item in items if not parts.has(item)]
+                 for item in distributed.plan_items(step, result_file.missing(config.run, step, points, request),
+                                                    chunk, blocks)]
+        parts = job_parts(request, config, items)
+        return config, items, [item for item in items if not parts.has(item)]
 
-    metadata, items, todo = distributed.from_rank0(world, plan)
-    run.metadata, run.finished = metadata, True
-    parts = job_parts(request, metadata, items)
+    config, items, todo = distributed.from_rank0(world, plan)
+    run.config, run.finished = config, True
+    parts = job_parts(request, config, items)
     mine = world.share(todo)
     for item in mine:
-        rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), args.device)
+        rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), args.device,
+                                                  item.blocks or None)
         parts.write(item, sensitivity_cli.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
                     "--res-name")
 
@@ -60,14 +66,16 @@ def measure(world, args, request, run, points, result_file):
                               "--res-name")
     measured_points = len({point for item in mine for point in item.points})
     measured_steps = len({item.step for item in mine})
+    measured_blocks = (f" × {len({block for item in mine for block in item.blocks})} of {blocks} Monte-Carlo blocks"
+                       if blocks else "")
     resumed = f"; {len(items) - len(todo)} of {len(items)} parts were already there" if len(todo) < len(items) else ""
     outcome = (f"merged all {len(items)} parts into {request.res_path}" if merged else
                "nothing left to measure" if not items else "the last rank to finish merges")
-    print(f"{world.label}: {measured_points} points × {measured_steps} checkpoints ({len(mine)} of {len(todo)} parts "
-          f"to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
+    print(f"{world.label}: {measured_points} points × {measured_steps} checkpoints{measured_blocks} ({len(mine)} of "
+          f"{len(todo)} parts to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
 
 
-def job_parts(request, metadata, items):
+def job_parts(request, config, items):
     """The part files of this request's items: the same command finds the same folder again."""
-    description = json.dumps([metadata["run"], repr(request), [item.key for item in items]])
+    description = json.dumps([config.run, repr(request), [item.key for item in items]])
     return distributed.Parts(request.res_path, description)

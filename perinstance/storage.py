@@ -13,11 +13,24 @@ down to the measured values themselves (benchmarks/bench_storage.py measures byt
 
 A Parquet file holds exactly the table that reading its CSV twin gives back (every column
 goes through the CSV text first), so every accountant computes identical numbers from both.
+
+A result named without an extension is CSV while it holds at most AUTO_PARQUET_ROWS rows and
+Parquet from then on (sensitivity_cli.ResultFile); `.csv` or `.parquet` fixes the format.
+
+Δ_B histograms (`compute_sensitivity.py --histogram-precision R`): the mean rule's Δ_B samples
+rounded UP onto the geometric grid Γ·(1+R)^−j, one row per distinct rounded value of a (point,
+checkpoint, block, size k) with its `count`. Every accountant expands a row into `count` samples,
+so it computes exactly what it computes on the rounded-up samples; and every estimator of the
+mean rule is nondecreasing in each Δ_B sample (accounting.md §5), so that is at least what it
+computes on the raw samples: the histogram is an upper bound, coarser by at most a factor 1 + R
+on each Δ_B.
 """
 
 import io
+import math
 import os
 
+import numpy as np
 import pandas as pd
 
 from perinstance import fileio
@@ -30,6 +43,9 @@ DICTIONARY_MAX_DISTINCT = 4096
 # Ten significant digits: what fileio.write_csv writes, hence what a CSV reader gets back.
 CSV_FLOAT_FORMAT = "%.10g"
 PARQUET_INSTALL_HINT = "Parquet result files need pyarrow: pip install pyarrow"
+# A result named without an extension turns Parquet above this many rows: ~22 MB of CSV, which
+# takes seconds to rewrite after every checkpoint (README, storage table: 218-240 bytes per row).
+AUTO_PARQUET_ROWS = 100_000
 
 
 def extension(path):
@@ -99,6 +115,42 @@ def column_encodings(frame):
         else:
             encodings[column] = "BYTE_STREAM_SPLIT" if kind == "f" else "DELTA_BINARY_PACKED"
     return dictionary, encodings
+
+
+# --- Δ_B histograms (accounting.md §5: rounding a sensitivity up keeps every bound valid) --------
+
+def round_up(values, bound, precision):
+    """Each value rounded up onto the grid bound·(1+precision)^−j, j = 0, ±1, ±2, ...: the result
+    is >= the value and < value·(1+precision) (up to one rounding of exp), a value <= bound stays
+    <= bound, 0 stays 0 and NaN stays NaN. Equal grid points come out as equal floats."""
+    values = np.asarray(values, dtype=float)
+    log_step = math.log1p(precision)
+    positive = values > 0
+    safe = np.where(positive, values, bound)
+    steps = np.floor(np.log(bound / safe) / log_step)
+    rounded = bound * np.exp(-steps * log_step)
+    # log/exp may land one ulp below the value: then the grid point above it is the answer.
+    rounded = np.where(rounded < safe, bound * np.exp(-(steps - 1) * log_step), rounded)
+    return np.where(positive, rounded, values)
+
+
+def histogram_rows(rows, precision, quantity="batch_sensitivity"):
+    """`rows` with the `quantity` rows replaced by their histogram: values rounded up onto the grid
+    clip_bound·(1+precision)^−j (round_up), one row per distinct value among rows equal in every
+    other column but `sample`, with its `count`; `sample` then numbers those rows within each
+    (run, step, point, mc_seed, block). Other rows pass unchanged."""
+    chosen = (rows["quantity"] == quantity).to_numpy()
+    samples = rows[chosen]
+    if samples.empty:
+        return rows
+    bound = pd.to_numeric(samples["clip_bound"]).to_numpy(dtype=float)
+    samples = samples.assign(value=round_up(samples["value"].to_numpy(dtype=float), bound, precision))
+    keys = [column for column in rows.columns if column not in ("sample", "value", "count")]
+    ordered = ["run", "step", "point", "mc_seed", "block", "k", "value"]
+    counted = (samples.groupby(keys + ["value"], dropna=False, sort=False).size().rename("count").reset_index()
+               .sort_values(ordered, kind="mergesort", ignore_index=True))
+    counted["sample"] = counted.groupby(["run", "step", "point", "mc_seed", "block"], dropna=False).cumcount()
+    return pd.concat([rows[~chosen], counted[rows.columns]], ignore_index=True)
 
 
 def _parquet():

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, snapshot
 from scipy.stats import beta, binom, binomtest
 
-from perinstance import accounting, attacks, audit, checkpoints, sensitivity, training
+from perinstance import accounting, attacks, audit, runs, sensitivity, training
 from perinstance.data import load_dataset
+from perinstance.mechanism import Mechanism
 
 # psac: every point has its own Δ* (flat clipping gives Γ to most points this early).
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -169,7 +170,8 @@ def test_simulated_releases_have_the_mechanisms_moments(rule):
     projections = rng.normal(0.2, 0.5, (count, 2))
     own_rows = np.array([7, -1])  # a training point and one outside the training set
     own_values = np.array([projections[7, 0], 1.5])
-    mechanism = attacks.Mechanism(rule, rate, 30, std)
+    mechanism = Mechanism(noise_multiplier=std * (30 if rule == "mean" else 1), clip_bound=1.0, sample_rate=rate, batch_size=30, dataset_size=1000,
+                          total_steps=1, rule=rule)
     scores_in, scores_out = attacks.simulate_releases(projections, own_rows, own_values, mechanism, trials, 1, 2,
                                                       [7, 300])
     others = [np.delete(projections[:, 0], 7), projections[:, 1]]
@@ -222,7 +224,7 @@ def audit_run(tmp_path, models):
 def reference_norms(models, points, step):
     """Δ* = ||h(g*)|| by one forward/backward per point (sensitivity.py's reference), and the model."""
     run_dir = models / "tiny"
-    metadata = checkpoints.load_metadata(run_dir)
+    metadata = runs.load_run(run_dir)
     model, _ = training.load_model(metadata, run_dir, step)
     dataset = load_dataset("synthetic")
     singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y,
@@ -238,8 +240,8 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
     assert (rows["eps_lower"] > 0).any()  # the audit has power: it proves something
     metadata, model, dataset, norms = reference_norms(models, rows["point"], 16)
     np.testing.assert_allclose(rows["sensitivity"], norms, rtol=1e-5)
-    noise_std = metadata["noise_multiplier"] * metadata["clip_bound"]
-    expected = accounting.per_step_eps(norms[:, None] / noise_std, DELTA, metadata["sample_rate"])
+    noise_std = metadata.noise_multiplier * metadata.clip_bound
+    expected = accounting.per_step_eps(norms[:, None] / noise_std, DELTA, metadata.sample_rate)
     np.testing.assert_allclose(rows["eps_upper"], expected, rtol=1e-5)
     np.testing.assert_allclose(rows["ratio"], rows["eps_lower"] / rows["eps_upper"])
     points = rows["point"].to_list()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
 
-from perinstance import accounting, results, sensitivity, sensitivity_cli, training
+from perinstance import accounting, results, runs, sensitivity, sensitivity_cli, training
 from perinstance.data import load_dataset
 from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY
 
@@ -49,7 +49,7 @@ def measure(tmp_path, models):
 def checkpoint(models, run, step):
     """The run's metadata, model at `step` and checkpoint payload."""
     run_dir = os.path.join(models, run)
-    metadata = training.checkpoints.load_metadata(run_dir)
+    metadata = runs.load_run(run_dir)
     return metadata, *training.load_model(metadata, run_dir, step)
 
 
@@ -141,7 +141,7 @@ def test_renyi_mean_rows_match_the_reference(measure, models):
     assert (rows["alpha"] == 3).all() and (rows["step"] == 8).all()
     metadata, model, _ = checkpoint(models, rows["run"][0], 8)
     dataset = load_dataset("synthetic")
-    pool = sensitivity.Pool(0, 8, 512, metadata["sample_rate"], np.arange(512))
+    pool = sensitivity.Pool(0, 8, 512, metadata.sample_rate, np.arange(512))
     target = np.flatnonzero(pool.draw(1, RENYI_TARGET_KEY, 1)[0])
     sets = [[np.flatnonzero(mask) for mask in pool.draw(3, RENYI_SET_KEY, 1, key)] for key in range(3)]
     without_point = [[batch[batch != 5] for batch in batches] for batches in sets]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, assert_usage_error, run_in_process
 
-from perinstance import checkpoints, distributed
+from perinstance import checkpoints, distributed, runs
 from perinstance.errors import UsageError
 from perinstance.options import parse_seeds
 
@@ -130,7 +130,7 @@ def test_seeds_and_leave_one_out_runs_resume_and_name_each_run(tmp_path):
     assert first.returncode == 0, first.stderr
     names = sorted(os.listdir(tmp_path / "models"))
     assert len(names) == 2 and all("_seed3_" in name for name in names)
-    assert {checkpoints.load_metadata(tmp_path / "models" / name)["less_point"] for name in names} == {5, 9}
+    assert {runs.load_run(tmp_path / "models" / name).less_point for name in names} == {5, 9}
     assert "rank 0/1: 2 of 2 runs (seed 3 without 5, seed 3 without 9): 2 trained" in first.stdout
     again = run_in_process("train_dpsgd.py", *RUN, "--epochs", "0.25", "--seeds", "3", "--less-points", "5", "9",
                            cwd=tmp_path)
@@ -278,3 +278,43 @@ def test_a_killed_rank_leaves_parts_that_a_rerun_completes(trained, single):
     rows = pd.read_csv(folder / "res" / "killed.csv")
     assert not rows.duplicated(KEY_COLUMNS).any() and len(rows) == 512 * 3
     assert leftover_parts(folder, "killed.csv") == []
+
+
+# --- the mean rule's Monte-Carlo blocks sharded over the ranks --------------------------------------
+
+MEAN = ["--reduction", "mean", "--points", "0-3", "--stage", "final", "--num-batches", "256", "--mc-blocks", "4",
+        "--no-train"]
+
+
+def test_monte_carlo_blocks_are_split_over_the_ranks(trained):
+    """4 points at one checkpoint, 4 Monte-Carlo blocks: each rank measures 2 blocks, and the merged
+    file is the single-process file byte for byte; a rerun finds nothing left to measure."""
+    folder, _ = trained
+    (name, _) = sorted(os.listdir(folder / "models"))  # seed 0's run, analysed under the mean rule
+    alone = run_in_process("compute_sensitivity.py", "--run", name, *MEAN, "--res-name", "mean_single", cwd=folder)
+    assert alone.returncode == 0, alone.stderr
+    # "--": torchrun would take --run as its own --run-path.
+    result = torchrun("compute_sensitivity.py", "--", "--run", name, *MEAN, "--res-name", "mean_two", cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = rank_lines(result.stdout)
+    assert lines[0].startswith("rank 0/2: 4 points × 1 checkpoints × 2 of 4 Monte-Carlo blocks (2 of 4 parts"), lines
+    assert lines[1].startswith("rank 1/2: 4 points × 1 checkpoints × 2 of 4 Monte-Carlo blocks (2 of 4 parts"), lines
+    assert sum("merged all 4 parts" in line for line in lines) == 1
+    single = (folder / "res" / "mean_single.csv").read_bytes()
+    assert (folder / "res" / "mean_two.csv").read_bytes() == single
+    rows = pd.read_csv(folder / "res" / "mean_two.csv")
+    samples = rows[rows["quantity"] == "batch_sensitivity"]
+    assert sorted(samples["block"].unique()) == [0, 1, 2, 3] and len(samples) > 4 * 200
+    assert (rows["quantity"] != "batch_sensitivity").sum() == 3 * 4  # d*, v_X, b_X once per point
+    assert not rows.duplicated(KEY_COLUMNS + ["block"]).any()
+    assert leftover_parts(folder, "mean_two.csv") == []
+    again = torchrun("compute_sensitivity.py", "--", "--run", name, *MEAN, "--res-name", "mean_two", cwd=folder)
+    assert all("nothing left to measure" in line for line in rank_lines(again.stdout)), again.stdout
+
+
+def test_a_block_part_holds_its_blocks_draws_and_block_0_the_statistics():
+    items = distributed.plan_items(8, {"none": [0, 1, 2]}, part_points=2, blocks=3)
+    assert [(item.points, item.blocks) for item in items] == [
+        ((0, 1), (0,)), ((0, 1), (1,)), ((0, 1), (2,)), ((2,), (0,)), ((2,), (1,)), ((2,), (2,))]
+    assert len({item.key for item in items}) == 6 and "_blocks_1-1_" in items[1].key
+    assert distributed.plan_items(8, {"none": [0, 1, 2]}, part_points=2)[0].blocks == ()

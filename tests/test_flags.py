@@ -54,11 +54,13 @@ LIST = ("list",)
 
 MEANINGS = {
     # --- the training run (perinstance/options.py add_training_args) -------------------------
-    "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH "
-                         "(reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
+    "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
+                         "scatternet:DATASET (fixed ScatterNet features of its images) (reproduce.py: replaces the "
+                         "preset's)", "dataset", "imagefolder:PATH",
                          # reproduce.py's None: not given, the preset's dataset is used.
                          defaults=("str", "NoneType")),
-    "--data-root": Meaning("where torchvision datasets live", "data_root", "torchvision datasets"),
+    "--data-root": Meaning("where torchvision datasets live, and cache/ with scatternet: features", "data_root",
+                           "torchvision datasets"),
     "--model": Meaning("the network", "model", "network", closed=True),
     "--norm-type": Meaning("normalisation layers of resnet20", "norm_type", "normalisation", closed=True),
     "--batch-size": Meaning("expected batch size B_exp of training; q = B_exp/N", "batch_size", "B_exp", "int",
@@ -128,7 +130,8 @@ MEANINGS = {
     "--exp": Meaning("the guarantee the rows are for: eps_delta or renyi", "exp", "Rényi guarantee", closed=True),
     "--estimator": Meaning("mean rule: coupling (accounting.md §3.2) or jensen (GLA's statistic S)", "estimator",
                            "jensen: GLA's statistic", closed=True),
-    "--res-name": Meaning("the result file <res-dir>/<res-name>.csv", "res_name", "<res-dir>/<res-name>.csv",
+    "--res-name": Meaning("the result file <res-dir>/<res-name>.csv, or .parquet (compute_sensitivity.py: "
+                          "above 100,000 rows)", "res_name", "<res-dir>/<res-name>.csv",
                           defaults=NONE),
     "--res-dir": Meaning("folder of the result files", "res_dir", "folder of the result files"),
     "--part-points": Meaning("under torchrun: points per unit of work and part file", "part_points",
@@ -143,6 +146,9 @@ MEANINGS = {
                             "size_delta", "δ_size", "probability", defaults=NONE),
     "--max-sizes": Meaning("coupling: most grid sizes in [k_min, k_hi]", "max_sizes", "grid sizes", "int",
                            defaults=INT),
+    "--histogram-precision": Meaning("coupling: Δ_B stored as histograms, each sample rounded up onto the grid "
+                                     "Γ·(1+R)^-j (an upper bound)", "histogram_precision", "rounded UP",
+                                     "positive_float", defaults=NONE),
     "--alpha": Meaning("Rényi orders α, the output column alpha (compute_sensitivity.py: the one integer order GLA's "
                        "statistic is measured at)", "alpha", "Rényi order", "finite_float", nargs="+",
                        defaults=LIST),

@@ -397,8 +397,9 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     add_training_args(parser)
     args = parser.parse_args(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
                               "--epochs", "1", "--models-dir", str(tmp_path)])
-    metadata = training.train(args, quiet=True)
-    model, _ = training.load_model(metadata, training.run_dir_for(args), metadata["total_steps"])
+    outcome = training.train(args, quiet=True)
+    metadata = outcome.run
+    model, _ = training.load_model(metadata, outcome.run_dir, metadata.total_steps)
     dataset = load_dataset("synthetic")
     held = sensitivity.HeldRows.compute(model, dataset.train_x, dataset.train_y,
                                         sensitivity.Transform.of_run(metadata))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, snapshot
 
-from perinstance import attacks, audit, checkpoints, training
+from perinstance import attacks, audit, runs, training
 from perinstance.data import load_dataset
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -114,7 +114,7 @@ def test_per_class_attack_next_to_class_eps_and_accuracy(attack, models, tmp_pat
         mine = rows[rows["model"] == model].set_index("class")
         np.testing.assert_allclose(mine["mean_eps"], expected_eps.loc[mine.index])
         run_dir = models / "models" / name
-        network, _ = training.load_model(checkpoints.load_metadata(run_dir), run_dir, STEPS)
+        network, _ = training.load_model(runs.load_run(run_dir), run_dir, STEPS)
         with torch.no_grad():
             train_losses = F.cross_entropy(network(dataset.train_x), dataset.train_y, reduction="none").numpy()
             test_logits = network(dataset.test_x)

@@ -32,7 +32,7 @@ import pytest
 import torch
 from conftest import ROOT, assert_usage_error, run_in_process, snapshot
 
-from perinstance import checkpoints, fileio, results, training
+from perinstance import checkpoints, fileio, results, runs, training
 
 # --sigma: calibrating σ for a target ε takes Opacus seconds, and every case would pay them.
 RUN_WITHOUT_PRIVACY = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs",
@@ -319,7 +319,7 @@ BAD_INPUTS = [
     (TRAIN, [], "run.json is not run metadata", metadata_text("[1, 2, 3]\n")),
     (TRAIN, [], "lacks the key total_steps", edit_metadata(drop_key("total_steps"))),
     (TRAIN, [], "run.json: checkpoint_steps", edit_metadata(lambda m: {**m, "checkpoint_steps": "all"})),
-    (TRAIN, [], "has format 2, newer", edit_metadata(lambda m: {**m, "format": 2})),
+    (TRAIN, [], "has format 3, newer", edit_metadata(lambda m: {**m, "format": 3})),
     (TRAIN, [], "step_0000008.pt does not fit", foreign_checkpoint(8, drop_later=True)),
     (TRAIN, ["--save-name", "{run}", "--save-freq", "4"], "different flags", None),  # refusing to mix
     (MEASURE, ["--stage", "final"], "step_0000016.pt does not fit", foreign_checkpoint(16)),
@@ -334,7 +334,7 @@ BAD_INPUTS = [
     (MEASURE, [], "--res-name", replace_res_with_file),
     (MEASURE, [], "--res-name", freeze("res")),
     (MEASURE, [], "res/toy.csv line 17 is cut off", cut_in_line),
-    (MEASURE, [], "res/toy.csv line 5 has 35 fields", extra_field),
+    (MEASURE, [], "res/toy.csv line 5 has 36 fields", extra_field),
     (MEASURE, [], "res/toy.csv line 9 (column value): inf", edit_rows(set_cell(7, "value", "inf"))),
     # accountants: float flags
     ("eps_delta.py", ["--delta", "nan"], "--delta", None),
@@ -358,7 +358,7 @@ BAD_INPUTS = [
     ("eps_delta.py", ["--out", "locked/out.csv"], "--out", freeze("locked", make=True)),
     # accountants: damaged result files, named by file, line and column
     ("eps_delta.py", [], "res/toy.csv line 17 is cut off", cut_in_line),
-    ("renyi_per_instance_sum_compo.py", [], "res/toy.csv line 5 has 35 fields", extra_field),
+    ("renyi_per_instance_sum_compo.py", [], "res/toy.csv line 5 has 36 fields", extra_field),
     ("renyi_per_instance_sum.py", [], "res/toy.csv line 4 (column sigma): an empty", edit_rows(set_cell(2, "sigma", ""))),
     ("renyi_per_instance_sum_compo.py", [], "res/toy.csv line 31 (column noise_std)",
      edit_rows(set_cell(29, "noise_std", "nan"))),
@@ -593,7 +593,7 @@ def test_full_disk_while_writing_a_checkpoint(copy):
     run_dir = folder / "models" / run_name
     assert_no_space(result, checkpoints.checkpoint_path(os.path.join("models", run_name), 0))
     assert sorted(os.listdir(run_dir)) == ["run.json"]  # no partial checkpoint, no temp file
-    checkpoints.load_metadata(str(run_dir))
+    runs.load_run(str(run_dir))
     resumed = run(TRAIN, *RUN, "--seed", "3", cwd=folder)  # space again: the run trains
     assert resumed.returncode == 0, resumed.stderr
 

@@ -427,3 +427,79 @@ def test_coupling_plan_draws_at_least_num_batches_per_point():
     assert len(plan.sizes) <= 33 and np.all(np.diff(plan.sizes) > 0)
     assert plan.draws >= 1000 > plan.draws - plan.blocks * len(plan.sizes)
     assert plan.permutations == -(-1000 // (4 * len(plan.sizes)))
+
+
+# --- held or recomputed rows: the same bits whatever the memory budget ------------------------------
+
+def rows_holding(data, held, points):
+    """The engine's rows holding the first `held` training rows (None: all), and the points' gradients."""
+    inputs, labels = data
+    model = tiny_convnet()
+    if held is None:
+        return engine_inputs(data, points)
+    # Held 8: the points beyond the held rows are kept from the first pass; held 0: recomputed for take.
+    rows = sensitivity.RecomputedRows(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], PSAC, held=held,
+                                      keep=points if held else ())
+    return rows, sensitivity.PointGradients(rows.take(points), np.asarray(points), rows.predictions.take(points))
+
+
+def test_rows_give_the_same_bits_whichever_are_held(data, monkeypatch):
+    """Chunks of 4 rows and column blocks of 50: all held, the first 8 held, none held. Every
+    quantity of the engine is equal bit for bit (the budget only trades memory for time)."""
+    monkeypatch.setattr(sensitivity, "ROW_CHUNK", 4)
+    monkeypatch.setattr(sensitivity, "COLUMN_BLOCK", 50)
+    points = [0, 6, 13, 17]
+    mask = np.random.default_rng(5).random((7, TRAIN_SIZE)) < 0.4
+    plan = coupling_plan()
+    pool = Pool(seed=2, step=5, universe=TRAIN_SIZE, sample_rate=0.3, train_columns=np.arange(TRAIN_SIZE))
+    results = []
+    for held in (None, 8, 0):
+        rows, point_gradients = rows_holding(data, held, points)
+        assert rows.dim > 2 * 50
+        mean, centred = rows.moments()
+        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
+        renyi = sensitivity.renyi_statistics(rows, point_gradients, points, pool, 2, 2, 3)
+        results.append([mean, centred, rows.dots(point_gradients.rows), torch.cat(list(rows.sum_blocks(mask)), dim=1),
+                        rows.take([19, 2, 9]), rows.predictions.losses, point_gradients.rows, samples.values,
+                        statistics.spread, statistics.max_deviation, renyi["add"], renyi["remove"]])
+    for recomputed in results[1:]:
+        for held_value, value in zip(results[0], recomputed):
+            held_value, value = np.asarray(held_value), np.asarray(value)
+            assert held_value.tobytes() == value.tobytes()
+    # and they are the right values: rows and batch sums against one forward/backward per example
+    singles = sensitivity.reference_batch_means(tiny_convnet(), *data, PSAC, [[index] for index in range(TRAIN_SIZE)])
+    assert_close(results[2][4], singles[[19, 2, 9]])
+    assert_close(results[2][3], mask.astype(float) @ singles)
+
+
+def test_the_budget_decides_which_rows_are_held(data, monkeypatch):
+    inputs, labels = data
+    model = tiny_convnet()
+    row_bytes = sensitivity.parameter_count(model) * 8
+    monkeypatch.setattr(sensitivity, "ROW_CHUNK", 4)
+    monkeypatch.setattr(sensitivity, "memory_budget", lambda device: 10**12)
+    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == TRAIN_SIZE
+    monkeypatch.setattr(sensitivity, "HELD_BYTES_CPU", 9 * row_bytes)  # 9 rows fit: 2 whole chunks
+    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == 8
+    rows, points = sensitivity.checkpoint_gradients(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], inputs[[3, 20]],
+                                                    labels[[3, 20]], [3, -1], PSAC, point_rows=False)
+    assert isinstance(rows, sensitivity.RecomputedRows) and rows.held == 8
+    assert points.rows is None and points.outside_rows.shape == (1, rows.dim)
+    reference = sensitivity.reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[20]])
+    assert_close(points.outside_rows.numpy(), reference)
+    monkeypatch.setattr(sensitivity, "memory_budget", lambda device: 2 * 3 * row_bytes)  # 3 rows: no whole chunk
+    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == 0
+
+
+def test_a_blocks_draws_do_not_depend_on_the_blocks_measured_with_it(data):
+    """torchrun gives each rank some Monte-Carlo blocks: block 1 alone has the same bits as within
+    all blocks, and the other blocks' draws are left out (NaN, as rejected draws)."""
+    plan = coupling_plan(blocks=3)
+    rows, point_gradients = engine_inputs(data, [2, 11])
+    _, whole = sensitivity.measure_coupling(rows, point_gradients, plan)
+    _, alone = sensitivity.measure_coupling(rows, point_gradients, plan, blocks=[1])
+    of_block = plan.draw_blocks == 1
+    assert whole.values[:, of_block].tobytes() == alone.values[:, of_block].tobytes()
+    assert np.isnan(alone.values[:, ~of_block]).all() and not np.isnan(alone.values[:, of_block]).all()
+    position, block, sample, _, _ = alone.accepted()
+    assert set(block) == {1} and sample.min() == 0

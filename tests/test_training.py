@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants import RDPAccountant
 
-from perinstance import checkpoints, sampling, training
+from perinstance import checkpoints, runs, sampling, training
 from perinstance.data import load_dataset
 from perinstance.options import Parser, add_training_args
 
@@ -50,8 +51,8 @@ def test_empty_batches_happen_and_training_steps_through_them(tmp_path):
     sizes = [len(sampling.poisson_batch(0, step, 512, 1 / 512)) for step in range(1, 200)]
     assert 0 in sizes
     args = parse(*SYNTHETIC, "--batch-size", "1", "--epochs", "0.2", "--sigma", "1", "--models-dir", tmp_path)
-    metadata = training.train(args, quiet=True)
-    payload = checkpoints.load_checkpoint(training.run_dir_for(args), metadata["total_steps"])
+    outcome = training.train(args, quiet=True)
+    payload = checkpoints.load_checkpoint(outcome.run_dir, outcome.run.total_steps)
     assert all(torch.isfinite(value).all() for value in payload["model"].values())
 
 
@@ -87,20 +88,20 @@ def hand_step(model, inputs, labels, weight, noise, batch_size, lr, rule):
 def test_one_step_equals_hand_computation(tmp_path, rule, transform):
     clip_norm, scale_r, scale_s = 0.05, 0.1, 0.6
     scaling = {"flat": [], "psac": ["--scale-r", scale_r], "psasc": ["--scale-r", scale_r, "--scale-s", scale_s]}
-    args = training.resolve_training_args(parse(*SYNTHETIC, "--sigma", "0.7", "--cn", clip_norm, "--reduction", rule,
+    args = runs.resolve_training_args(parse(*SYNTHETIC, "--sigma", "0.7", "--cn", clip_norm, "--reduction", rule,
                                                 "--clipping", transform, *scaling[transform],
                                                 "--models-dir", tmp_path))
     dataset = load_dataset("synthetic")
-    metadata = training.plan_run(args, dataset)
-    trainer = training.Trainer(args, metadata, dataset)
+    metadata = runs.plan_run(args, dataset)
+    trainer = training.Trainer(metadata, dataset)
     reference = training.model_for_run(metadata)
     reference.load_state_dict(trainer.model.state_dict())
 
-    batch = sampling.poisson_batch(args.seed, 1, metadata["dataset_size"], metadata["sample_rate"])
+    batch = sampling.poisson_batch(args.seed, 1, metadata.dataset_size, metadata.sample_rate)
     assert len(batch) > 1
     generator = sampling.torch_generator(args.seed, sampling.NOISE_STREAM, 1)
     bound = clip_norm / scale_s if transform == "psasc" else clip_norm
-    assert metadata["clip_bound"] == pytest.approx(bound)
+    assert metadata.clip_bound == pytest.approx(bound)
     noise = [torch.normal(0.0, 0.7 * bound, p.shape, generator=generator) for p in reference.parameters()]
 
     def weight(norm):
@@ -118,16 +119,16 @@ def test_one_step_equals_hand_computation(tmp_path, rule, transform):
 
 def test_noise_has_the_recorded_std(tmp_path):
     # At σ = 1000 the clipped gradients (norm ≤ 1) are negligible next to the noise.
-    args = training.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",
+    args = runs.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",
                                                 "--models-dir", tmp_path))
     dataset = load_dataset("synthetic")
-    metadata = training.plan_run(args, dataset)
-    trainer = training.Trainer(args, metadata, dataset)
+    metadata = runs.plan_run(args, dataset)
+    trainer = training.Trainer(metadata, dataset)
     before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
     trainer.step(1)
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-    measured = ((before - after) * metadata["batch_size"]).std().item()
-    expected = metadata["noise_multiplier"] * metadata["clip_bound"]
+    measured = ((before - after) * metadata.batch_size).std().item()
+    expected = metadata.noise_multiplier * metadata.clip_bound
     assert abs(measured - expected) / expected < 0.05
 
 
@@ -135,10 +136,10 @@ def test_noise_has_the_recorded_std(tmp_path):
 
 @pytest.mark.parametrize("target_eps", [1.0, 10.0])
 def test_noise_multiplier_matches_opacus_calibration(tmp_path, target_eps):
-    args = training.resolve_training_args(parse(*SYNTHETIC, "--eps", target_eps, "--epochs", "3",
+    args = runs.resolve_training_args(parse(*SYNTHETIC, "--eps", target_eps, "--epochs", "3",
                                                 "--models-dir", tmp_path))
-    metadata = training.plan_run(args, load_dataset("synthetic"))
-    sigma, sample_rate, steps = metadata["noise_multiplier"], metadata["sample_rate"], metadata["total_steps"]
+    metadata = runs.plan_run(args, load_dataset("synthetic"))
+    sigma, sample_rate, steps = metadata.noise_multiplier, metadata.sample_rate, metadata.total_steps
     assert sample_rate == 32 / 512 and steps == 48
 
     def spent(noise_multiplier):
@@ -155,23 +156,23 @@ def test_noise_multiplier_matches_opacus_calibration(tmp_path, target_eps):
 METADATA_FIELDS = ["run", "seed", "dataset", "dataset_fingerprint", "dataset_size", "model", "clipping",
                    "clip_norm", "clip_bound", "noise_multiplier", "target_eps", "delta", "sample_rate",
                    "batch_size", "total_steps", "steps_per_epoch", "update_rule", "checkpoint_steps", "versions",
-                   "args"]
+                   "flags", "lr", "optimizer", "momentum", "gamma", "dec_lr", "format"]
 
 
 def test_checkpoints_load_weights_only_and_metadata_is_complete(tmp_path):
     args = parse(*SYNTHETIC, "--epochs", "1", "--save-freq", "5", "--models-dir", tmp_path)
-    metadata = training.train(args, quiet=True)
-    run_dir = training.run_dir_for(args)
+    outcome = training.train(args, quiet=True)
+    run_dir = outcome.run_dir
     steps = checkpoints.saved_steps(run_dir)
-    assert steps == [0, 5, 10, 15, 16] == metadata["checkpoint_steps"]
+    assert steps == [0, 5, 10, 15, 16] == list(outcome.run.checkpoint_steps)
     for step in steps:
         payload = torch.load(checkpoints.checkpoint_path(run_dir, step), weights_only=True)
         assert payload["step"] == step and 0 <= payload["test_accuracy"] <= 1
-    saved = checkpoints.load_metadata(run_dir)
-    for field in METADATA_FIELDS:
-        assert field in saved, field
+    saved = json.loads(open(runs.run_file(run_dir)).read())
+    assert set(METADATA_FIELDS) <= set(saved) and saved["format"] == runs.RUN_FORMAT
     assert saved["versions"]["torch"] == torch.__version__
-    assert saved["args"]["batch_size"] == 32 and saved["target_eps"] == 10.0
+    assert saved["flags"]["batch_size"] == 32 and saved["target_eps"] == 10.0
+    assert runs.load_run(run_dir) == outcome.run  # what is written is what is read
 
 
 def final_weights(run_dir):
@@ -213,23 +214,24 @@ def test_rerun_of_finished_run_trains_nothing(tmp_path, run):
 
 def test_less_point_trains_on_one_point_fewer(tmp_path):
     args = parse(*SYNTHETIC, "--epochs", "1", "--less-point", "3", "--models-dir", tmp_path)
-    metadata = training.train(args, quiet=True)
-    assert metadata["dataset_size"] == 511 and metadata["less_point"] == 3
-    assert "less3" in metadata["run"]
+    metadata = training.train(args, quiet=True).run
+    assert metadata.dataset_size == 511 and metadata.less_point == 3
+    assert "less3" in metadata.run
 
 
 def test_track_points_records_every_step(tmp_path, run):
     # A clip norm far below the gradient norms: w·||g|| lands on Γ, where float rounding could exceed it.
     args = parse(*SYNTHETIC, "--epochs", "1", "--cn", "1e-6", "--track-points", "0-4", "--models-dir", tmp_path)
-    metadata = training.train(args, quiet=True)
+    outcome = training.train(args, quiet=True)
+    metadata = outcome.run
     import pandas as pd
-    frame = pd.read_csv(os.path.join(training.run_dir_for(args), "tracked_norms.csv"))
-    assert sorted(frame["step"].unique()) == list(range(metadata["total_steps"]))
+    frame = pd.read_csv(os.path.join(outcome.run_dir, "tracked_norms.csv"))
+    assert sorted(frame["step"].unique()) == list(range(metadata.total_steps))
     assert sorted(frame["point"].unique()) == [0, 1, 2, 3, 4]
     # The Γ cap holds exactly (the sensitivity engine's cap, clipping.transformed_norm), no tolerance.
-    assert (frame["value"] <= metadata["clip_bound"]).all() and (frame["value"] > 0).all()
+    assert (frame["value"] <= metadata.clip_bound).all() and (frame["value"] > 0).all()
     # The tracked norms are the Δ* that compute_sensitivity.py measures at the same checkpoints.
-    measured = run("compute_sensitivity.py", "--run", metadata["run"], "--models-dir", tmp_path, "--points", "0-4",
+    measured = run("compute_sensitivity.py", "--run", metadata.run, "--models-dir", tmp_path, "--points", "0-4",
                    "--stage", "all", "--res-name", "tracked")
     assert measured.returncode == 0, measured.stderr
     rows = pd.read_csv(tmp_path / "res" / "tracked.csv").set_index(["step", "point"])["value"]
@@ -291,5 +293,5 @@ def test_corrupt_checkpoint_is_named_when_resuming(tmp_path, run):
 def test_short_real_run_on_embedded_mnist_learns(tmp_path):
     # Measured: 89.0% test accuracy after 2 epochs at ε = 10 (chance is 10%).
     args = parse("--epochs", "2", "--eps", "10", "--save-freq", "1000", "--models-dir", tmp_path)
-    metadata = training.train(args, quiet=True)
-    assert metadata["final_test_accuracy"] > 0.80
+    outcome = training.train(args, quiet=True)
+    assert outcome.final_test_accuracy > 0.80

@@ -1,0 +1,54 @@
+"""The mechanism of a run as the accountants see it (accounting.md §1), and its worst-case baseline.
+
+`Mechanism` is built from a run (runs.RunConfig) or from the rows of a result file, so the
+noise std and the data-independent baseline are computed in one place whichever the source.
+Pure: numbers in, numbers out.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from perinstance import accounting
+
+
+def rule_noise_std(noise_multiplier, clip_bound, batch_size, rule):
+    """accounting.md §1: σΓ in sum units, σΓ/B_exp in mean units (elementwise on arrays)."""
+    return noise_multiplier * clip_bound / np.where(np.asarray(rule) == "mean", batch_size, 1.0)
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """T steps of Poisson sampling at rate q, transform bounded by Γ, noise std σΓ (accounting.md
+    §1), analysed under `rule` (sum or mean; it may differ from the rule the run was trained with:
+    a per-step analysis needs only θ)."""
+
+    noise_multiplier: float  # σ
+    clip_bound: float  # Γ
+    sample_rate: float  # q
+    batch_size: int  # B_exp
+    dataset_size: int  # N
+    total_steps: int  # T
+    rule: str
+
+    @classmethod
+    def of_run(cls, run, rule=None):
+        """The mechanism of a runs.RunConfig, analysed under `rule` (default: the trained rule)."""
+        return cls(noise_multiplier=run.noise_multiplier, clip_bound=run.clip_bound, sample_rate=run.sample_rate,
+                   batch_size=run.batch_size, dataset_size=run.dataset_size, total_steps=run.total_steps,
+                   rule=rule or run.update_rule)
+
+    @property
+    def noise_std(self):
+        """The Gaussian's std in the units of the analysed rule."""
+        return float(rule_noise_std(self.noise_multiplier, self.clip_bound, self.batch_size, self.rule))
+
+    def baseline_rdp(self, orders, steps=None):
+        """The data-independent RDP of `steps` steps (default T) at `orders` (accounting.md §3.1)."""
+        steps = self.total_steps if steps is None else steps
+        return accounting.baseline_rdp(self.noise_multiplier, self.sample_rate, orders, steps)
+
+    def baseline_eps(self, delta, steps=None, orders=accounting.COMPOSITION_ORDERS):
+        """The worst-case ε after `steps` steps (default T) at `delta`, and the order that gives it."""
+        eps, order = accounting.rdp_to_eps(orders, self.baseline_rdp(orders, steps), delta)
+        return float(eps), float(order)

@@ -1,0 +1,497 @@
+"""The description of a training run: its typed configuration, run.json, and the flags that name it.
+
+A run is named once: `RunConfig` holds everything `run.json` records (the flags that determine
+what is trained and every derived quantity of accounting.md §1), is read and written only here,
+and is what the training loop (training.py), the measurement and the accountants take. The
+training flags become a RunConfig by `plan_run`; `prepare_run_dir` checks or creates the folder.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import opacus
+import torch
+from opacus.accountants.utils import get_noise_multiplier
+
+from perinstance import checkpoints, clipping, fileio
+from perinstance.errors import UsageError
+from perinstance.options import parse_points
+
+DEFAULT_EPS = 10.0
+DEFAULT_SCALE_R = 0.1
+DEFAULT_SCALE_S = 0.9
+DEFAULT_CHECKPOINTS = 10
+# Flags that do not change what is trained, so a resumed run may differ in them.
+NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
+# A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
+MAX_TARGET_EPS = 1e6
+# Bounds T = round(epochs·N/B_exp) far below where it overflows.
+MAX_EPOCHS = 1e6
+# σ² underflows (RDP divides by it) below ~1e-154 and overflows above ~1e154; these bounds are
+# far inside, the upper one is Opacus's own for calibration.
+MIN_SIGMA, MAX_SIGMA = 1e-6, 1e6
+# Keep the noise std σC and the step lr·update (float32 tensors) far from overflowing.
+MAX_CLIP_NORM = 1e6
+MAX_LEARNING_RATE = 1e6
+VERSIONS = {"torch": torch.__version__, "opacus": opacus.__version__, "numpy": np.__version__}
+
+RUN_FILE = "run.json"
+# The run.json format this version writes. It reads every earlier one: format 1 kept the
+# optimizer's settings only among the flags ("args"), format 2 holds them as fields and calls
+# the flags "flags".
+RUN_FORMAT = 2
+# Every error about the run folder names the flag that chose it.
+FLAG = "--save-name"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run (accounting.md §1), exactly what its run.json holds."""
+
+    run: str  # the folder's name
+    flags: dict  # the training flags that determine what is trained (identity_args)
+    seed: int
+    dataset: str
+    dataset_fingerprint: str
+    dataset_size: int  # N, the training set's size (without the --less-point point)
+    num_classes: int
+    input_shape: tuple
+    model: str
+    norm_type: str
+    dp: int  # 1: DP-SGD, 0: non-private SGD
+    clipping: str  # the per-sample transform h: flat, psac or psasc
+    clip_norm: float  # C
+    scale_r: float | None
+    scale_s: float | None
+    clip_bound: float  # Γ, the bound on ||h(g)||
+    noise_multiplier: float  # σ
+    target_eps: float | None  # the ε σ was calibrated for, None when σ was given
+    delta: float  # the training δ of that calibration
+    sample_rate: float  # q = B_exp/N
+    batch_size: int  # B_exp
+    total_steps: int  # T
+    steps_per_epoch: float
+    update_rule: str  # sum or mean
+    less_point: int | None  # the point left out of the training set
+    checkpoint_steps: tuple
+    tracked_points: tuple | None  # points whose ||h(g)|| is recorded at every step
+    lr: float
+    optimizer: str
+    momentum: float
+    gamma: float
+    dec_lr: tuple  # epochs at which the learning rate decays by gamma
+    versions: dict
+
+    @property
+    def private(self):
+        return self.dp == 1
+
+    def to_json(self):
+        fields = dataclasses.asdict(self)
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+            fields[name] = None if fields[name] is None else list(fields[name])
+        return {"format": RUN_FORMAT, **fields}
+
+    @classmethod
+    def from_json(cls, data, path):
+        """The run that `data` (run.json of any format up to RUN_FORMAT) describes; a UsageError
+        naming `path` and the problem when it is not one."""
+        if not isinstance(data, dict):
+            raise UsageError(FLAG, f"{path} is not run metadata: it holds a JSON {_json_type(data)}, not an object")
+        version = data.get("format", 1)  # every format-1 file has the key; default to it all the same
+        if not _integer(version) or version < 1:
+            raise UsageError(FLAG, f"{path}: format is {version!r}, expected an integer >= 1")
+        if version > RUN_FORMAT:
+            raise UsageError(FLAG, f"{path} has format {version}, newer than this version reads (up to "
+                                   f"{RUN_FORMAT}); update the code, or use another --save-name or --models-dir")
+        if version == 1:
+            data = _from_format_1(data, path)
+        missing = [key for key in RUN_KEYS if key not in data]
+        if missing:
+            raise UsageError(FLAG, f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                                   "of run metadata; delete the folder to train the run again")
+        for key, (expected, valid) in RUN_KEYS.items():
+            if not valid(data[key]):
+                raise UsageError(FLAG, f"{path}: {key} is {_short(data[key])}, expected {expected}")
+        values = {key: data[key] for key in RUN_KEYS}
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+            values[name] = None if values[name] is None else tuple(values[name])
+        return cls(**values)
+
+
+def run_file(run_dir):
+    return os.path.join(run_dir, RUN_FILE)
+
+
+def load_run(run_dir):
+    """The RunConfig of `run_dir`'s run.json, checked (a one-line error naming the file otherwise)."""
+    path = run_file(run_dir)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise UsageError(FLAG, f"no run metadata at {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(FLAG, f"corrupt run metadata {path}: {error}") from None
+    except OSError as error:
+        raise UsageError(FLAG, f"cannot read {path}: {error.strerror or error}") from None
+    return RunConfig.from_json(data, path)
+
+
+def save_run(run_dir, config):
+    fileio.write_json(run_file(run_dir), config.to_json(), flag="--models-dir")
+
+
+def _from_format_1(data, path):
+    """Format 1 named the flags "args" and kept the optimizer's settings only there."""
+    if not isinstance(data.get("args"), dict):
+        raise UsageError(FLAG, f"{path}: args is {_short(data.get('args'))}, expected an object of flags")
+    flags = data["args"]
+    settings = {name: flags[name] for name in ("lr", "optimizer", "momentum", "gamma", "dec_lr") if name in flags}
+    rest = {key: value for key, value in data.items() if key not in ("args", "format")}
+    return {**rest, "flags": flags, **settings}
+
+
+# --- checking run.json ---------------------------------------------------------------------------
+
+def _integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return (isinstance(value, int | float) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _optional(check):
+    return lambda value: value is None or check(value)
+
+
+# Every field of RunConfig, with what its value in run.json must be.
+RUN_KEYS = {
+    "run": ("a text", lambda value: isinstance(value, str) and value != ""),
+    "flags": ("an object of flags", lambda value: isinstance(value, dict)),
+    "seed": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
+    "dataset": ("a text", lambda value: isinstance(value, str)),
+    "dataset_fingerprint": ("a text", lambda value: isinstance(value, str)),
+    "dataset_size": ("an integer > 0", lambda value: _integer(value) and value > 0),
+    "num_classes": ("an integer > 0", lambda value: _integer(value) and value > 0),
+    "input_shape": ("a list of 3 integers > 0",
+                    lambda value: isinstance(value, list) and len(value) == 3
+                    and all(_integer(size) and size > 0 for size in value)),
+    "model": ("a text", lambda value: isinstance(value, str)),
+    "norm_type": ("a text", lambda value: isinstance(value, str)),
+    "dp": ("0 or 1", lambda value: _integer(value) and value in (0, 1)),
+    "clipping": ("a text", lambda value: isinstance(value, str)),
+    "clip_norm": ("a number > 0", lambda value: _number(value) and value > 0),
+    "scale_r": ("a number or null", _optional(_number)),
+    "scale_s": ("a number or null", _optional(_number)),
+    "clip_bound": ("a number > 0", lambda value: _number(value) and value > 0),
+    "noise_multiplier": ("a number >= 0", lambda value: _number(value) and value >= 0),
+    "target_eps": ("a number or null", _optional(_number)),
+    "delta": ("a number in (0, 1)", lambda value: _number(value) and 0 < value < 1),
+    "sample_rate": ("a number in (0, 1]", lambda value: _number(value) and 0 < value <= 1),
+    "batch_size": ("an integer > 0", lambda value: _integer(value) and value > 0),
+    "total_steps": ("an integer > 0", lambda value: _integer(value) and value > 0),
+    "steps_per_epoch": ("a number > 0", lambda value: _number(value) and value > 0),
+    "update_rule": ("sum or mean", lambda value: value in ("sum", "mean")),
+    "less_point": ("an integer or null", _optional(_integer)),
+    "checkpoint_steps": ("a list of integers >= 0",
+                         lambda value: isinstance(value, list) and all(_integer(step) and step >= 0 for step in value)),
+    "tracked_points": ("a list of integers or null",
+                       _optional(lambda value: isinstance(value, list) and all(map(_integer, value)))),
+    "lr": ("a number > 0", lambda value: _number(value) and value > 0),
+    "optimizer": ("sgd or adam", lambda value: value in ("sgd", "adam")),
+    "momentum": ("a number in [0, 1)", lambda value: _number(value) and 0 <= value < 1),
+    "gamma": ("a number > 0", lambda value: _number(value) and value > 0),
+    "dec_lr": ("a list of numbers >= 0", lambda value: isinstance(value, list)
+               and all(_number(epoch) and epoch >= 0 for epoch in value)),
+    "versions": ("an object", lambda value: isinstance(value, dict)),
+}
+
+
+def _json_type(value):
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _short(value, limit=60):
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+
+
+
+# --- from the training flags to a run -----------------------------------------------------------
+
+def resolve_training_args(args):
+    """Fill derived defaults and reject bad training flags (no dataset needed).
+
+    The parser's types (options.py) refuse NaN, ±inf and out-of-domain numbers already; the
+    checks here repeat them for callers that build `args` themselves, and add those that
+    involve several flags (the learning-rate schedule).
+    """
+    if args.dp == 1:
+        if args.eps is not None and args.sigma is not None:
+            raise UsageError("--eps", "give either --eps (target ε) or --sigma, not both")
+        if args.sigma is None and args.eps is None:
+            args.eps = DEFAULT_EPS
+    for flag, value in (("--eps", args.eps), ("--sigma", args.sigma), ("--epochs", args.epochs), ("--cn", args.cn),
+                        ("--lr", args.lr), ("--gamma", args.gamma)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(flag, f"must be a finite number > 0, got {value:g}")
+    if args.eps is not None and args.eps > MAX_TARGET_EPS:
+        raise UsageError("--eps", f"must be at most {MAX_TARGET_EPS:g}, got {args.eps:g} (such a target promises "
+                                  "no privacy, and calibrating sigma for it does not end; give --sigma instead)")
+    if args.sigma is not None and not MIN_SIGMA <= args.sigma <= MAX_SIGMA:
+        raise UsageError("--sigma", f"must be in [{MIN_SIGMA:g}, {MAX_SIGMA:g}], got {args.sigma:g} (outside it the "
+                                    "accounting's arithmetic under- or overflows; --no-dp trains without noise)")
+    if args.cn > MAX_CLIP_NORM:
+        raise UsageError("--cn", f"must be at most {MAX_CLIP_NORM:g}, got {args.cn:g} (the noise std sigma·C would overflow)")
+    if args.epochs > MAX_EPOCHS:
+        raise UsageError("--epochs", f"must be at most {MAX_EPOCHS:g}, got {args.epochs:g}")
+    if not 0 < args.delta < 1:
+        raise UsageError("--target-delta", f"must be in (0, 1), got {args.delta:g}")
+    if not 0 <= args.momentum < 1:
+        raise UsageError("--momentum", f"must be in [0, 1), got {args.momentum:g}")
+    if args.seed < 0:
+        raise UsageError("--seed", f"must be >= 0, got {args.seed}")
+    _check_schedule(args)
+    if args.save_freq is not None and args.save_freq <= 0:
+        raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
+    if args.eval_freq is not None and args.eval_freq <= 0:
+        raise UsageError("--eval-freq", f"must be > 0, got {args.eval_freq}")
+    _resolve_scaling(args)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device", f"{args.device} requested but no CUDA device is available (allowed: cpu, cuda)")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError("--device", f"unknown device {args.device!r} (allowed: cpu, cuda, cuda:N)")
+    return args
+
+
+def _check_schedule(args):
+    """The learning rate must stay in (0, MAX_LEARNING_RATE] at every point of the schedule:
+    lr·γ^k after the k-th --dec-lr milestone, for every k (a milestone past the end changes nothing)."""
+    if args.lr > MAX_LEARNING_RATE:
+        raise UsageError("--lr", f"must be at most {MAX_LEARNING_RATE:g}, got {args.lr:g}")
+    for milestone in args.dec_lr:
+        if not (math.isfinite(milestone) and milestone >= 0):
+            raise UsageError("--dec-lr", f"milestones are epochs >= 0, got {milestone:g}")
+    for decays in range(1, len(args.dec_lr) + 1):
+        try:
+            rate = args.lr * args.gamma ** decays
+        except OverflowError:
+            rate = math.inf
+        if not 0 < rate <= MAX_LEARNING_RATE:
+            raise UsageError("--gamma", f"the learning rate after {decays} decay(s) by {args.gamma:g} would be "
+                                        f"{rate:g}; it must stay in (0, {MAX_LEARNING_RATE:g}]")
+
+
+def _resolve_scaling(args):
+    if args.clipping == "flat":
+        if args.scale_r is not None:
+            raise UsageError("--scale-r", "only psac and psasc take --scale-r")
+    elif args.scale_r is None:
+        args.scale_r = DEFAULT_SCALE_R
+    if args.clipping != "psasc":
+        if args.scale_s is not None:
+            raise UsageError("--scale-s", "only psasc takes --scale-s")
+    elif args.scale_s is None:
+        args.scale_s = DEFAULT_SCALE_S
+    if args.scale_r is not None and not (math.isfinite(args.scale_r) and 0 < args.scale_r <= MAX_CLIP_NORM):
+        raise UsageError("--scale-r", f"must be in (0, {MAX_CLIP_NORM:g}], got {args.scale_r:g} (a larger r "
+                                      "overflows the float32 gradients' scale)")
+    if args.scale_s is not None and not (math.isfinite(args.scale_s) and args.scale_s > 0):
+        raise UsageError("--scale-s", f"must be a finite number > 0, got {args.scale_s:g}")
+    if args.scale_s is not None and args.cn / args.scale_s > MAX_CLIP_NORM:
+        raise UsageError("--scale-s", f"the bound Γ = C/s = {args.cn / args.scale_s:g} must be at most "
+                                      f"{MAX_CLIP_NORM:g} (the noise std sigma·Γ would overflow)")
+
+
+def identity_args(args):
+    """The flags that determine what is trained (a resumed run must agree on all of them)."""
+    return {key: value for key, value in sorted(vars(args).items()) if key not in NON_IDENTITY_FLAGS}
+
+
+def default_save_name(args):
+    """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
+    privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
+    parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
+    if args.less_point is not None:
+        parts.append(f"less{args.less_point}")
+    if args.id is not None:
+        parts.append(str(args.id))
+    digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(parts)).strip("-") + f"_{digest}"
+
+
+def run_dir_for(args):
+    return os.path.join(args.models_dir, args.save_name or default_save_name(args))
+
+
+def plan_run(args, dataset):
+    """The run the training flags describe on `dataset`: every derived quantity, as run.json records it."""
+    dataset_size = len(dataset.train_y)
+    if not 0 < args.batch_size <= dataset_size:
+        raise UsageError("--batch-size", f"must be in 1..{dataset_size} (the training set size), got {args.batch_size}")
+    sample_rate = args.batch_size / dataset_size
+    total_steps = max(1, round(args.epochs * dataset_size / args.batch_size))
+    save_freq = args.save_freq or max(1, math.ceil(total_steps / DEFAULT_CHECKPOINTS))
+    checkpoint_steps = sorted(set(range(0, total_steps, save_freq)) | {total_steps})
+    if args.dp == 0:
+        noise_multiplier = 0.0
+    elif args.sigma is not None:
+        noise_multiplier = args.sigma
+    else:
+        with warnings.catch_warnings():
+            # Opacus warns when the best order is its largest; the calibration is still valid.
+            warnings.simplefilter("ignore")
+            try:
+                noise_multiplier = get_noise_multiplier(target_epsilon=args.eps, target_delta=args.delta,
+                                                        sample_rate=sample_rate, steps=total_steps, accountant="rdp")
+            except ValueError:  # Opacus: "The privacy budget is too low." (σ would exceed its bound)
+                raise UsageError("--eps", f"{args.eps:g} cannot be reached with δ={args.delta:g}, q={sample_rate:.4g} "
+                                          f"over {total_steps} steps (sigma would exceed Opacus's bound)") from None
+    tracked = None
+    if args.track_points is not None:
+        tracked = tuple(parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist())
+    return RunConfig(
+        run=os.path.basename(os.path.normpath(run_dir_for(args))),
+        flags=identity_args(args),
+        seed=args.seed,
+        dataset=dataset.name,
+        dataset_fingerprint=dataset.fingerprint,
+        dataset_size=dataset_size,
+        num_classes=dataset.num_classes,
+        input_shape=tuple(dataset.train_x.shape[1:]),
+        model=args.model,
+        norm_type=args.norm_type,
+        dp=args.dp,
+        clipping=args.clipping,
+        clip_norm=args.cn,
+        scale_r=args.scale_r,
+        scale_s=args.scale_s,
+        clip_bound=clipping.clip_bound(args.clipping, args.cn, args.scale_s),
+        noise_multiplier=noise_multiplier,
+        target_eps=args.eps if args.dp == 1 and args.sigma is None else None,
+        delta=args.delta,
+        sample_rate=sample_rate,
+        batch_size=args.batch_size,
+        total_steps=total_steps,
+        steps_per_epoch=dataset_size / args.batch_size,
+        update_rule=args.reduction,
+        less_point=args.less_point,
+        checkpoint_steps=tuple(checkpoint_steps),
+        tracked_points=tracked,
+        lr=args.lr,
+        optimizer=args.optimizer,
+        momentum=args.momentum,
+        gamma=args.gamma,
+        dec_lr=tuple(args.dec_lr),
+        versions=VERSIONS,
+    )
+
+
+# --- the run folder ------------------------------------------------------------------------------
+
+def run_differences(existing, planned):
+    """What differs between a run on disk and the run the flags describe (RunConfigs): flag names,
+    and the dataset."""
+    differing = sorted(key for key in set(existing.flags) | set(planned.flags)
+                       if existing.flags.get(key) != planned.flags.get(key))
+    if existing.dataset_fingerprint != planned.dataset_fingerprint:
+        differing.append("dataset contents")
+    return differing
+
+
+def prepare_run_dir(args, run_dir, config):
+    """Create the run folder, or check that an existing one holds this same run.
+
+    Checks first that the folder can be written (unless the run is finished: then nothing is
+    written), and removes the temp files that killed writes left in it. --overwrite deletes
+    an existing run folder, never a folder that holds anything but a run.
+    """
+    if os.path.lexists(run_dir) and not os.path.isdir(run_dir):
+        raise UsageError("--save-name", f"{run_dir} is a file, not a run folder")
+    if os.path.isdir(run_dir) and args.overwrite == 1:
+        if not os.path.exists(run_file(run_dir)) and _foreign_files(run_dir):
+            raise UsageError("--overwrite", f"{run_dir} is not a run folder (no {RUN_FILE}; it holds "
+                                            f"{', '.join(_foreign_files(run_dir)[:3])}); refusing to delete it")
+        fileio.check_folder(args.models_dir, "--models-dir")
+        fileio.check_folder(run_dir, "--save-name")
+        shutil.rmtree(run_dir)
+    finished = config.total_steps in checkpoints.saved_steps(run_dir)
+    if not finished:
+        fileio.writable_folder(args.models_dir, "--models-dir")
+        fileio.writable_folder(run_dir, "--save-name")
+    fileio.remove_stale_temps(run_dir)
+    if os.path.exists(run_file(run_dir)):
+        differing = run_differences(load_run(run_dir), config)
+        if differing:
+            raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
+                             "use another --save-name or --overwrite")
+        return
+    if checkpoints.saved_steps(run_dir):
+        raise UsageError("--save-name", f"{run_dir} holds checkpoints but no {RUN_FILE}, so they "
+                                        "may be another run's; delete them or use --overwrite")
+    save_run(run_dir, config)
+
+
+def _foreign_files(run_dir):
+    """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|\.tmp-.*)$")
+    return sorted(name for name in os.listdir(run_dir) if not own.match(name))
+
+
+
+
+# --- an opened run ---------------------------------------------------------------------------------
+
+@dataclass
+class OpenRun:
+    """A run's folder and config with the datasets a measurement needs: the full dataset (points
+    index it, the --less-point point included) and the run's training set."""
+
+    run_dir: str
+    config: RunConfig
+    dataset: object
+    train_x: object
+    train_y: object
+
+    @property
+    def name(self):
+        return self.config.run
+
+    @property
+    def less_point(self):
+        return self.config.less_point
+
+    @property
+    def universe(self):
+        return len(self.dataset.train_y)
+
+    @property
+    def train_columns(self):
+        """Indices (in the full dataset) of the run's training points, in training-row order."""
+        columns = np.arange(self.universe)
+        return columns if self.less_point is None else np.delete(columns, self.less_point)
+
+    def train_rows(self, points):
+        """Each point's row in the run's training set, -1 for the --less-point point."""
+        points = np.asarray(points)
+        if self.less_point is None:
+            return points
+        return np.where(points == self.less_point, -1, points - (points > self.less_point))
+
+    def saved_steps(self):
+        """The planned checkpoints present in the folder, ascending."""
+        planned = set(self.config.checkpoint_steps)
+        return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]

@@ -1,0 +1,172 @@
+"""Per-sample norms and the clipped gradient sum (gradients.py) against Opacus GradSampleModule's
+materialised per-sample gradients, for every layer type of nets.py and each form of conv2d_squared_norms."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from perinstance import gradients
+from perinstance.nets import build_model
+
+COUNT = 6
+
+
+def materialised(model, inputs, labels):
+    """Opacus's per-sample gradients of the cross-entropy: the independent reference."""
+    module = gradients.wrap_per_sample(model)
+    try:
+        grad_samples, losses, logits = gradients.per_sample_gradients(module, inputs, labels)
+    finally:
+        module._close()
+    return grad_samples, losses, logits
+
+
+def conv_model(conv, image_size, norm=None):
+    """`conv` (float64), optionally a norm layer, then a Linear classifier over 3 classes."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        size = conv(torch.zeros(1, conv.in_channels, image_size, image_size)).numel()
+    layers = [conv, *([norm] if norm is not None else []), nn.Tanh(), nn.Flatten(), nn.Linear(size, 3)]
+    return nn.Sequential(*layers).double()
+
+
+def data(channels, image_size, dtype=torch.float64, count=COUNT):
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(count, channels, image_size, image_size, generator=generator, dtype=dtype)
+    return inputs, torch.randint(0, 3, (count,), generator=generator)
+
+
+def conv_form(conv, image_size):
+    """The form conv2d_squared_norms takes for `conv` on image_size² inputs."""
+    output_size = conv(torch.zeros(1, conv.in_channels, image_size, image_size)).shape[2:]
+    costs = gradients.conv2d_norm_costs(conv.in_channels // conv.groups, conv.out_channels, conv.kernel_size,
+                                        (image_size, image_size), output_size, conv.padding)
+    if conv.groups == 1 and costs["ghost"] < costs["materialised"]:
+        return "ghost"
+    if conv.groups == 1 and conv.in_channels < gradients.VECTOR_CHANNELS:
+        return "patches"
+    return "grouped"
+
+
+# (layer, image size, the form it must take): every branch, with padding, stride, dilation, groups, no bias.
+CONVS = [
+    (lambda: nn.Conv2d(2, 3, 3), 6, "patches"),
+    (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2, bias=False), 9, "patches"),
+    (lambda: nn.Conv2d(16, 4, 2, stride=2, padding=1), 6, "grouped"),
+    (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), 5, "grouped"),
+    (lambda: nn.Conv2d(16, 40, 3, padding=1, stride=2), 4, "ghost"),
+    (lambda: nn.Conv2d(8, 30, (3, 2), padding=(1, 0), stride=(2, 1), dilation=(1, 2), bias=False), 4, "ghost"),
+    (lambda: nn.Conv2d(4, 120, 5), 5, "ghost"),  # LeNet-5's third convolution: one output position
+]
+
+
+@pytest.mark.parametrize("make_conv,image_size,form", CONVS)
+def test_conv2d_norms_and_clipped_sum_match_materialised_gradients(make_conv, image_size, form):
+    conv = make_conv()
+    assert conv_form(conv, image_size) == form
+    model = conv_model(conv, image_size)
+    inputs, labels = data(conv.in_channels, image_size)
+    assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
+def test_group_norm_norms_match_materialised_gradients():
+    model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(4, 8))
+    with torch.no_grad():  # away from γ = 1, β = 0, so a swapped or missing term shows
+        model[1].weight.uniform_(0.5, 2.0)
+        model[1].bias.uniform_(-1.0, 1.0)
+    inputs, labels = data(3, 5)
+    assert_matches_materialised(model, inputs * 3 + 1, labels, rtol=1e-10)
+
+
+def test_frozen_parameters_are_left_out():
+    model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(2, 8))
+    model[0].bias.requires_grad_(False)
+    model[1].weight.requires_grad_(False)
+    inputs, labels = data(3, 5)
+    assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name,shape", [("lenet5", (1, 32, 32)), ("resnet20", (3, 32, 32)), ("mlp", (1, 8, 8))])
+def test_every_model_of_nets_matches_materialised_gradients(name, shape):
+    torch.manual_seed(0)
+    model = build_model(name, shape[0], shape[1], 10)
+    inputs, labels = data(shape[0], shape[1], dtype=torch.float32, count=4)
+    assert_matches_materialised(model, inputs, labels, rtol=2e-4)
+
+
+def assert_matches_materialised(model, inputs, labels, rtol):
+    grad_samples, losses, logits = materialised(model, inputs, labels)
+    expected_norms = gradients.grad_norms(grad_samples)
+    weights = torch.linspace(0.2, 1.5, len(labels), dtype=inputs.dtype)
+    expected_sums = gradients.weighted_sum(grad_samples, weights)
+
+    norms, own_losses, own_logits = gradients.per_sample_norms(model, inputs, labels)
+    torch.testing.assert_close(norms, expected_norms, rtol=rtol, atol=0)
+    torch.testing.assert_close(own_losses, losses, rtol=rtol, atol=0)
+    torch.testing.assert_close(own_logits, logits, rtol=rtol, atol=0)
+
+    seen = []
+
+    def weights_of_norms(given):
+        seen.append(given)
+        return weights
+
+    sums, sum_losses, sum_norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
+    torch.testing.assert_close(seen[0], expected_norms, rtol=rtol, atol=0)
+    torch.testing.assert_close(sum_norms, expected_norms, rtol=rtol, atol=0)
+    torch.testing.assert_close(sum_losses, losses, rtol=rtol, atol=0)
+    assert len(sums) == len(expected_sums)
+    for summed, expected in zip(sums, expected_sums):
+        torch.testing.assert_close(summed, expected, rtol=rtol, atol=rtol * expected.abs().max().item())
+    assert all(param.grad is None for param in model.parameters()), "no side effect on .grad"
+
+
+def test_clipped_sum_is_bitwise_reproducible():
+    torch.manual_seed(0)
+    model = build_model("lenet5", 1, 32, 10)
+    inputs, labels = data(1, 32, dtype=torch.float32)
+
+    def clipped(norms):
+        return 1.0 / torch.clamp(norms, min=1.0)
+
+    first, _, first_norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, clipped)
+    second, _, second_norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, clipped)
+    assert torch.equal(first_norms, second_norms)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_unused_and_unapplied_layers_have_zero_gradient():
+    class WithUnusedBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused, self.unapplied = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x) + 0 * self.unused(x).detach()
+
+    model = WithUnusedBranch().double()
+    inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
+    sums, _, norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, torch.ones_like)
+    expected = F.cross_entropy(model.used(inputs), labels, reduction="none")
+    rows = [torch.autograd.grad(loss, list(model.used.parameters()), retain_graph=True) for loss in expected]
+    by_hand = torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows])
+    torch.testing.assert_close(norms, by_hand, rtol=1e-10, atol=0)
+    assert all(torch.equal(summed, torch.zeros_like(summed)) for summed in sums[2:])
+
+
+@pytest.mark.parametrize("model,message", [
+    (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)), "LayerNorm"),
+    (nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 2, 2, padding=1, padding_mode="reflect"), nn.Flatten(),
+                   nn.Linear(18, 3)), "zero padding"),
+])
+def test_unsupported_layers_are_refused(model, message):
+    with pytest.raises(ValueError, match=message):
+        gradients.per_sample_norms(model, torch.randn(COUNT, 4), torch.arange(COUNT) % 3)
+
+
+def test_a_layer_applied_twice_is_refused():
+    layer = nn.Linear(3, 3)
+    model = nn.Sequential(layer, nn.Tanh(), layer)
+    with pytest.raises(ValueError, match="twice"):
+        gradients.per_sample_norms(model, torch.randn(COUNT, 3), torch.arange(COUNT) % 3)

@@ -1,0 +1,83 @@
+"""The typed run (runs.RunConfig, run.json) and the mechanism the accountants see (mechanism.py)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from opacus.accountants import RDPAccountant
+from opacus.accountants.analysis.rdp import compute_rdp
+
+from perinstance import accounting, runs
+from perinstance.data import load_dataset
+from perinstance.errors import UsageError
+from perinstance.mechanism import Mechanism, rule_noise_std
+from perinstance.options import Parser, add_training_args
+
+SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
+
+
+def planned(*argv):
+    parser = Parser()
+    add_training_args(parser)
+    args = runs.resolve_training_args(parser.parse_args([*SYNTHETIC, *map(str, argv)]))
+    return runs.plan_run(args, load_dataset("synthetic"))
+
+
+def test_run_json_round_trip_and_frozen(tmp_path):
+    run = planned("--sigma", "0.9", "--dec-lr", "2", "--momentum", "0.5", "--track-points", "0-3")
+    runs.save_run(tmp_path, run)
+    assert runs.load_run(tmp_path) == run
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.total_steps = 1
+    assert run.tracked_points == (0, 1, 2, 3) and run.dec_lr == (2.0,) and run.momentum == 0.5
+
+
+def test_format_1_run_json_reads_as_the_same_run(tmp_path):
+    """A run.json written before format 2 (flags under "args", no optimizer fields) is the same run."""
+    run = planned("--eps", "5", "--optimizer", "adam", "--gamma", "0.5", "--dec-lr", "1", "3")
+    old = run.to_json()
+    old["format"] = 1
+    old["args"] = old.pop("flags")
+    for name in ("lr", "optimizer", "momentum", "gamma", "dec_lr"):
+        del old[name]
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    assert runs.load_run(tmp_path) == run
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda data: {**data, "format": 3}, "has format 3, newer"),
+    (lambda data: {**data, "momentum": 1.5}, "momentum is 1.5, expected a number in [0, 1)"),
+    (lambda data: {key: value for key, value in data.items() if key != "lr"}, "lacks the key lr"),
+    (lambda data: [1, 2], "holds a JSON array"),
+])
+def test_a_damaged_run_json_is_one_line_naming_the_file(tmp_path, change, message):
+    (tmp_path / "run.json").write_text(json.dumps(change(planned("--sigma", "1").to_json())))
+    with pytest.raises(UsageError) as error:
+        runs.load_run(tmp_path)
+    assert message in str(error.value) and "run.json" in str(error.value)
+
+
+@pytest.mark.parametrize("rule", ["sum", "mean"])
+def test_mechanism_of_a_run_by_hand(rule):
+    run = planned("--sigma", "1.3", "--cn", "2", "--reduction", rule)
+    mechanism = Mechanism.of_run(run)
+    assert mechanism.rule == rule and mechanism.sample_rate == 32 / len(load_dataset("synthetic").train_y)
+    expected = 1.3 * 2 / (32 if rule == "mean" else 1)  # σΓ, or σΓ/B_exp (accounting.md §1)
+    assert mechanism.noise_std == pytest.approx(expected, rel=1e-15)
+    assert Mechanism.of_run(run, "sum").noise_std == pytest.approx(2.6, rel=1e-15)
+    assert rule_noise_std(np.array([1.3, 1.3]), 2.0, 32, np.array(["sum", "mean"])) == pytest.approx([2.6, 2.6 / 32])
+
+
+def test_baseline_eps_is_opacus_rdp_accountant():
+    """The worst-case baseline is what Opacus's own accountant reports for the same run."""
+    mechanism = Mechanism(noise_multiplier=1.1, clip_bound=1.0, sample_rate=0.01, batch_size=100,
+                          dataset_size=10_000, total_steps=1_000, rule="sum")
+    accountant = RDPAccountant()
+    accountant.history = [(1.1, 0.01, 1_000)]
+    orders = accounting.COMPOSITION_ORDERS
+    eps, order = mechanism.baseline_eps(1e-5)
+    assert eps == pytest.approx(accountant.get_epsilon(1e-5, alphas=orders), rel=1e-12)
+    assert mechanism.baseline_eps(1e-5, steps=10)[0] < eps
+    np.testing.assert_allclose(mechanism.baseline_rdp([2.0, 8.0], steps=3),
+                               compute_rdp(q=0.01, noise_multiplier=1.1, steps=3, orders=[2.0, 8.0]), rtol=1e-12)
