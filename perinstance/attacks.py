@@ -35,6 +35,8 @@ TRIAL_KEY, UPPER_KEY, WHITENING_KEY = 0, 1, 2
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
 # stay in the tens of megabytes.
 CHUNK_TRIALS = 8192
+# Batches of the mean rule's upper bound per pass over the rows (their float32 sums: 63 MB for LeNet-5).
+UPPER_PASS_BATCHES = 256
 # Scores of the points simulated together: (trials × points × 2) float32 at most this many bytes.
 SCORE_BYTES = 1 << 29
 # Whitening: the leading principal directions of the other points' gradients (randomised SVD,
@@ -302,10 +304,11 @@ def mean_rule_sensitivities(rows, audited, members, sizes):
     ||s_D||², ⟨s_D, h*⟩ and the memberships are needed; Δ_B = ||h*|| for an empty B.
     """
     own = audited.gradients
-    # ||s_D||² in passes of batches (recomputed rows hold every batch's sums of a pass at once).
+    # ||s_D||² in passes of at most UPPER_PASS_BATCHES batches: recomputed rows hold every batch's
+    # sums of a pass at once. A batch's sum does not depend on the batches beside it.
     mask = np.zeros((len(sizes), rows.num_rows), dtype=bool)
     mask[np.repeat(np.arange(len(sizes)), sizes), members] = True
-    per_pass = rows.pass_batches(len(audited.points))
+    per_pass = min(UPPER_PASS_BATCHES, rows.pass_batches(len(audited.points)))
     sum_squares = np.concatenate([
         sum((block.double() ** 2).sum(dim=1) for block in rows.sum_blocks(mask[start:start + per_pass], rows.dtype))
         .cpu().numpy() for start in range(0, len(sizes), per_pass)])

@@ -53,10 +53,11 @@ HELD_PASS_BATCHES = 4096
 # Float32 batch sums (batches × d) of one pass, at most: what RecomputedRows holds while it adds
 # the chunks in. Held rows' passes are cut alike, so that results do not depend on what is held.
 PASS_SUM_BYTES = 1 << 30
-# Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take (~0.7 GB)
-# the quick preset stays under 2 GB resident (benchmarks/bench_memory.py). Further rows are
-# recomputed on each pass, at the cost of one more per-sample pass over them per pass.
-HELD_BYTES_CPU = 1 << 29
+# Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take (~0.7 GB),
+# a pass's batch sums and a chunk's per-sample pass, the quick preset stays under 2 GB resident
+# (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
+# per-sample pass over them per pass.
+HELD_BYTES_CPU = 1 << 28
 # Column blocks per product of the coupling engine: each float32 product sums over 8,192 columns
 # before it is added to the float64 total, a quarter of the float64 additions of one per block.
 PRODUCT_BLOCKS = 4
