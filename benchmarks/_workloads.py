@@ -2,6 +2,7 @@
 on CIFAR-10-shaped inputs. ResNet-20's inputs are random: timings do not depend on the data."""
 
 import dataclasses
+import time
 
 import torch
 from _smoke import synthetic_lenet_dataset
@@ -49,3 +50,18 @@ def workloads(smoke, resnet_points):
     random CIFAR-shaped points."""
     lenet_data = synthetic_lenet_dataset() if smoke else load_dataset("mnist-embedded")
     return [Workload("lenet5", lenet_data), Workload("resnet20", random_cifar_dataset(resnet_points))]
+
+
+# How a benchmark times its methods: wall seconds, or this process's CPU seconds (with one thread
+# the same on an idle machine, and far less disturbed by other processes).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def add_timing_arguments(parser):
+    """--threads and --clock, the same in every side-by-side benchmark."""
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads; under load, one thread per process times the methods more fairly, "
+                             "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (with --threads 1: the same on an idle "
+                             "machine, and far less disturbed by other processes)")

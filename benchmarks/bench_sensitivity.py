@@ -30,14 +30,13 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _workloads import workloads  # noqa: E402
+from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 
 from perinstance import gradients, sensitivity  # noqa: E402
 from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY, Pool, Transform  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 CHUNK = sensitivity.ROW_CHUNK
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +197,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--resnet-points", type=int, default=512)
     parser.add_argument("--reference-sets", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads; under load, one thread per process times the methods more fairly, "
-                             "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="for part 1: wall seconds, or this process's CPU seconds (with --threads 1: the same on "
-                             "an idle machine, and far less disturbed by other processes)")
+    add_timing_arguments(parser)
     parser.add_argument("--smoke", action="store_true",
                         help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
     args = parser.parse_args()

@@ -12,7 +12,6 @@ side by side (interleaved repeats) in one process; printed as samples/s and rati
 import argparse
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _workloads import workloads  # noqa: E402
+from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 
 from perinstance import runs, training  # noqa: E402
 from perinstance.options import Parser, add_training_args  # noqa: E402
@@ -34,7 +33,6 @@ SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_si
 RESNET_POINTS = 1024
 SMOKE_RESNET_POINTS = 32
 NOISE_MULTIPLIER, CLIP_NORM, LEARNING_RATE = 1.0, 1.0, 0.5
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def time_this_trainer(workload, steps, batch_size, clock):
@@ -122,12 +120,7 @@ def main():
     parser.add_argument("--resnet-steps", type=int, default=4)
     parser.add_argument("--resnet-batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="torch threads; under load, one thread per process times the methods more fairly, "
-                             "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall seconds, or this process's CPU seconds (with --threads 1: the same on an idle "
-                             "machine, and far less disturbed by other processes)")
+    add_timing_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help=f"tiny data, {SMOKE_SIZES}, for CI")
     args = parser.parse_args()
     if args.smoke:
