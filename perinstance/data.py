@@ -349,32 +349,35 @@ def _load_scatternet(base_name, data_root):
     if not base_name or base_name.lower().startswith(SCATTERNET_PREFIX):
         raise UsageError("--dataset", "scatternet: needs one dataset of images, e.g. scatternet:imagefolder:PATH")
     base = _load_full_dataset(base_name, data_root)
-    key = hashlib.sha256(f"{SCATTERNET_VERSION}:{base.fingerprint}".encode()).hexdigest()[:16]
+    # The features are a fixed function of the images, so the images' fingerprint names them: hashing
+    # the float features instead would tie a run to the last bits of one process's convolutions.
+    fingerprint = hashlib.sha256(f"{SCATTERNET_VERSION}:{base.fingerprint}".encode()).hexdigest()
+    key = fingerprint[:16]
     if key in _scatternet_memo:
         return _scatternet_memo[key]
     name = f"{SCATTERNET_PREFIX}{base.name}"
     size = len(base.train_y) + len(base.test_y)
     cache = os.path.join(data_root, "cache", f"scatternet-{key}.pt")
-    dataset = _read_feature_cache(cache, name, base) if size >= CACHE_MIN_IMAGES else None
+    dataset = _read_feature_cache(cache, name, base, fingerprint) if size >= CACHE_MIN_IMAGES else None
     if dataset is None:
         from tqdm import tqdm
 
         with tqdm(total=size, desc="scatternet features", unit="img", disable=size < PROGRESS_MIN_FILES) as bar:
             train_x, test_x = (scatter_features(images, bar.update) for images in (base.train_x, base.test_x))
-        dataset = _make_dataset(name, train_x, base.train_y, test_x, base.test_y, base.class_names)
+        dataset = Dataset(name=name, train_x=train_x, train_y=base.train_y, test_x=test_x, test_y=base.test_y,
+                          num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint)
         if size >= CACHE_MIN_IMAGES:
             from perinstance import fileio
 
             # Written straight to the temp file: fileio.save_torch would first hold a second copy in memory.
             with fileio.atomic_path(cache, "--data-root") as temp_path:
-                torch.save({"name": name, "train_x": train_x, "test_x": test_x,
-                            "fingerprint": dataset.fingerprint}, temp_path)
+                torch.save({"name": name, "train_x": train_x, "test_x": test_x}, temp_path)
     _scatternet_memo.clear()
     _scatternet_memo[key] = dataset
     return dataset
 
 
-def _read_feature_cache(path, name, base):
+def _read_feature_cache(path, name, base, fingerprint):
     """The cached features of `base` as a Dataset, or None when the cache is missing or unreadable
     (then they are computed again and the cache rewritten)."""
     try:
@@ -385,7 +388,7 @@ def _read_feature_cache(path, name, base):
     except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError):
         return None
     return Dataset(name=name, train_x=train_x, train_y=base.train_y, test_x=test_x, test_y=base.test_y,
-                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=cached["fingerprint"])
+                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint)
 
 
 # --- synthetic --------------------------------------------------------------------------
