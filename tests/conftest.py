@@ -45,11 +45,17 @@ def assert_usage_error(result, flag):
     assert "Traceback" not in result.stderr
 
 
-def run_in_process(script, *args, cwd):
-    """Like run_script, in this process (no interpreter start-up): the script's main() under run_main."""
+def load_script(script):
+    """A top-level script of the project as a module (the scripts are not part of the package)."""
     spec = importlib.util.spec_from_file_location(f"script_{os.path.splitext(script)[0]}", os.path.join(ROOT, script))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def run_in_process(script, *args, cwd):
+    """Like run_script, in this process (no interpreter start-up): the script's main() under run_main."""
+    module = load_script(script)
     stdout, stderr = io.StringIO(), io.StringIO()
     previous = os.getcwd()
     os.chdir(cwd)
@@ -79,3 +85,4 @@ def leave_one_out_statistics(gradients, point):
     deviations = np.linalg.norm(others - center, axis=1)
     return (("center_distance", np.linalg.norm(gradients[point] - center)), ("spread", np.mean(deviations ** 2)),
             ("max_deviation", deviations.max()))
+

@@ -4,16 +4,14 @@ all-point Δ* measurement run through the scripts."""
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, assert_usage_error, run_script
+from conftest import assert_usage_error, load_script, run_script
 from PIL import Image
 
 from perinstance import data
@@ -23,13 +21,6 @@ from perinstance.errors import UsageError
 CLASSES, TRAIN_PER_CLASS, TEST_PER_CLASS, SIDE = 3, 10, 4, 16
 # imagefolder: resizes every image to 32×32 (data.IMAGE_SIZE); the ScatterNet samples every 4 pixels.
 FEATURE_SIDE = data.IMAGE_SIZE // 4
-
-
-def load_reproduce():
-    spec = importlib.util.spec_from_file_location("reproduce_for_cifar", os.path.join(ROOT, "reproduce.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_jpeg_folder(root):
@@ -132,7 +123,7 @@ def test_preset_trains_and_measures_every_point_at_every_checkpoint(folder, tmp_
     """The preset's training flags, shrunk to the tiny folder, through train_dpsgd.py and
     compute_sensitivity.py; Δ* of every point at every checkpoint equals ||∇ loss|| (C is set above
     it) computed here from the saved weights with the closed form of a linear layer's gradient."""
-    reproduce = load_reproduce()
+    reproduce = load_script("reproduce.py")
     config = dataclasses.replace(reproduce.PRESETS["cifar10-cpu"], dataset=f"scatternet:imagefolder:{folder}",
                                  batch_size=10, epochs=2.0, save_freq=3)
     # A clipping norm above every gradient norm, so that Δ* is the norm itself and the check below can fail.

@@ -1,13 +1,11 @@
 import dataclasses
-import importlib.util
-import os
 import re
 import typing
 
 import matplotlib.image
 import numpy as np
 import pytest
-from conftest import ROOT, assert_usage_error, run_in_process, snapshot
+from conftest import assert_usage_error, load_script, run_in_process, snapshot
 from PIL import Image
 
 # The tiny preset on a small image folder instead of its synthetic points (a dataset override),
@@ -16,14 +14,7 @@ IMAGE_OVERRIDES = ["--set", "track_points=random:16", "--set", "mean_batch_sizes
 CHANGED_ACCOUNTANT = ["--set", "per_step_method=holder"]
 
 
-def load_reproduce():
-    spec = importlib.util.spec_from_file_location("reproduce_module", os.path.join(ROOT, "reproduce.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-reproduce = load_reproduce()
+reproduce = load_script("reproduce.py")
 FIGURES = reproduce.FIGURES
 
 
