@@ -13,6 +13,7 @@ figures and report.md to --out-dir (default figures/). report.md lists the confi
 every command that produced its numbers.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, attacks, checkpoints, fileio, plots, runs, training
+from perinstance import accounting, attacks, checkpoints, fileio, plots, results, runs, storage, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
 from perinstance.mechanism import Mechanism
@@ -38,6 +39,7 @@ from perinstance.options import HELP_FORMAT, Parser, add_device_argument
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DATA_ROOT = "./data"
+RES_DIR = "res"
 # Composition along the run uses Hölder b = ∞: plain composition along the one observed trajectory
 # (accounting.md §4), in the accountant and in the curves of figure 4 alike.
 COMPOSITION_HOLDER_B = math.inf
@@ -224,14 +226,24 @@ def is_cached(out, key):
 
 
 class Commands:
-    """Runs the scripts of one reproduction and remembers each command, for the report."""
+    """Runs the scripts of one reproduction and remembers each command, for the report, and what each step of
+    the reproduction cost, for the timing table at its end."""
 
     def __init__(self):
         self.lines = []  # (command line, whether a cached output was reused)
+        self.timings = []  # (step, wall seconds, CPU seconds, peak resident bytes so far)
+
+    @contextlib.contextmanager
+    def timed(self, step):
+        """Time the work inside the block as one row of the timing table."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        self.timings.append((step, time.perf_counter() - wall, time.process_time() - cpu, peak_resident_bytes()))
 
     def run(self, script, argv):
         self.lines.append((f"python {script} {shlex.join(argv)}", False))
-        call_script(script, argv)
+        with self.timed(step_label(script, argv)):
+            call_script(script, argv)
 
     def account(self, script, argv, out, source):
         """Run an accountant on `source` into `out` unless `out` holds this very command's output; its rows."""
@@ -242,9 +254,38 @@ class Commands:
         if cached:
             print(f"\n(skipping {script}: {out} was computed by this command on this input)")
         else:
-            call_script(script, argv)
+            with self.timed(step_label(script, argv)):
+                call_script(script, argv)
             fileio.write_json(key_path(out), key)
         return pd.read_csv(out)
+
+    def timing_lines(self, total_seconds):
+        """The timing table (markdown): every timed step, and the whole reproduction."""
+        lines = ["| step | wall s | CPU s | peak RSS so far |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {step} | {wall:.1f} | {cpu:.1f} | {rss / 1e9:.2f} GB |" for step, wall, cpu, rss in self.timings]
+        timed = sum(wall for _, wall, _, _ in self.timings)
+        lines.append(f"| everything else (imports, reading results, the report) | {total_seconds - timed:.1f} | | |")
+        lines.append(f"| **total** | **{total_seconds:.1f}** | **{time.process_time():.1f}** | "
+                     f"**{peak_resident_bytes() / 1e9:.2f} GB** |")
+        return lines
+
+
+def step_label(script, argv):
+    """A short name of a command for the timing table: the script and its main arguments."""
+    words = [script]
+    for flag in ("--run", "--save-name", "--res-name", "--res-file", "--reduction", "--points", "--stage",
+                 "--num-batches", "--rule", "--kind", "--accountant"):
+        if flag in argv:
+            value = argv[argv.index(flag) + 1]
+            words.append(f"{flag.lstrip('-')}={os.path.basename(value)}")
+    return " ".join(words)
+
+
+def result_file(res_name):
+    """The result file compute_sensitivity.py wrote for --res-name `res_name`: CSV, or Parquet once it holds more
+    than storage.AUTO_PARQUET_ROWS rows. Every result path here comes from this resolver (results.results_path,
+    the one the accountants use), never from a name built by hand."""
+    return results.results_path(res_name, RES_DIR)
 
 
 def check_out_dir(out_dir):
@@ -314,7 +355,7 @@ def main(argv=None):
     # 2. Δ* of every training point at every checkpoint.
     commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
                                             "--stage", "all", "--res-name", main_name, "--no-train"])
-    sensitivities = pd.read_csv(os.path.join("res", f"{main_name}.csv"))
+    sensitivities = storage.read_frame(result_file(main_name))
 
     # 3. Accountants on it: per-step (ε, δ), and composition along the run.
     accounted = account_main_run(commands, config, main_name, run_dir)
@@ -328,10 +369,12 @@ def main(argv=None):
     attacks = attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device)
 
     # 6. Figures and report.
-    findings = draw_figures(out_dir, config, main_run, run_dir, sensitivities, *accounted, mean_results, device)
+    with commands.timed("figures 1-6 and their numbers"):
+        findings = draw_figures(out_dir, config, main_run, run_dir, sensitivities, *accounted, mean_results, device)
     findings.update(attacks)
     findings["headlines"] = finding_lines(config, findings)
     report = write_report(out_dir, preset, config, argv, commands, main_run, findings, time.time() - started)
+    print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
     print(f"\nreproduce.py --preset {preset}: {len(FIGURES)} figures and {report} written in {time.time() - started:.0f}s; "
           f"peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
     for line in findings["headlines"]:
@@ -345,17 +388,17 @@ def peak_resident_bytes():
 
 def account_main_run(commands, config, main_name, run_dir):
     """(per-step (ε, δ), composed ε from checkpoints, composed ε from the tracked points' every-step norms)."""
-    source = os.path.join("res", f"{main_name}.csv")
+    source = result_file(main_name)
     delta = ["--delta", str(config.delta)]
     per_step = commands.account("eps_delta.py", ["--res-name", main_name, *delta, "--method",
                                                  config.per_step_method],
-                                os.path.join("res", f"{main_name}_eps_delta.csv"), source)
+                                os.path.join(RES_DIR, f"{main_name}_eps_delta.csv"), source)
     compose = ["--holder-b", str(COMPOSITION_HOLDER_B), *delta]
     composed = commands.account("renyi_per_instance_sum_compo.py", ["--res-name", main_name, *compose],
-                                os.path.join("res", f"{main_name}_compo.csv"), source)
+                                os.path.join(RES_DIR, f"{main_name}_compo.csv"), source)
     tracked_source = os.path.join(run_dir, "tracked_norms.csv")
     tracked = commands.account("renyi_per_instance_sum_compo.py", ["--res-file", tracked_source, *compose],
-                               os.path.join("res", f"{main_name}-tracked_compo.csv"), tracked_source)
+                               os.path.join(RES_DIR, f"{main_name}-tracked_compo.csv"), tracked_source)
     return guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]), guarantees(tracked, ["point"])
 
 
@@ -403,9 +446,9 @@ def mean_rule_experiment(commands, config, mean_name, device):
 
 
 def account(commands, script, res_name, flags, suffix):
-    """An accountant on res/<res_name>.csv into res/<res_name>_<suffix>.csv (cached by its command)."""
-    return commands.account(script, ["--res-name", res_name, *flags], os.path.join("res", f"{res_name}_{suffix}.csv"),
-                            os.path.join("res", f"{res_name}.csv"))
+    """An accountant on the result file of `res_name` into res/<res_name>_<suffix>.csv (cached by its command)."""
+    return commands.account(script, ["--res-name", res_name, *flags], os.path.join(RES_DIR, f"{res_name}_{suffix}.csv"),
+                            result_file(res_name))
 
 
 def mean_rule_series(run, config, certified, estimate, sum_rule, composed):
@@ -442,7 +485,7 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, out_
     mean_batch = min(config.mean_batch_sizes, key=lambda size: abs(size - config.batch_size))
     for rule, run_name, points in (("sum", main_name, config.audit_points),
                                    ("mean", f"{mean_name}-bs{mean_batch}", max(2, config.audit_points // 2))):
-        out = os.path.join("res", f"{run_name}_audit_{rule}.csv")
+        out = os.path.join(RES_DIR, f"{run_name}_audit_{rule}.csv")
         figure = os.path.join(out_dir, FIGURES[6]) if rule == "sum" else os.path.join(out_dir, f"7_audit_{rule}.png")
         audited = commands.account("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule,
                                                 "--trials", str(config.audit_trials), "--delta", str(config.delta),
@@ -452,11 +495,11 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, out_
     nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
     nodp = dataclasses.replace(config, lr=config.nodp_lr)
     commands.run("train_dpsgd.py", [*training_flags(nodp, device), "--no-dp", "--save-name", nodp_name])
-    eps_csv = os.path.join("res", f"{main_name}_compo.csv")
+    eps_csv = os.path.join(RES_DIR, f"{main_name}_compo.csv")
     membership = commands.account("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name,
                                                               "--eps-csv", eps_csv, "--figure",
                                                               os.path.join(out_dir, FIGURES[7]), "--device", device],
-                                  os.path.join("res", f"{main_name}_membership.csv"), eps_csv)
+                                  os.path.join(RES_DIR, f"{main_name}_membership.csv"), eps_csv)
     return {"audit": audits, "membership": attacks.membership_summary(membership)}
 
 
@@ -662,7 +705,8 @@ def write_report(out_dir, preset, config, argv, commands, main_run, findings, se
     text += ["", "## Commands", "", "Every number above comes from these commands, in this order "
              "(\"cached\": the output of the same command on the same input was reused).", "", "```"]
     text += [f"{line}{'  # cached' if cached else ''}" for line, cached in commands.lines]
-    text += ["```", "", "## Figures", ""] + [f"![{figure}]({figure})" for figure in FIGURES]
+    text += ["```", "", "## Time and memory", "", *commands.timing_lines(seconds)]
+    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in FIGURES]
     path = os.path.join(out_dir, "report.md")
     fileio.write_text(path, "\n".join(text) + "\n")
     return path

@@ -271,3 +271,20 @@ def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
     # A layer the forward never applied has zero gradient.
     return ([summed.get(param, torch.zeros_like(param)) for param in trainable_parameters(model)],
             forward.losses.detach(), norms, forward.logits.detach())
+
+
+def directional_derivatives(model, inputs, labels, direction):
+    """⟨g_i, v⟩ = d/dt ℓ_i(θ + t·v) for the cross-entropy gradient g_i of every example along one direction v
+    in parameter space (one tensor per trainable parameter, in model.parameters() order): a single forward-mode
+    pass (torch.func.jvp) for all examples at once, never forming g_i. Also the per-example losses and logits."""
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    values = tuple(param.detach() for param in trainable_parameters(model))
+
+    def logits_of(*params):
+        return torch.func.functional_call(model, dict(zip(names, params)), (inputs,))
+
+    logits, tangent = torch.func.jvp(logits_of, values, tuple(part.to(values[0].dtype) for part in direction))
+    # d/dt of cross_entropy(logits + t·tangent) is ⟨softmax(logits) − onehot(y), tangent⟩.
+    residual = torch.softmax(logits, dim=1)
+    residual[torch.arange(len(labels)), labels] -= 1
+    return (residual * tangent).sum(dim=1), F.cross_entropy(logits, labels, reduction="none"), logits

@@ -40,6 +40,9 @@ from perinstance import accounting, clipping, gradients, sampling
 DIRECTIONS = ("remove", "add")
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
 ROW_CHUNK = 256
+# Examples per pass of the statistics without rows, which hold no per-sample gradient: as large as training's
+# physical batch.
+STATISTICS_CHUNK = 1024
 # Columns of the held gradient matrix per block: batch sums over narrow blocks measured
 # about 1.5× faster than over whole 62k-float rows (LeNet-5), and the float64 copies a
 # block needs stay small.
@@ -168,9 +171,9 @@ def _advance(progress, count):
         progress.update(count)
 
 
-def _chunks(inputs, labels, device):
-    for start in range(0, len(labels), ROW_CHUNK):
-        yield start, inputs[start:start + ROW_CHUNK].to(device), labels[start:start + ROW_CHUNK].to(device)
+def _chunks(inputs, labels, device, size=ROW_CHUNK):
+    for start in range(0, len(labels), size):
+        yield start, inputs[start:start + size].to(device), labels[start:start + size].to(device)
 
 
 def _predictions(losses, logits, labels):
@@ -529,6 +532,58 @@ def dataset_statistics(row_centred_sq, point_centred_sq, in_training):
     spread = np.where(in_training, (total - point_sq) / n - point_sq / n ** 2, total / count)
     max_deviation = np.sqrt(row_centred_sq.max()) + np.where(in_training, distance / n, 0.0)
     return DatasetStatistics(center_distance, np.maximum(spread, 0.0), max_deviation)
+
+
+def _centred_square_norms_without_rows(model, inputs, labels, transform, mean, grad_norms, device):
+    """||h_i − μ||² = ||h_i||² − 2·w_i·⟨g_i, μ⟩ + ||μ||² of each example (float64), h_i = w_i·g_i, from its
+    gradient norm ||g_i|| and one forward-mode pass along μ (the float64 sum keeps the cancellation small)."""
+    mean_square = sum(float((part ** 2).sum()) for part in mean)
+    dots = []
+    for _, x, y in _chunks(inputs, labels, device, STATISTICS_CHUNK):
+        with torch.no_grad():
+            dots.append(gradients.directional_derivatives(model, x, y, mean)[0].double().cpu())
+    grad_norms = grad_norms.double()
+    squares = transform.norms(grad_norms) ** 2 - 2 * transform.weights(grad_norms) * torch.cat(dots) + mean_square
+    return squares.clamp_min(0.0).numpy()
+
+
+def statistics_without_rows(model, train_x, train_y, point_x, point_y, point_train_rows, transform, device="cpu",
+                            progress=None):
+    """accounting.md §2's dataset statistics of every point, with no per-sample gradient held or recomputed.
+
+    One pass gives ||g_i|| and μ = (1/N) Σ_i h_i (the trainer's clipped sum, gradients.clipped_gradient_sum);
+    a second, forward-mode pass gives ⟨g_i, μ⟩ for every row (gradients.directional_derivatives), hence
+    ||h_i − μ||² = ||h_i||² − 2·w_i·⟨g_i, μ⟩ + ||μ||², and dataset_statistics turns those into d*, v_X, b_X.
+    Two passes over the training set, whatever the number of parameters. Returns (DatasetStatistics of the
+    points, their Predictions).
+    """
+    total, grad_norms, predictions = None, [], []
+    for _, x, y in _chunks(train_x, train_y, device, STATISTICS_CHUNK):
+        summed, losses, norms, logits = gradients.clipped_gradient_sum(model, x, y, transform.weights)
+        summed = [part.detach().double() for part in summed]
+        total = summed if total is None else [left + right for left, right in zip(total, summed)]
+        grad_norms.append(norms.detach().cpu())
+        predictions.append(_predictions(losses, logits, y))
+        _advance(progress, len(y))
+    mean = [part / len(train_y) for part in total]
+    row_centred_sq = _centred_square_norms_without_rows(model, train_x, train_y, transform, mean,
+                                                        torch.cat(grad_norms), device)
+    point_train_rows = np.asarray(point_train_rows)
+    in_training = point_train_rows >= 0
+    point_centred_sq = row_centred_sq[np.maximum(point_train_rows, 0)]
+    predictions = Predictions.concat(predictions).take(np.maximum(point_train_rows, 0))
+    outside = np.flatnonzero(~in_training)
+    if len(outside):
+        outside_norms, outside_predictions = [], []
+        for _, x, y in _chunks(point_x[outside], point_y[outside], device, STATISTICS_CHUNK):
+            norms, losses, logits = gradients.per_sample_norms(model, x, y)
+            outside_norms.append(norms.cpu())
+            outside_predictions.append(_predictions(losses, logits, y))
+        point_centred_sq[outside] = _centred_square_norms_without_rows(
+            model, point_x[outside], point_y[outside], transform, mean, torch.cat(outside_norms), device)
+        outside_predictions = Predictions.concat(outside_predictions)
+        predictions.losses[outside], predictions.correct[outside] = outside_predictions.losses, outside_predictions.correct
+    return dataset_statistics(row_centred_sq, point_centred_sq, in_training), predictions
 
 
 @dataclass(frozen=True)

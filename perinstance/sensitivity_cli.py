@@ -471,12 +471,16 @@ def measure_checkpoint(request, run, step, points, device, blocks=None):
         if request.reduction == "sum":
             norms, predictions = sensitivity.transformed_norms(model, point_x, point_y, transform, device, bar)
             columns = norm_columns(norms)
+        elif request.family == COUPLING and request.num_batches == 0:
+            statistics, predictions = sensitivity.statistics_without_rows(
+                model, run.train_x, run.train_y, point_x, point_y, run.train_rows(points), transform, device, bar)
+            columns = statistics_columns(request, config, step, statistics)
         else:
             rows, point_gradients = sensitivity.checkpoint_gradients(
                 model, run.train_x, run.train_y, point_x, point_y, run.train_rows(points), transform, device,
                 progress=bar, point_rows=request.family == JENSEN or request.num_batches > 0)
             predictions = point_gradients.predictions
-    if request.family == COUPLING:
+    if request.family == COUPLING and request.num_batches > 0:
         columns = coupling_columns(request, config, rows, point_gradients, step, blocks)
     elif request.family == JENSEN:
         pool = sensitivity.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
@@ -526,6 +530,18 @@ def coupling_columns(request, config, rows, point_gradients, step, blocks=None):
         "k": np.concatenate([np.full(3 * count, np.nan), size]),
         "k_min": plan.k_min,
     }
+
+
+def statistics_columns(request, config, step, statistics):
+    """Mean rule, statistics only (--num-batches 0): the center_distance, spread and max_deviation rows, with
+    the k_min of the draws they would have (coupling_plan)."""
+    plan = sensitivity.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
+                                     request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+    count = len(statistics.spread)
+    return {"position": np.tile(np.arange(count), 3), "quantity": np.repeat(results.STATISTICS, count),
+            "value": np.concatenate([statistics.center_distance, statistics.spread, statistics.max_deviation]),
+            "direction": NO_DIRECTION, "target_batch": 0, "sample": 0, "block": np.nan, "k": np.nan,
+            "k_min": plan.k_min}
 
 
 def jensen_columns(request, statistics):

@@ -8,10 +8,14 @@ import pytest
 from conftest import assert_usage_error, load_script, run_in_process, snapshot
 from PIL import Image
 
+from perinstance import storage
+
 # The tiny preset on a small image folder instead of its synthetic points (a dataset override),
 # with the sizes that need more points than the folder has overridden too.
 IMAGE_OVERRIDES = ["--set", "track_points=random:16", "--set", "mean_batch_sizes=8,16"]
 CHANGED_ACCOUNTANT = ["--set", "per_step_method=holder"]
+# Rows above which a result named without an extension turns Parquet, lowered so that the tiny preset crosses it.
+PARQUET_THRESHOLD = 200
 
 
 reproduce = load_script("reproduce.py")
@@ -39,12 +43,26 @@ def image_runs(tmp_path_factory):
     dataset = f"imagefolder:{workdir / 'images'}"
     base = ["--preset", "tiny", "--dataset", dataset, *IMAGE_OVERRIDES, "--out-dir", "out"]
     runs = {}
-    for label, extra in (("first", []), ("again", []), ("changed", CHANGED_ACCOUNTANT)):
-        result = run_in_process("reproduce.py", *base, *extra, cwd=workdir)
-        assert result.returncode == 0, result.stderr[-3000:]
-        per_step = sorted((workdir / "res").glob("*-sum_eps_delta.csv"))
-        runs[label] = (result, (workdir / "out" / "report.md").read_text(), [path.read_bytes() for path in per_step])
+    with pytest.MonkeyPatch.context() as patch:
+        # The main run's Δ* file and the mean-rule statistics cross the automatic Parquet threshold, as the quick
+        # preset's do at real size: every result path must go through the one resolver.
+        patch.setattr(storage, "AUTO_PARQUET_ROWS", PARQUET_THRESHOLD)
+        for label, extra in (("first", []), ("again", []), ("changed", CHANGED_ACCOUNTANT)):
+            result = run_in_process("reproduce.py", *base, *extra, cwd=workdir)
+            assert result.returncode == 0, result.stderr[-3000:]
+            per_step = sorted((workdir / "res").glob("*-sum_eps_delta.csv"))
+            runs[label] = (result, (workdir / "out" / "report.md").read_text(), [path.read_bytes() for path in per_step])
     return workdir, dataset, runs
+
+
+def test_result_files_past_the_parquet_threshold_are_read(image_runs):
+    workdir, _, runs = image_runs
+    parquet = sorted(path.name for path in (workdir / "res").glob("*.parquet"))
+    assert any(name.endswith("-sum.parquet") for name in parquet), parquet
+    assert not (workdir / "res" / parquet[0].replace(".parquet", ".csv")).exists()
+    # The timing table closes the run and the report.
+    for result, report, _ in runs.values():
+        assert "| **total** |" in result.stdout and "## Time and memory" in report
 
 
 def test_tiny_preset_writes_every_figure(image_runs):

@@ -503,3 +503,20 @@ def test_a_blocks_draws_do_not_depend_on_the_blocks_measured_with_it(data):
     assert np.isnan(alone.values[:, ~of_block]).all() and not np.isnan(alone.values[:, of_block]).all()
     position, block, sample, _, _ = alone.accepted()
     assert set(block) == {1} and sample.min() == 0
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda transform: transform.clipping)
+def test_statistics_without_rows_equal_the_materialised_ones(data, transform):
+    """The rowless statistics (norms, clipped sum, one Jacobian-vector product along μ) against those from the
+    materialised per-sample gradients, for training points and the --less-point point."""
+    inputs, labels = data
+    points = [0, 9, TRAIN_SIZE - 1, TRAIN_SIZE]
+    point_rows = [point if point < TRAIN_SIZE else -1 for point in points]
+    rows, point_gradients = engine_inputs(data, points, universe=TRAIN_SIZE + 1, transform=transform)
+    materialised, _ = sensitivity.measure_coupling(rows, point_gradients, coupling_plan())
+    rowless, predictions = sensitivity.statistics_without_rows(
+        tiny_convnet(), inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], inputs[points], labels[points], point_rows, transform)
+    for name in ("center_distance", "spread", "max_deviation"):
+        assert_close(getattr(rowless, name), getattr(materialised, name))
+    np.testing.assert_array_equal(predictions.correct, point_gradients.predictions.correct)
+    assert_close(predictions.losses, point_gradients.predictions.losses)
