@@ -242,7 +242,11 @@ def add_training_args(parser):
                        help="seed of the run: initialisation, batches and noise")
     group.add_argument("--less-point", type=int, default=None, help="train without this training point")
     group.add_argument("--save-freq", type=int, default=None,
-                       help="checkpoint every this many steps (default: about 10 checkpoints); step 0 and T always")
+                       help="checkpoint every this many steps (default: about 10 checkpoints, unless --save-steps); "
+                            "step 0 and T always")
+    group.add_argument("--save-steps", nargs="+", default=None, metavar="STEP",
+                       help="checkpoint at these steps (as --points: 1 2 4, ranges 1-8), besides every --save-freq "
+                            "steps when that is given; step 0 and T always")
     group.add_argument("--save-name", default=None, help="checkpoints go to <models-dir>/<save-name>/ (default: from the flags)")
     group.add_argument("--id", default=None, help="tag appended to the default save name, for repeated runs")
     group.add_argument("--models-dir", default="models", help="folder that holds the run folders")

@@ -31,6 +31,9 @@ DEFAULT_SCALE_S = 0.9
 DEFAULT_CHECKPOINTS = 10
 # Flags that do not change what is trained, so a resumed run may differ in them.
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
+# Flags added after runs were first named: left out of a run's identity while not given, so that the default
+# names of runs trained before them stay the same.
+LATER_FLAGS = {"save_steps"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -318,7 +321,8 @@ def _resolve_scaling(args):
 
 def identity_args(args):
     """The flags that determine what is trained (a resumed run must agree on all of them)."""
-    return {key: value for key, value in sorted(vars(args).items()) if key not in NON_IDENTITY_FLAGS}
+    return {key: value for key, value in sorted(vars(args).items())
+            if key not in NON_IDENTITY_FLAGS and not (key in LATER_FLAGS and value is None)}
 
 
 def default_save_name(args):
@@ -344,8 +348,7 @@ def plan_run(args, dataset):
         raise UsageError("--batch-size", f"must be in 1..{dataset_size} (the training set size), got {args.batch_size}")
     sample_rate = args.batch_size / dataset_size
     total_steps = max(1, round(args.epochs * dataset_size / args.batch_size))
-    save_freq = args.save_freq or max(1, math.ceil(total_steps / DEFAULT_CHECKPOINTS))
-    checkpoint_steps = sorted(set(range(0, total_steps, save_freq)) | {total_steps})
+    checkpoint_steps = checkpoint_schedule(args.save_freq, args.save_steps, total_steps)
     if args.dp == 0:
         noise_multiplier = 0.0
     elif args.sigma is not None:
@@ -398,6 +401,19 @@ def plan_run(args, dataset):
         dec_lr=tuple(args.dec_lr),
         versions=VERSIONS,
     )
+
+
+def checkpoint_schedule(save_freq, save_steps, total_steps):
+    """The steps a run saves: 0 and T always; every `save_freq` steps; the steps of --save-steps. Without
+    either flag, every ceil(T / DEFAULT_CHECKPOINTS) steps."""
+    steps = {0, total_steps}
+    if save_freq is None and save_steps is None:
+        save_freq = max(1, math.ceil(total_steps / DEFAULT_CHECKPOINTS))
+    if save_freq is not None:
+        steps.update(range(0, total_steps, save_freq))
+    if save_steps is not None:
+        steps.update(int(step) for step in parse_points(save_steps, total_steps + 1, flag="--save-steps"))
+    return sorted(steps)
 
 
 # --- the run folder ------------------------------------------------------------------------------

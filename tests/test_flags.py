@@ -98,6 +98,8 @@ MEANINGS = {
                             "int", defaults=NONE),
     "--save-freq": Meaning("checkpoint every this many steps", "save_freq", "checkpoint every", "int",
                            defaults=NONE),
+    "--save-steps": Meaning("checkpoint at these steps too", "save_steps", "checkpoint at these steps", nargs="+",
+                            defaults=NONE),
     "--save-name": Meaning("run folder name under --models-dir", "save_name", "<models-dir>/<save-name>",
                            defaults=NONE),
     "--id": Meaning("tag appended to the default run name", "id", "tag", defaults=NONE),

@@ -175,6 +175,21 @@ def test_checkpoints_load_weights_only_and_metadata_is_complete(tmp_path):
     assert runs.load_run(run_dir) == outcome.run  # what is written is what is read
 
 
+def test_save_steps_add_checkpoints_and_leave_old_run_names_alone(tmp_path):
+    """--save-steps: the listed steps (ranges allowed), with --save-freq's multiples when that is given, 0 and T."""
+    assert runs.checkpoint_schedule(None, ["1-3", "7"], 16) == [0, 1, 2, 3, 7, 16]
+    assert runs.checkpoint_schedule(5, ["1", "2"], 16) == [0, 1, 2, 5, 10, 15, 16]
+    assert runs.checkpoint_schedule(None, None, 16) == runs.checkpoint_schedule(2, None, 16)  # ~10 checkpoints
+    outcome = training.train(parse(*SYNTHETIC, "--epochs", "1", "--save-steps", "1", "2", "4", "8",
+                                   "--models-dir", tmp_path), quiet=True)
+    assert checkpoints.saved_steps(outcome.run_dir) == [0, 1, 2, 4, 8, 16]
+    # A run named before the flag existed keeps its default name (save_steps is no part of it while not given).
+    assert "save_steps" not in runs.identity_args(parse(*SYNTHETIC))
+    named = [runs.default_save_name(runs.resolve_training_args(parse(*SYNTHETIC, *extra)))
+             for extra in ([], ["--save-steps", "1"])]
+    assert named[0] != named[1]
+
+
 def final_weights(run_dir):
     steps = checkpoints.saved_steps(run_dir)
     return checkpoints.load_checkpoint(run_dir, steps[-1])["model"]
@@ -253,6 +268,8 @@ BAD_INPUTS = [
     (["--eps", "1", "--sigma", "1"], "--eps"),
     (["--cn", "0"], "--cn"),
     (["--save-freq", "0"], "--save-freq"),
+    (["--save-steps", "17"], "--save-steps"),  # T = 16
+    (["--save-steps", "two"], "--save-steps"),
     (["--less-point", "512"], "--less-point"),
     (["--less-point", "-1"], "--less-point"),
     (["--model", "resnet20", "--dataset", "synthetic", "--norm-type", "batch"], "--norm-type"),
