@@ -555,8 +555,9 @@ def draw_figures(out_dir, config, main_run, run_dir, sensitivities, per_step, co
     # Figure 4: composed ε over training for an easy, a hard and a misclassified point.
     composed = composed.set_index("point")
     chosen = pick_points(composed["eps"], at_end.loc[composed.index, "correct"].astype(bool))
-    curves, baseline_curve = composition_curves(main_run, sensitivities, chosen, config.delta)
-    findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path(FIGURES[3]), config.delta)
+    curves, baseline_curve, checkpoint_steps = composition_curves(main_run, sensitivities, chosen, config.delta)
+    findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path(FIGURES[3]), config.delta,
+                                                           checkpoint_steps)
 
     # Figure 5: individual accounting of every point vs its final loss; classes.
     model, payload = training.load_model(main_run, run_dir, final_step, device)
@@ -615,16 +616,18 @@ def composition_curves(run, sensitivities, chosen, delta):
     ratio = (table_of[list(chosen.values())].to_numpy() / run.clip_bound)[None]
     table = accounting.RdpTable(run.sample_rate, run.noise_multiplier, orders,
                                 accounting.sensitivity_levels(0.0, ratio))
-    horizon = [int(step) for step in steps if step > 0]
-    curves = {label: (np.asarray(horizon), np.empty(len(horizon))) for label in chosen}
-    baseline = np.empty(len(horizon))
-    for column, end in enumerate(horizon):
+    # Every horizon from step 0 (no privacy spent) to T: the early steps, where every point is often still
+    # clipped at Γ, are where the curves rise fastest.
+    horizon = np.arange(run.total_steps + 1)
+    curves = {label: (horizon, np.zeros(len(horizon))) for label in chosen}
+    baseline = np.zeros(len(horizon))
+    for end in horizon[1:]:
         rdp = accounting.compose_rdp(table, ratio, steps, end, orders, COMPOSITION_HOLDER_B)
         eps, _ = accounting.rdp_to_eps(orders, rdp, delta)
         for index, label in enumerate(chosen):
-            curves[label][1][column] = eps[index]
-        baseline[column] = Mechanism.of_run(run, "sum").baseline_eps(delta, end, orders)[0]
-    return curves, (np.asarray(horizon), baseline)
+            curves[label][1][end] = eps[index]
+        baseline[end] = Mechanism.of_run(run, "sum").baseline_eps(delta, end, orders)[0]
+    return curves, (horizon, baseline), steps
 
 
 # --- report --------------------------------------------------------------------------------------

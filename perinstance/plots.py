@@ -228,8 +228,9 @@ def plot_mean_rule_rates(per_step, composed, alpha, delta, path):
     return {"per_step": step_medians, "composed": composed_medians}
 
 
-def plot_composed_over_training(curves, baseline_curve, path, delta):
-    """Yu et al.: composed per-instance ε of a few points as training proceeds."""
+def plot_composed_over_training(curves, baseline_curve, path, delta, checkpoint_steps=()):
+    """Yu et al.: composed per-instance ε of a few points as training proceeds, from step 0, with the
+    checkpoints whose Δ* charge the steps after them marked on the step axis."""
     baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
                                     for index, array in enumerate(baseline_curve))
     _same_length(baseline_steps=baseline_steps, baseline_eps=baseline_eps)
@@ -244,9 +245,17 @@ def plot_composed_over_training(curves, baseline_curve, path, delta):
     baseline_final = float(baseline_eps[-1]) if len(baseline_eps) else float("nan")
     style = {**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: final ε = {_fmt(baseline_final)}"}
     ax.plot(baseline_steps, baseline_eps, **style)
+    checkpoint_steps = _as_1d("checkpoint_steps", checkpoint_steps)
+    if len(checkpoint_steps):
+        ax.plot(checkpoint_steps, np.zeros(len(checkpoint_steps)), "|", color="0.3", markersize=10,
+                clip_on=False, label="checkpoints")
+        fig.text(0.01, 0.005, "Step t is charged at Δ* of the latest checkpoint ≤ t − 1 (piecewise constant "
+                 "between checkpoints; accounting.md §4).", fontsize="small", color="0.3")
     ax.set_xlabel("training step")
     ax.set_ylabel(f"composed ε at δ = {delta:g}")
     ax.set_title("Per-instance privacy over training")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.legend()
     _save(fig, path)
     return {"final": final, "baseline_final": baseline_final}
