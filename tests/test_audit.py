@@ -331,3 +331,23 @@ def test_missing_and_non_private_runs_are_refused(models, tmp_path):
     result = run_in_process("audit.py", "--run", tmp_path / "public", "--points", "0", cwd=tmp_path)
     assert_usage_error(result, "--run")
     assert "no privacy to audit" in result.stderr
+
+
+# --- the realised-size mean rule against the sum rule's accounting (docs/audit.md §1) -------------
+
+def test_gap_summary_by_hand():
+    mechanism = Mechanism(noise_multiplier=1.0, clip_bound=1.0, sample_rate=4 / 64, batch_size=4, dataset_size=64,
+                          total_steps=32, rule="mean")
+    sum_rule = accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0]
+    rows = pd.DataFrame({"step": [0, 0, 0, 8], "rule": "mean", "eps_lower": [0.0, 2.0, 20.0, 1.0],
+                         "eps_upper": [4.0, 13.0, 13.0, 5.0], "trials": 1000, "delta": DELTA})
+    summary = attacks.gap_summary(rows, mechanism)
+    assert set(summary) == {0, 8}
+    first = summary[0]
+    assert first["sum_rule_eps"] == pytest.approx(sum_rule, rel=1e-12)
+    assert first["mean_baseline_eps"] == pytest.approx(mechanism.per_step_baseline_eps(DELTA)[0], rel=1e-12)
+    assert (first["above_sum_rule"], first["above_baseline"], first["points"]) == (2, 1, 3)
+    assert (first["median_lower"], first["max_lower"], first["median_upper"]) == (2.0, 20.0, 13.0)
+    assert (summary[8]["above_sum_rule"], summary[8]["above_baseline"]) == (0, 0)
+    with pytest.raises(ValueError, match="the mean rule's"):
+        attacks.gap_summary(rows.assign(rule="sum"), mechanism)
