@@ -252,6 +252,7 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
     np.testing.assert_array_equal(rows["correct"], (logits.argmax(1) == labels).int().numpy())
     np.testing.assert_array_equal(rows["label"], labels.numpy())
     assert "violated (eps_lower > eps_upper): 0 of 6" in result.stdout
+    assert "against the sum rule's accounting" not in result.stdout  # the gap is the mean rule's
 
 
 def test_a_too_small_upper_bound_is_flagged(audit_run, monkeypatch):
@@ -351,3 +352,54 @@ def test_gap_summary_by_hand():
     assert (summary[8]["above_sum_rule"], summary[8]["above_baseline"]) == (0, 0)
     with pytest.raises(ValueError, match="the mean rule's"):
         attacks.gap_summary(rows.assign(rule="sum"), mechanism)
+
+
+# N = 64, B_exp = 4, σ = 1: x* alone in its batch (probability q·(1 − q)^63 ≈ 1e-3) releases h*
+# against noise σΓ/B_exp; test_mean_rule.py has the exact one-step ε of this setting.
+GAP_RUN = ["--dataset", "first:64:synthetic", "--model", "mlp", "--reduction", "mean", "--batch-size", "4",
+           "--sigma", "1", "--epochs", "0.5", "--lr", "0.5", "--save-name", "gap"]
+
+
+@pytest.fixture(scope="module")
+def gap_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gap")
+    result = run_in_process("train_dpsgd.py", *GAP_RUN, "--models-dir", folder / "models", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    return folder / "models"
+
+
+def gap_audit(models, tmp_path):
+    result = run_in_process("audit.py", "--run", "gap", "--models-dir", models, "--points", "0-7", "--stage", "initial",
+                            "--trials", "200000", "--out", tmp_path / "gap.csv", "--figure", tmp_path / "gap.png",
+                            cwd=tmp_path)
+    return result, pd.read_csv(tmp_path / "gap.csv")
+
+
+def test_the_audit_catches_the_mean_rule_above_the_sum_rules_accounting(gap_models, tmp_path):
+    result, rows = gap_audit(gap_models, tmp_path)
+    assert result.returncode == 0, result.stderr
+    mechanism = Mechanism.of_run(runs.load_run(gap_models / "gap"))
+    [gap] = attacks.gap_summary(rows, mechanism).values()
+    assert gap["sum_rule_eps"] == pytest.approx(accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0], rel=1e-12)
+    assert (gap["k_min"], gap["delta_size"], gap["points"], gap["trials"]) == (0, 0.0, 8, 200_000)
+    # Every bound holds; most points prove more than the sum rule's accounting allows.
+    assert (rows["eps_lower"] <= rows["eps_upper"]).all() and gap["above_baseline"] == 0
+    assert gap["above_sum_rule"] >= 6 and gap["median_lower"] > gap["sum_rule_eps"]
+    assert gap["above_sum_rule"] == (rows["eps_lower"] > gap["sum_rule_eps"]).sum()
+    assert (f"eps_lower above it for {gap['above_sum_rule']} of 8 points — the realised-size mean rule leaks more "
+            "than the sum rule's accounting says") in result.stdout
+    assert "mean rule's own baseline (one step: eps 16.13, k_min=0" in result.stdout
+
+
+def test_a_mean_rule_baseline_below_the_audit_is_flagged(gap_models, tmp_path, monkeypatch):
+    # Hand the audit a hundredth of the mean rule's baseline: it must prove that baseline wrong.
+    exact = Mechanism.per_step_baseline_eps
+
+    def too_small(self, *args, **kwargs):
+        eps, k_min, delta_size = exact(self, *args, **kwargs)
+        return (eps / 100 if self.rule == "mean" else eps), k_min, delta_size
+
+    monkeypatch.setattr(Mechanism, "per_step_baseline_eps", too_small)
+    result, rows = gap_audit(gap_models, tmp_path)
+    assert result.returncode == 1 and (rows["violated"] == 0).all()
+    assert "— that baseline is WRONG" in result.stdout
