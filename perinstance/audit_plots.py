@@ -50,6 +50,52 @@ def plot_audit_bounds(eps_lower, eps_upper, correct, path, title="Per-instance a
             "median_lower": _median(eps_lower), "median_upper": _median(eps_upper)}
 
 
+def plot_audit_gap(eps_lower, eps_upper, correct, sum_rule_eps, mean_baseline_eps, path,
+                   title="The realised-size mean rule against the sum rule's accounting"):
+    """The audit of the realised-size mean rule per point, ranked by eps_lower (docs/audit.md §1):
+    its lower bound (95%), the mean rule's per-point estimate eps_upper, and two lines: the per-step
+    ε that the sum rule's accounting gives at the same σ and q, and the mean rule's own baseline.
+
+    A lower bound above the first line is leakage that the sum rule's accounting does not cover;
+    one above the second would prove the mean rule's baseline wrong, and is ringed.
+    """
+    eps_lower, eps_upper = _as_1d("eps_lower", eps_lower), _as_1d("eps_upper", eps_upper)
+    correct = np.asarray(correct)
+    if correct.dtype != bool:
+        raise ValueError(f"correct must be a boolean array, got dtype {correct.dtype}")
+    _same_length(eps_lower=eps_lower, eps_upper=eps_upper, correct=correct)
+    order = np.argsort(eps_lower, kind="stable")
+    eps_lower, eps_upper, correct = eps_lower[order], eps_upper[order], correct[order]
+    rank = np.arange(1, len(eps_lower) + 1)
+    above_sum = eps_lower > sum_rule_eps
+    above_baseline = eps_lower > mean_baseline_eps
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    ax.scatter(rank, eps_upper, s=14, marker="_", color="tab:gray",
+               label="eps_upper: mean rule's estimate per point (Monte Carlo, not a bound)")
+    for mask, color, name in ((correct, "tab:green", "correct"), (~correct, "tab:red", "misclassified")):
+        ax.scatter(rank[mask], eps_lower[mask], s=18, alpha=0.8, color=color,
+                   label=f"eps_lower (audit, 95%), {name} (n = {mask.sum()})")
+    if above_baseline.any():
+        ax.scatter(rank[above_baseline], eps_lower[above_baseline], s=120, facecolors="none", edgecolors="black",
+                   linewidths=1.5, label=f"above the mean rule's baseline: {above_baseline.sum()}")
+    ax.axhline(mean_baseline_eps, color="black", linewidth=1.5,
+               label=f"mean rule's own baseline, one step: {_fmt(mean_baseline_eps)}")
+    ax.axhline(sum_rule_eps, color="tab:blue", linestyle="--", linewidth=1.5,
+               label=f"sum rule's accounting, one step: {_fmt(sum_rule_eps)} ({above_sum.sum()} of "
+                     f"{len(eps_lower)} points above)")
+    # Headroom above the baseline for the legend.
+    ax.set_ylim(0, max(mean_baseline_eps, eps_upper.max(initial=0), eps_lower.max(initial=0)) * 1.7)
+    ax.set_xlabel("audited points, ranked by eps_lower")
+    ax.set_ylabel("per-step ε at δ")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize="small")
+    _save(fig, path)
+    return {"count": len(eps_lower), "above_sum_rule": int(above_sum.sum()),
+            "above_baseline": int(above_baseline.sum()), "median_lower": _median(eps_lower),
+            "max_lower": float(eps_lower.max()) if len(eps_lower) else float("nan")}
+
+
 def plot_class_attack(class_names, class_eps, attack_accuracy, attack_std, test_accuracy, path):
     """Per class: the loss-threshold attack's accuracy (left) and the test accuracy (right)
     against the class's mean composed ε, one colour per model ("DP", "non-private", ...).
