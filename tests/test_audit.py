@@ -340,8 +340,11 @@ def test_gap_summary_by_hand():
     mechanism = Mechanism(noise_multiplier=1.0, clip_bound=1.0, sample_rate=4 / 64, batch_size=4, dataset_size=64,
                           total_steps=32, rule="mean")
     sum_rule = accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0]
+    # Evaluation halves of 500 trials (trials − ⌊trials/2⌋) with these event counts.
+    hits_in, hits_out = np.array([10, 400, 500, 100]), np.array([10, 2, 0, 30])
     rows = pd.DataFrame({"step": [0, 0, 0, 8], "rule": "mean", "eps_lower": [0.0, 2.0, 20.0, 1.0],
-                         "eps_upper": [4.0, 13.0, 13.0, 5.0], "trials": 1000, "delta": DELTA})
+                         "eps_upper": [4.0, 13.0, 13.0, 5.0], "trials": 1000, "delta": DELTA,
+                         "tpr": hits_in / 500, "fpr": hits_out / 500, "confidence": 0.95})
     summary = attacks.gap_summary(rows, mechanism)
     assert set(summary) == {0, 8}
     first = summary[0]
@@ -350,6 +353,13 @@ def test_gap_summary_by_hand():
     assert (first["above_sum_rule"], first["above_baseline"], first["points"]) == (2, 1, 3)
     assert (first["median_lower"], first["max_lower"], first["median_upper"]) == (2.0, 20.0, 13.0)
     assert (summary[8]["above_sum_rule"], summary[8]["above_baseline"]) == (0, 0)
+    # Jointly: each of the 3 points of step 0 at 1 − 0.05/3 (each end at 1 − 0.025/3), by scipy's beta.
+    tail = 0.05 / 3 / 2
+    joint = np.log((beta.ppf(tail, hits_in[:3], 500 - hits_in[:3] + 1) - DELTA)
+                   / beta.ppf(1 - tail, hits_out[:3] + 1, 500 - hits_out[:3]))
+    joint = np.where(np.isfinite(joint), np.maximum(joint, 0.0), 0.0)
+    assert first["median_lower_jointly"] == pytest.approx(np.median(joint), rel=1e-9)
+    assert first["above_sum_rule_jointly"] == (joint > sum_rule).sum() == 2
     with pytest.raises(ValueError, match="the mean rule's"):
         attacks.gap_summary(rows.assign(rule="sum"), mechanism)
 
