@@ -201,12 +201,17 @@ def test_simulated_releases_have_the_mechanisms_moments(rule):
 
 # --- audit.py on a tiny run ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("audit")
-    result = run_in_process("train_dpsgd.py", *RUN, "--models-dir", folder / "models", cwd=folder)
+def trained(tmp_path_factory, flags):
+    """The models folder of a run trained with these train_dpsgd.py flags in a fresh folder."""
+    folder = tmp_path_factory.mktemp("run")
+    result = run_in_process("train_dpsgd.py", *flags, "--models-dir", folder / "models", cwd=folder)
     assert result.returncode == 0, result.stderr
     return folder / "models"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return trained(tmp_path_factory, RUN)
 
 
 @pytest.fixture
@@ -372,10 +377,7 @@ GAP_RUN = ["--dataset", "first:64:synthetic", "--model", "mlp", "--reduction", "
 
 @pytest.fixture(scope="module")
 def gap_models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gap")
-    result = run_in_process("train_dpsgd.py", *GAP_RUN, "--models-dir", folder / "models", cwd=folder)
-    assert result.returncode == 0, result.stderr
-    return folder / "models"
+    return trained(tmp_path_factory, GAP_RUN)
 
 
 def gap_audit(models, tmp_path):
