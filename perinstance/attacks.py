@@ -12,7 +12,7 @@ projected on e is exactly one-dimensional; a trial is a batch draw and two norma
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -441,6 +441,43 @@ def audit_summary(rows):
                               "median_upper": float(subset["eps_upper"].median()),
                               "median_ratio": float(subset["ratio"].median())}
                        for name, subset in subsets.items() if len(subset)},
+        }
+    return summary
+
+
+def gap_summary(rows, mechanism, size_delta=None):
+    """The audit of the realised-size mean rule held against the sum rule's accounting at the same
+    σ and q (docs/audit.md §1). Per checkpoint step: the sum rule's per-step ε (Δ = Γ, accounting.md
+    §3.3: what its accountant prints for one step), the mean rule's own baseline with its k_min and
+    δ_size (§3.2-§3.4), and how many points' eps_lower exceed each. A point above the sum rule's ε
+    proves that the sum rule's accounting does not cover the mean rule; one above the mean rule's
+    baseline would prove that baseline wrong. `above_sum_rule_jointly` counts the points above the
+    sum rule's ε when all the step's bounds must hold together (Bonferroni over its points).
+    `mechanism`: the run's (mechanism.Mechanism)."""
+    rules = set(rows["rule"])
+    if rules != {"mean"}:
+        raise ValueError(f"the gap is the mean rule's: rows of rule {', '.join(sorted(rules))}")
+    delta = float(rows["delta"].iloc[0])
+    sum_eps, _, _ = replace(mechanism, rule="sum").per_step_baseline_eps(delta)
+    mean_eps, k_min, delta_size = replace(mechanism, rule="mean").per_step_baseline_eps(delta, size_delta)
+    summary = {}
+    for step, group in rows.groupby("step"):
+        lower = group["eps_lower"]
+        # The same events at confidence 1 − (1 − c)/points (Bonferroni): these bounds hold for all the
+        # step's points together with probability >= c. The evaluation half has trials − ⌊trials/2⌋.
+        counted = group["trials"].to_numpy() - group["trials"].to_numpy() // 2
+        jointly = audit.epsilon_lower_bound(np.round(group["tpr"].to_numpy() * counted),
+                                            np.round(group["fpr"].to_numpy() * counted), counted, counted, delta,
+                                            1 - (1 - float(group["confidence"].iloc[0])) / len(group))
+        summary[int(step)] = {
+            "points": len(group), "trials": int(group["trials"].iloc[0]), "delta": delta,
+            "noise_multiplier": mechanism.noise_multiplier, "sample_rate": mechanism.sample_rate,
+            "batch_size": mechanism.batch_size, "dataset_size": mechanism.dataset_size,
+            "sum_rule_eps": sum_eps, "mean_baseline_eps": mean_eps, "k_min": k_min, "delta_size": delta_size,
+            "above_sum_rule": int((lower > sum_eps).sum()), "above_baseline": int((lower > mean_eps).sum()),
+            "above_sum_rule_jointly": int((jointly > sum_eps).sum()), "median_lower_jointly": float(np.median(jointly)),
+            "median_lower": float(lower.median()), "max_lower": float(lower.max()),
+            "median_upper": float(group["eps_upper"].median()),
         }
     return summary
 

@@ -52,3 +52,25 @@ class Mechanism:
         """The worst-case ε after `steps` steps (default T) at `delta`, and the order that gives it."""
         eps, order = accounting.rdp_to_eps(orders, self.baseline_rdp(orders, steps), delta)
         return float(eps), float(order)
+
+    def per_step_baseline_eps(self, delta, size_delta=None):
+        """The data-independent ε of one step at `delta` under the analysed rule (accounting.md §3.3).
+
+        Sum rule: Δ = Γ against σΓ. Mean rule, its own baseline: Δ̄_k = 2Γ/(k+1) (Δ̄_0 = Γ) against
+        σΓ/B_exp over every size k ≥ k_min of the other points' batch, weighted by π_k (§3.2), with
+        δ_size = P(k < k_min) spent from δ (§3.4; `size_delta` default δ/(10·T)). Every size up to
+        k_hi is evaluated, so no lumping loosens it. Returns (ε, k_min, δ_size); k_min = 0 and
+        δ_size = 0 for the sum rule.
+        """
+        if self.rule == "sum":
+            return float(accounting.per_step_eps([[1 / self.noise_multiplier]], delta, self.sample_rate)[0]), 0, 0.0
+        others = self.dataset_size - 1
+        size_delta = delta / (10 * self.total_steps) if size_delta is None else size_delta
+        k_min = accounting.size_threshold(others, self.sample_rate, size_delta)
+        delta_size = accounting.size_failure(others, self.sample_rate, k_min)
+        sizes = accounting.size_grid(others, self.sample_rate, k_min, others + 1)
+        weights = np.exp(accounting.lumped_size_log_weights(sizes, others, self.sample_rate))
+        bound = accounting.baseline_mean_sensitivity(self.clip_bound, sizes)
+        eps = accounting.per_step_eps(bound[None, :] / self.noise_std, delta, self.sample_rate, weights[None, :],
+                                      delta_size)
+        return float(eps[0]), k_min, delta_size

@@ -209,7 +209,8 @@ def add_training_args(parser):
     group = parser.add_argument_group("training run")
     group.add_argument("--dataset", default="mnist-embedded",
                        help="mnist-embedded (shipped, offline), MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH; "
-                            "scatternet:DATASET: fixed ScatterNet features of DATASET's images")
+                            "scatternet:DATASET: fixed ScatterNet features of DATASET's images; first:N:DATASET: the "
+                            "first N training points of DATASET")
     group.add_argument("--data-root", default="./data", help="where torchvision datasets live, and cache/ with scatternet: features")
     group.add_argument("--model", default="lenet5", choices=MODEL_CHOICES, help="the network")
     group.add_argument("--norm-type", default="group", choices=("group", "batch", "none"),

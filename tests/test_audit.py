@@ -201,12 +201,17 @@ def test_simulated_releases_have_the_mechanisms_moments(rule):
 
 # --- audit.py on a tiny run ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("audit")
-    result = run_in_process("train_dpsgd.py", *RUN, "--models-dir", folder / "models", cwd=folder)
+def trained(tmp_path_factory, flags):
+    """The models folder of a run trained with these train_dpsgd.py flags in a fresh folder."""
+    folder = tmp_path_factory.mktemp("run")
+    result = run_in_process("train_dpsgd.py", *flags, "--models-dir", folder / "models", cwd=folder)
     assert result.returncode == 0, result.stderr
     return folder / "models"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return trained(tmp_path_factory, RUN)
 
 
 @pytest.fixture
@@ -252,6 +257,7 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
     np.testing.assert_array_equal(rows["correct"], (logits.argmax(1) == labels).int().numpy())
     np.testing.assert_array_equal(rows["label"], labels.numpy())
     assert "violated (eps_lower > eps_upper): 0 of 6" in result.stdout
+    assert "against the sum rule's accounting" not in result.stdout  # the gap is the mean rule's
 
 
 def test_a_too_small_upper_bound_is_flagged(audit_run, monkeypatch):
@@ -331,3 +337,83 @@ def test_missing_and_non_private_runs_are_refused(models, tmp_path):
     result = run_in_process("audit.py", "--run", tmp_path / "public", "--points", "0", cwd=tmp_path)
     assert_usage_error(result, "--run")
     assert "no privacy to audit" in result.stderr
+
+
+# --- the realised-size mean rule against the sum rule's accounting (docs/audit.md §1) -------------
+
+def test_gap_summary_by_hand():
+    mechanism = Mechanism(noise_multiplier=1.0, clip_bound=1.0, sample_rate=4 / 64, batch_size=4, dataset_size=64,
+                          total_steps=32, rule="mean")
+    sum_rule = accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0]
+    # Evaluation halves of 500 trials (trials − ⌊trials/2⌋) with these event counts.
+    hits_in, hits_out = np.array([10, 400, 500, 100]), np.array([10, 2, 0, 30])
+    rows = pd.DataFrame({"step": [0, 0, 0, 8], "rule": "mean", "eps_lower": [0.0, 2.0, 20.0, 1.0],
+                         "eps_upper": [4.0, 13.0, 13.0, 5.0], "trials": 1000, "delta": DELTA,
+                         "tpr": hits_in / 500, "fpr": hits_out / 500, "confidence": 0.95})
+    summary = attacks.gap_summary(rows, mechanism)
+    assert set(summary) == {0, 8}
+    first = summary[0]
+    assert first["sum_rule_eps"] == pytest.approx(sum_rule, rel=1e-12)
+    assert first["mean_baseline_eps"] == pytest.approx(mechanism.per_step_baseline_eps(DELTA)[0], rel=1e-12)
+    assert (first["above_sum_rule"], first["above_baseline"], first["points"]) == (2, 1, 3)
+    assert (first["median_lower"], first["max_lower"], first["median_upper"]) == (2.0, 20.0, 13.0)
+    assert (summary[8]["above_sum_rule"], summary[8]["above_baseline"]) == (0, 0)
+    # Jointly: each of the 3 points of step 0 at 1 − 0.05/3 (each end at 1 − 0.025/3), by scipy's beta.
+    tail = 0.05 / 3 / 2
+    joint = np.log((beta.ppf(tail, hits_in[:3], 500 - hits_in[:3] + 1) - DELTA)
+                   / beta.ppf(1 - tail, hits_out[:3] + 1, 500 - hits_out[:3]))
+    joint = np.where(np.isfinite(joint), np.maximum(joint, 0.0), 0.0)
+    assert first["median_lower_jointly"] == pytest.approx(np.median(joint), rel=1e-9)
+    assert first["above_sum_rule_jointly"] == (joint > sum_rule).sum() == 2
+    with pytest.raises(ValueError, match="the mean rule's"):
+        attacks.gap_summary(rows.assign(rule="sum"), mechanism)
+
+
+# N = 64, B_exp = 4, σ = 1: x* alone in its batch (probability q·(1 − q)^63 ≈ 1e-3) releases h*
+# against noise σΓ/B_exp; test_mean_rule.py has the exact one-step ε of this setting.
+GAP_RUN = ["--dataset", "first:64:synthetic", "--model", "mlp", "--reduction", "mean", "--batch-size", "4",
+           "--sigma", "1", "--epochs", "0.5", "--lr", "0.5", "--save-name", "gap"]
+
+
+@pytest.fixture(scope="module")
+def gap_models(tmp_path_factory):
+    return trained(tmp_path_factory, GAP_RUN)
+
+
+def gap_audit(models, tmp_path):
+    result = run_in_process("audit.py", "--run", "gap", "--models-dir", models, "--points", "0-7", "--stage", "initial",
+                            "--trials", "200000", "--out", tmp_path / "gap.csv", "--figure", tmp_path / "gap.png",
+                            cwd=tmp_path)
+    return result, pd.read_csv(tmp_path / "gap.csv")
+
+
+def test_the_audit_catches_the_mean_rule_above_the_sum_rules_accounting(gap_models, tmp_path):
+    result, rows = gap_audit(gap_models, tmp_path)
+    assert result.returncode == 0, result.stderr
+    mechanism = Mechanism.of_run(runs.load_run(gap_models / "gap"))
+    [gap] = attacks.gap_summary(rows, mechanism).values()
+    assert gap["sum_rule_eps"] == pytest.approx(accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0], rel=1e-12)
+    assert (gap["k_min"], gap["delta_size"], gap["points"], gap["trials"]) == (0, 0.0, 8, 200_000)
+    # Every bound holds; most points prove more than the sum rule's accounting allows.
+    assert (rows["eps_lower"] <= rows["eps_upper"]).all() and gap["above_baseline"] == 0
+    assert gap["above_sum_rule"] >= 6 and gap["median_lower"] > gap["sum_rule_eps"]
+    assert gap["above_sum_rule"] == (rows["eps_lower"] > gap["sum_rule_eps"]).sum()
+    assert gap["above_sum_rule_jointly"] <= gap["above_sum_rule"]
+    assert (f"eps_lower above it for {gap['above_sum_rule']} of 8 points ({gap['above_sum_rule_jointly']} with all "
+            "bounds holding together, Bonferroni) — the realised-size mean rule leaks more than the sum rule's "
+            "accounting says") in result.stdout
+    assert "mean rule's own baseline (one step: eps 16.13, k_min=0" in result.stdout
+
+
+def test_a_mean_rule_baseline_below_the_audit_is_flagged(gap_models, tmp_path, monkeypatch):
+    # Hand the audit a hundredth of the mean rule's baseline: it must prove that baseline wrong.
+    exact = Mechanism.per_step_baseline_eps
+
+    def too_small(self, *args, **kwargs):
+        eps, k_min, delta_size = exact(self, *args, **kwargs)
+        return (eps / 100 if self.rule == "mean" else eps), k_min, delta_size
+
+    monkeypatch.setattr(Mechanism, "per_step_baseline_eps", too_small)
+    result, rows = gap_audit(gap_models, tmp_path)
+    assert result.returncode == 1 and (rows["violated"] == 0).all()
+    assert "— that baseline is WRONG" in result.stdout

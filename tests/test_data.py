@@ -240,3 +240,29 @@ def test_synthetic_is_learnable_but_not_separable():
     predicted = torch.cdist(synthetic.test_x.flatten(1), centroids).argmin(1)
     accuracy = (predicted == synthetic.test_y).float().mean().item()
     assert 0.6 < accuracy < 0.99
+
+
+# --- first:N:DATASET --------------------------------------------------------------------
+
+def test_first_takes_the_first_training_points_and_the_whole_test_set():
+    full, head = load_dataset("synthetic"), load_dataset("First:64:synthetic")
+    assert head.name == "first:64:synthetic"
+    assert torch.equal(head.train_x, full.train_x[:64]) and torch.equal(head.train_y, full.train_y[:64])
+    assert torch.equal(head.test_x, full.test_x) and torch.equal(head.test_y, full.test_y)
+    assert head.num_classes == full.num_classes and head.class_names == full.class_names
+    assert head.fingerprint == load_dataset("first:64:synthetic").fingerprint
+    assert len({head.fingerprint, full.fingerprint, load_dataset("first:63:synthetic").fingerprint}) == 3
+    without = load_dataset("first:64:synthetic", less_point=3)
+    assert torch.equal(without.train_y, torch.cat([full.train_y[:3], full.train_y[4:64]]))
+    assert without.fingerprint == head.fingerprint
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("first:0:synthetic", "integer N >= 1"),
+    ("first:x:synthetic", "integer N >= 1"),
+    ("first:64", "integer N >= 1"),
+    ("first:513:synthetic", "only 512 training points"),
+    ("first:8:svhn", "unknown dataset 'svhn'"),
+])
+def test_bad_first_datasets(name, fragment):
+    assert_usage_error(lambda: load_dataset(name), "--dataset", fragment)

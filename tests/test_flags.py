@@ -55,8 +55,8 @@ LIST = ("list",)
 MEANINGS = {
     # --- the training run (perinstance/options.py add_training_args) -------------------------
     "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
-                         "scatternet:DATASET (fixed ScatterNet features of its images) (reproduce.py: replaces the "
-                         "preset's)", "dataset", "imagefolder:PATH",
+                         "scatternet:DATASET (fixed ScatterNet features of its images), first:N:DATASET (its first N "
+                         "training points) (reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
                          # reproduce.py's None: not given, the preset's dataset is used.
                          defaults=("str", "NoneType")),
     "--data-root": Meaning("where torchvision datasets live, and cache/ with scatternet: features", "data_root",

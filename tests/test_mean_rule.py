@@ -4,6 +4,7 @@ Exact enumeration of every batch on one-dimensional toys is the independent comp
 the coupling, certified and baseline bounds are held against.
 """
 
+import dataclasses
 import itertools
 import math
 import os
@@ -18,6 +19,7 @@ from scipy import integrate, stats
 from scipy.special import logsumexp
 
 from perinstance import accounting
+from perinstance.mechanism import Mechanism
 from perinstance.results import COLUMNS
 
 # --- exact enumeration (identity 5) ---------------------------------------------------------
@@ -171,6 +173,55 @@ def test_exact_hockey_stick_below_the_coupling_delta():
         eps_bound = float(accounting.per_step_eps(mu, 1e-3, sample_rate, weights)[0])
         exact_at_bound = max(pair.hockey_stick(eps_bound, "remove"), pair.hockey_stick(eps_bound, "add"))
         assert exact_at_bound <= 1e-3 + 1e-9
+
+
+class SizePair(Pair):
+    """P and Q when the n other points all have the value `others_value`: a batch is then known by
+    its size k ~ Bin(n, q) alone, so a training set of N = 64 is enumerated exactly."""
+
+    def __init__(self, target, others_value, n, sample_rate, noise_std):
+        sizes = np.arange(n + 1)
+        weights = stats.binom.pmf(sizes, n, sample_rate)
+        without = [(others_value if size else 0.0, weight) for size, weight in zip(sizes, weights)]
+        with_point = [(location, weight * (1 - sample_rate)) for location, weight in without] + [
+            ((size * others_value + target) / (size + 1), weight * sample_rate) for size, weight in zip(sizes, weights)]
+        self.grid = integration_grid(noise_std)
+        self.log_p = log_densities(with_point, noise_std, self.grid)
+        self.log_q = log_densities(without, noise_std, self.grid)
+
+
+def exact_eps(pair, delta):
+    """The smallest ε whose hockey-stick is <= δ in both directions (bisection; it is nonincreasing)."""
+    low, high = 0.0, 64.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if max(pair.hockey_stick(middle, direction) for direction in ("remove", "add")) > delta:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+@pytest.mark.parametrize("others_value", [0.0, -1.0])
+def test_at_n_64_the_mean_rule_leaks_far_more_than_the_sum_rules_accounting(others_value):
+    """docs/audit.md §1: N = 64, B_exp = 4, σ = 1, δ = 1e-5, x* at Γ = 1, the 63 others at one value.
+    The exact one-step ε of the realised-size mean rule is several times the per-step ε of the sum
+    rule's accounting at the same σ and q (x* alone in its batch releases Γ against noise σΓ/B_exp;
+    others opposite to x* move the mean by up to 2Γ/(k+1)), and at most the coupling bound and the
+    mean rule's own baseline."""
+    size, batch_size, sigma, delta = 64, 4, 1.0, 1e-5
+    sample_rate = batch_size / size
+    mechanism = Mechanism(noise_multiplier=sigma, clip_bound=1.0, sample_rate=sample_rate, batch_size=batch_size,
+                          dataset_size=size, total_steps=1, rule="mean")
+    exact = exact_eps(SizePair(1.0, others_value, size - 1, sample_rate, mechanism.noise_std), delta)
+    sum_rule, _, _ = dataclasses.replace(mechanism, rule="sum").per_step_baseline_eps(delta)
+    baseline, _, _ = mechanism.per_step_baseline_eps(delta)
+    sizes = np.arange(size)
+    sensitivities = np.where(sizes > 0, abs(1.0 - others_value) / (sizes + 1), 1.0)
+    coupling = accounting.per_step_eps(sensitivities[None, :] / mechanism.noise_std, delta, sample_rate,
+                                       stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
+    assert exact > 5 * sum_rule
+    assert exact <= coupling * (1 + 1e-6) and coupling <= baseline * (1 + 1e-9)
 
 
 # --- identity 3: the exact per-step (ε, δ) ---------------------------------------------------

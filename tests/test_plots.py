@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from perinstance import plots
+from perinstance import audit_plots, plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CLASS_NAMES = ["cat", "dog", "ship", "truck"]
@@ -290,3 +290,25 @@ def test_estimate_accuracy_constant_input(tmp_path):
     assert np.isnan(result["pearson"])
     assert result["mean_abs_error"] == pytest.approx(2 / 3)
     assert result["max_abs_error"] == 1.0
+
+
+# audit_plots.plot_audit_gap
+
+def test_audit_gap_numbers_and_file(tmp_path):
+    lower = np.array([3.0, 0.0, 20.0, 0.5, 2.0])
+    upper = np.array([13.0, 4.0, 13.0, 4.0, 13.0])
+    correct = np.array([False, True, True, True, False])
+    result = draw_checked(tmp_path, lambda path: audit_plots.plot_audit_gap(lower, upper, correct, 1.2, 16.0, path))
+    assert result == {"count": 5, "above_sum_rule": 3, "above_baseline": 1, "median_lower": 2.0, "max_lower": 20.0}
+
+
+def test_audit_gap_without_points_and_bad_input(tmp_path):
+    path = tmp_path / "gap.png"
+    result = draw_without_warnings(
+        lambda: audit_plots.plot_audit_gap(np.zeros(0), np.zeros(0), np.zeros(0, dtype=bool), 1.2, 16.0, path))
+    assert_png(path)
+    assert result["count"] == 0 and np.isnan(result["median_lower"]) and np.isnan(result["max_lower"])
+    with pytest.raises(ValueError, match="boolean"):
+        audit_plots.plot_audit_gap(np.ones(2), np.ones(2), np.ones(2), 1.2, 16.0, path)
+    with pytest.raises(ValueError, match="same length"):
+        audit_plots.plot_audit_gap(np.ones(2), np.ones(3), np.ones(2, dtype=bool), 1.2, 16.0, path)

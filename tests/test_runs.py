@@ -3,10 +3,14 @@
 import dataclasses
 import json
 
+import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting.pld import pld_privacy_accountant
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis.rdp import compute_rdp
+from scipy.optimize import brentq
+from scipy.stats import binom
 
 from perinstance import accounting, runs
 from perinstance.data import load_dataset
@@ -81,3 +85,34 @@ def test_baseline_eps_is_opacus_rdp_accountant():
     assert mechanism.baseline_eps(1e-5, steps=10)[0] < eps
     np.testing.assert_allclose(mechanism.baseline_rdp([2.0, 8.0], steps=3),
                                compute_rdp(q=0.01, noise_multiplier=1.1, steps=3, orders=[2.0, 8.0]), rtol=1e-12)
+
+
+def test_per_step_baseline_of_the_sum_rule_is_one_step_of_the_pld_accountant():
+    mechanism = Mechanism(noise_multiplier=1.0, clip_bound=3.0, sample_rate=0.0625, batch_size=4, dataset_size=64,
+                          total_steps=32, rule="sum")
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(0.0625, dp_accounting.GaussianDpEvent(1.0)))
+    eps, k_min, delta_size = mechanism.per_step_baseline_eps(1e-5)
+    assert eps == pytest.approx(accountant.get_epsilon(1e-5), rel=2e-3) and (k_min, delta_size) == (0, 0.0)
+
+
+@pytest.mark.parametrize("size_delta, k_min", [(None, 0), (0.04, 1)])
+def test_per_step_baseline_of_the_mean_rule_by_hand(size_delta, k_min):
+    """accounting.md §3.2-§3.4 assembled by hand on N = 6, q = 1/2 (P(k = 0) = 1/32): the smallest ε with
+    Σ_{k ≥ k_min} π_k·δ(ε; Δ̄_k/s) + P(k < k_min) <= δ in both directions, Δ̄_0 = Γ, Δ̄_k = 2Γ/(k+1)."""
+    clip_bound, sigma, batch_size, delta = 0.5, 2.0, 3, 0.05
+    mechanism = Mechanism(noise_multiplier=sigma, clip_bound=clip_bound, sample_rate=0.5, batch_size=batch_size,
+                          dataset_size=6, total_steps=1, rule="mean")
+    sizes = np.arange(k_min, 6)
+    weights = binom.pmf(sizes, 5, 0.5)
+    mu = np.array([clip_bound if size == 0 else 2 * clip_bound / (size + 1) for size in sizes]) / (
+        sigma * clip_bound / batch_size)
+    fail = 1 / 32 if k_min else 0.0
+
+    def excess(eps):
+        return max(np.sum(weights * accounting.delta_remove(eps, mu, 0.5)),
+                   np.sum(weights * accounting.delta_add(eps, mu, 0.5))) + fail - delta
+
+    eps, found_k_min, delta_size = mechanism.per_step_baseline_eps(delta, size_delta)
+    assert (found_k_min, delta_size) == (k_min, pytest.approx(fail, rel=1e-12))
+    assert eps == pytest.approx(brentq(excess, 0.0, 50.0, xtol=1e-12), rel=1e-7)
