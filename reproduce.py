@@ -239,6 +239,8 @@ class Commands:
         wall, cpu = time.perf_counter(), time.process_time()
         yield
         self.timings.append((step, time.perf_counter() - wall, time.process_time() - cpu, peak_resident_bytes()))
+        print(f"[{step}: {self.timings[-1][1]:.1f}s wall, {self.timings[-1][2]:.1f}s CPU, peak resident memory "
+              f"so far {self.timings[-1][3] / 1e9:.2f} GB]", flush=True)
 
     def run(self, script, argv):
         self.lines.append((f"python {script} {shlex.join(argv)}", False))
