@@ -316,11 +316,14 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
     return pearson
 
 
-def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path):
+def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path,
+                               by_accountant=None):
     """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
 
     labels are class indices into class_names; class_test_accuracy is either aligned
-    with class_names or a mapping from class name to accuracy.
+    with class_names or a mapping from class name to accuracy. by_accountant: {name: (every point's composed ε,
+    the worst case by that accountant)}, e.g. RDP and PLD, drawn as a third panel (the share of points at or
+    below each ε) and summarised per accountant (median, 10% and 90% quantiles, share below half the worst case).
     """
     eps = _as_1d("eps", eps)
     final_loss = _as_1d("final_loss", final_loss)
@@ -332,9 +335,11 @@ def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_
     class_mean_eps = {name: float(np.mean(eps[labels == index])) if np.any(labels == index) else float("nan")
                       for index, name in enumerate(class_names)}
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
-    pearson_log_loss, intercept, slope = _draw_loss_panel(left, eps, log_loss, baseline_eps)
-    pearson_class = _draw_class_panel(right, class_mean_eps, class_accuracy, baseline_eps)
+    panels = 2 if by_accountant is None else 3
+    fig, axes = plt.subplots(1, panels, figsize=(TWO_PANELS[0] * panels / 2, TWO_PANELS[1]), layout="constrained")
+    pearson_log_loss, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss, baseline_eps)
+    pearson_class = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
+    accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant)
     _save(fig, path)
     return {
         "pearson_log_loss": pearson_log_loss,
@@ -343,7 +348,28 @@ def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_
         "class_mean_eps": class_mean_eps,
         "class_accuracy": class_accuracy,
         "pearson_class": pearson_class,
+        "accountants": accountants,
     }
+
+
+def _draw_accountant_panel(ax, by_accountant):
+    """Third panel of plot_individual_accounting: the share of points whose composed ε is at most x, per
+    accountant, with each accountant's worst case; returns each one's summary."""
+    summaries = {}
+    for (name, (values, worst)), color in zip(by_accountant.items(), ("tab:blue", "tab:orange", "tab:green")):
+        values = np.sort(_as_1d(f"ε by {name}", values))
+        worst = float(worst)
+        summaries[name] = {"median": float(np.median(values)), "q10": float(np.quantile(values, 0.1)),
+                           "q90": float(np.quantile(values, 0.9)), "worst": worst,
+                           "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
+        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
+                label=f"{name}: median {_fmt(summaries[name]['median'])}")
+        ax.axvline(worst, color=color, linestyle="--", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
+    ax.set_xlabel("composed per-instance ε")
+    ax.set_ylabel("share of points with at most this ε")
+    ax.set_title("Per-instance ε by accountant")
+    ax.legend(loc="upper left", fontsize="small")
+    return summaries
 
 
 def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, baseline_eps):

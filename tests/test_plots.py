@@ -254,6 +254,19 @@ def test_individual_accounting_numbers_and_file(tmp_path, rng, panels):
     assert_baseline_in_legend(class_panel)
 
 
+def test_individual_accounting_by_accountant_panel(tmp_path, rng, panels):
+    eps, loss, labels, accuracy = individual_inputs(rng)
+    tighter = eps * 0.8
+    result = draw_checked(tmp_path, lambda path: plots.plot_individual_accounting(
+        eps, loss, labels, CLASS_NAMES, accuracy, 7.8, path, by_accountant={"RDP": (eps, 7.8), "PLD": (tighter, 6.9)}))
+    summary = result["accountants"]
+    assert summary["PLD"]["median"] == pytest.approx(np.median(tighter))
+    assert (summary["RDP"]["q10"], summary["RDP"]["q90"]) == pytest.approx(tuple(np.quantile(eps, [0.1, 0.9])))
+    assert summary["PLD"]["share_below_half"] == pytest.approx(np.mean(tighter <= 6.9 / 2))
+    assert summary["RDP"]["worst"] == 7.8 and summary["RDP"]["points"] == len(eps)
+    assert len(panels[0]) == 3
+
+
 def test_individual_accounting_degenerate_inputs(tmp_path):
     # Constant ε, every loss zero (clipped to one value), and one class without points
     # leaves two classes: too few for a class correlation. Accuracy given by class name.
