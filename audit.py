@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from perinstance import attacks, audit_plots, fileio, sensitivity_cli
+from perinstance import audit_plots, audit_simulation, fileio, runs, sensitivity_cli
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int, parse_points, probability
 
@@ -44,7 +44,7 @@ def build_parser():
                         help="simulated steps per point with x* and as many without it (default 1e6)")
     parser.add_argument("--delta", type=probability, default=1e-5,
                         help="δ of the reported guarantee that is audited (default 1e-5)")
-    parser.add_argument("--statistic", choices=attacks.STATISTICS, default="whitened",
+    parser.add_argument("--statistic", choices=audit_simulation.STATISTICS, default="whitened",
                         help="the test: projection on Fisher's discriminant against the batch spread and the noise "
                              "(whitened, default), on the shift x* adds (projection), or on that shift by an "
                              "adversary who also knows the other points' batch (known-batch)")
@@ -84,7 +84,7 @@ def output_paths(args, run_name, rule):
 
 def summary_lines(rows):
     lines = []
-    for step, summary in attacks.audit_summary(rows).items():
+    for step, summary in audit_simulation.audit_summary(rows).items():
         lines.append(f"step {step}, {summary['rule']} rule, {summary['upper_kind']} upper bound, "
                      f"{summary['trials']} trials per law, delta={summary['delta']:g}:")
         for name, group in summary["groups"].items():
@@ -98,20 +98,20 @@ def summary_lines(rows):
 
 def main(argv=None):
     args = parse_args(argv)
-    run = attacks.open_run(args.run, args.models_dir, args.data_root)
+    run = runs.open_run(args.run, args.models_dir, args.data_root)
     config = run.config
     if not config.private or config.noise_multiplier == 0:
         raise UsageError("--run", f"{run.name} is trained without noise: it has no privacy to audit")
     rule = args.rule or config.update_rule
     points = None if args.points is None else parse_points(args.points, len(run.dataset.train_y), config.seed)
     seed = config.seed if args.mc_seed is None else args.mc_seed
-    request = attacks.AuditRequest(rule=rule, trials=args.trials, delta=args.delta, statistic=args.statistic,
+    request = audit_simulation.AuditRequest(rule=rule, trials=args.trials, delta=args.delta, statistic=args.statistic,
                                    upper_batches=args.upper_batches, seed=seed, points=points, spread=args.spread)
     out, figure = output_paths(args, run.name, rule)
     steps = sensitivity_cli.resolve_stages(args.stages, run.saved_steps(), config.total_steps)
 
     started = time.time()
-    frames = [attacks.audit_checkpoint(run, step, request, args.device) for step in steps]
+    frames = [audit_simulation.audit_checkpoint(run, step, request, args.device) for step in steps]
     rows = pd.concat(frames, ignore_index=True)
     fileio.write_csv(out, rows)
     last = rows[rows["step"] == steps[-1]]

@@ -33,24 +33,25 @@ def build_parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    given = sensitivity_cli.given_flags(args, argv)
+    flags = vars(build_parser().parse_args(argv))
+    given = sensitivity_cli.given_flags(argv)
 
     # Every flag is checked before anything is trained, measured or written.
-    request = sensitivity_cli.parse_request(args, given)
-    run = sensitivity_cli.find_run(args, given)
-    request = request.for_run(run.config, given)
-    points = parse_points(args.points, run.universe, run.config.seed)
+    command = sensitivity_cli.parse_command(flags, given)
+    run = sensitivity_cli.find_run(command.run, command.training, given)
+    request = command.request.for_run(run.config, given)
+    points = parse_points(command.points, run.universe, run.config.seed)
     result_file = sensitivity_cli.ResultFile.open(request.res_path, request.overwrite,
                                                   results.run_columns(run.config, request.reduction),
                                                   automatic=request.automatic_format)
-    if args.no_train:
+    if command.no_train:
         sensitivity_cli.require_finished(run)
     world = distributed.World.from_env()
-    distributed.make_deterministic(args.device)
+    distributed.make_deterministic(command.device)
     if world.launched:
-        with distributed.process_group(world, args.device):
-            return sharded.measure(world, args, request, run, points, result_file)
+        with distributed.process_group(world, command.device):
+            return sharded.measure(world, request, run, points, result_file, part_points=command.part_points,
+                                   device=command.device)
 
     started = time.time()
     config = sensitivity_cli.ensure_trained(run)
@@ -62,7 +63,7 @@ def main(argv=None):
         needed = sorted(set().union(*missing.values()))
         if not needed:
             continue
-        rows = sensitivity_cli.measure_checkpoint(request, run, step, needed, args.device)
+        rows = sensitivity_cli.measure_checkpoint(request, run, step, needed, command.device)
         rows = sensitivity_cli.keep_missing(rows, missing)
         result_file.add(rows)
         written += len(rows)

@@ -1,20 +1,22 @@
-"""What compute_sensitivity.py needs besides the engine: its flags, the run it measures,
-the stages it resolves to checkpoints, and the result file it appends to."""
+"""What compute_sensitivity.py needs besides the engine: its flags as one typed command, the run it
+measures, the stages it resolves to checkpoints, the rows of one checkpoint, and the result file
+it appends to."""
 
-import argparse
 import math
 import os
 import shlex
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
-from perinstance import fileio, results, runs, sensitivity, storage, training
+from perinstance import coupling, fileio, poisson_batches, results, runs, storage, training
+from perinstance.console import progress_bar
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
+from perinstance.gradient_rows import Transform, checkpoint_gradients, transformed_norms
+from perinstance.guarantees import Direction
 from perinstance.options import (
     Parser,
     add_alpha_argument,
@@ -26,7 +28,7 @@ from perinstance.options import (
 )
 
 STAGE_NAMES = ("initial", "middle", "final", "all")
-NO_DIRECTION = "none"
+NO_DIRECTION = Direction.NONE.value
 # What a row measures, stored in its `exp` column: Δ* (sum rule), the coupling samples and
 # dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
 # accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
@@ -96,20 +98,18 @@ def add_measurement_args(parser):
     return parser
 
 
-def given_flags(args, argv):
-    """The flags given on the command line (`args` parsed from `argv`), by destination, with their
-    values: what a run's run.json must agree with, and what overrides its defaults."""
+def given_flags(argv):
+    """The flags given on the command line `argv`, by destination, with their values: what a run's
+    run.json must agree with, and what overrides its defaults."""
     not_given = object()  # not a string: argparse would run a string default through the flag's type
     parser = add_measurement_args(Parser())
-    parser.set_defaults(**dict.fromkeys(vars(args), not_given))
+    parser.set_defaults(**{action.dest: not_given for action in parser._actions if action.dest != "help"})
     return {dest: value for dest, value in vars(parser.parse_args(argv)).items() if value is not not_given}
 
 
 def training_defaults():
     """Every training flag's destination and default."""
-    parser = Parser()
-    add_training_args(parser)
-    return vars(parser.parse_args([]))
+    return runs.TrainingFlags.parse().as_dict()
 
 
 @dataclass(frozen=True)
@@ -158,39 +158,64 @@ class Request:
             alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
 
 
-def parse_request(args, given):
-    """The flags of the measurement, checked before the run or the dataset is touched."""
-    if args.num_batches is not None and (args.num_batches < 0 or (args.num_batches == 0 and args.estimator == JENSEN)):
+@dataclass(frozen=True)
+class Command:
+    """compute_sensitivity.py's flags, typed: the measurement `request`, the run (--run, or the
+    `training` flags), the points, and how to run it."""
+
+    request: Request
+    run: str | None
+    training: runs.TrainingFlags
+    points: tuple
+    no_train: bool
+    part_points: int | None
+    device: str
+
+
+def parse_command(flags: Mapping, given):
+    """The command that the parsed flags (a mapping of destination to value) and the flags `given`
+    (given_flags) make, checked before the run or the dataset is touched."""
+    return Command(request=parse_request(flags, given), run=flags["run"],
+                   training=runs.TrainingFlags.from_flags(flags), points=tuple(flags["points"]),
+                   no_train=bool(flags["no_train"]), part_points=flags["part_points"], device=flags["device"])
+
+
+def parse_request(flags, given):
+    """The measurement flags (a mapping of destination to value), checked."""
+    num_batches, estimator, alpha = flags["num_batches"], flags["estimator"], flags["alpha"]
+    if num_batches is not None and (num_batches < 0 or (num_batches == 0 and estimator == JENSEN)):
         raise UsageError("--num-batches", f"must be > 0 (or 0 with the coupling estimator: statistics only), "
-                                          f"got {args.num_batches}")
-    if args.num_iters <= 0:
-        raise UsageError("--num-iters", f"must be > 0, got {args.num_iters}")
-    if args.mc_blocks <= 0:
-        raise UsageError("--mc-blocks", f"must be > 0, got {args.mc_blocks}")
-    if args.max_sizes < MIN_GRID_SIZES:
-        raise UsageError("--max-sizes", f"must be >= {MIN_GRID_SIZES} (accounting.md §3.2), got {args.max_sizes}")
-    if args.estimator == JENSEN and args.exp != "renyi":
+                                          f"got {num_batches}")
+    for flag, name in (("--num-iters", "num_iters"), ("--mc-blocks", "mc_blocks")):
+        if flags[name] <= 0:
+            raise UsageError(flag, f"must be > 0, got {flags[name]}")
+    if flags["max_sizes"] < MIN_GRID_SIZES:
+        raise UsageError("--max-sizes", f"must be >= {MIN_GRID_SIZES} (accounting.md §3.2), got {flags['max_sizes']}")
+    if estimator == JENSEN and flags["exp"] != "renyi":
         raise UsageError("--estimator", "jensen is GLA's Rényi statistic S: use it with --exp renyi (the mean "
                                         "rule's (ε, δ) comes from the coupling samples)")
-    if args.estimator == JENSEN and not (len(args.alpha) == 1 and args.alpha[0].is_integer() and args.alpha[0] >= 2):
+    if "alpha" in given and estimator != JENSEN:
+        raise UsageError("--alpha", "is the order of GLA's statistic and belongs to --estimator jensen; the coupling "
+                                    "estimator and the sum rule measure no order (the accountants take --alpha)")
+    if estimator == JENSEN and not (len(alpha) == 1 and alpha[0].is_integer() and alpha[0] >= 2):
         raise UsageError("--alpha", "the mean-rule Rényi statistic is measured at one integer order >= 2, got "
-                                    + " ".join(f"{order:g}" for order in args.alpha))
-    if args.histogram_precision is not None and not args.histogram_precision <= 1:
+                                    + " ".join(f"{order:g}" for order in alpha))
+    precision = flags["histogram_precision"]
+    if precision is not None and not precision <= 1:
         raise UsageError("--histogram-precision", f"must be in (0, 1] (a relative rounding, e.g. 0.01), "
-                                                  f"got {args.histogram_precision:g}")
-    if not args.res_name.strip() or args.res_name != os.path.basename(args.res_name):
-        raise UsageError("--res-name", f"{args.res_name!r} must be a plain file name "
-                                       "(rows go to <res-dir>/<res-name>.csv)")
-    directions = sensitivity.DIRECTIONS if args.direction == "both" else (args.direction,)
+                                                  f"got {precision:g}")
+    res_name = flags["res_name"]
+    if not res_name.strip() or res_name != os.path.basename(res_name):
+        raise UsageError("--res-name", f"{res_name!r} must be a plain file name (rows go to <res-dir>/<res-name>.csv)")
+    directions = poisson_batches.DIRECTIONS if flags["direction"] == "both" else (Direction(flags["direction"]),)
     # Without --run the training flags name the run, --reduction included.
-    reduction = args.reduction if args.run is None or "reduction" in given else None
-    return Request(exp=args.exp, reduction=reduction, estimator=args.estimator, stages=parse_stages(args.stage),
-                   alpha=int(args.alpha[0]) if args.estimator == JENSEN else None, num_batches=args.num_batches,
-                   num_iters=args.num_iters, directions=directions, mc_seed=args.mc_seed, mc_blocks=args.mc_blocks,
-                   size_delta=args.size_delta, max_sizes=args.max_sizes,
-                   res_path=results.results_path(args.res_name, args.res_dir), overwrite=bool(args.overwrite),
-                   automatic_format=storage.extension(args.res_name) is None,
-                   histogram_precision=args.histogram_precision)
+    reduction = flags["reduction"] if flags["run"] is None or "reduction" in given else None
+    return Request(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=parse_stages(flags["stage"]),
+                   alpha=int(alpha[0]) if estimator == JENSEN else None, num_batches=num_batches,
+                   num_iters=flags["num_iters"], directions=directions, mc_seed=flags["mc_seed"],
+                   mc_blocks=flags["mc_blocks"], size_delta=flags["size_delta"], max_sizes=flags["max_sizes"],
+                   res_path=results.results_path(res_name, flags["res_dir"]), overwrite=bool(flags["overwrite"]),
+                   automatic_format=storage.extension(res_name) is None, histogram_precision=precision)
 
 
 def parse_stages(tokens):
@@ -235,20 +260,17 @@ class Run(runs.OpenRun):
     """The training run the flags name; its config is planned from the flags until the run is
     trained, then read from its run.json."""
 
-    training_args: argparse.Namespace
+    training_args: runs.TrainingFlags
     finished: bool
 
 
-def find_run(args, given):
-    """The run named by --run or by the training flags, checked against what is on disk; nothing is
-    written."""
-    defaults = training_defaults()
-    training_args = argparse.Namespace(**{dest: getattr(args, dest) for dest in defaults})
-    if args.run is not None:
-        training_args = named_run_args(args.run, training_args, given)
+def find_run(name, training_args, given):
+    """The run named by --run `name` (None: by the training flags `training_args`), checked against
+    what is on disk; nothing is written."""
+    if name is not None:
+        training_args = named_run_args(name, training_args, given)
     # --overwrite belongs to the result file here: never retrain a run because of it.
-    training_args.overwrite = 0
-    runs.resolve_training_args(training_args)
+    training_args = runs.resolve_training_args(replace(training_args, overwrite=0))
     name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
     dataset = load_dataset(name, root)
     run_data = dataset if less_point is None else load_dataset(name, root, less_point)
@@ -263,15 +285,6 @@ def find_run(args, given):
     return run
 
 
-def run_folder(run, models_dir):
-    """--run: a folder when it holds a path separator, else the name of a run in --models-dir."""
-    if any(separator and separator in run for separator in (os.sep, os.altsep)):
-        return os.path.normpath(run)
-    if run in ("", ".", ".."):
-        raise UsageError("--run", f"{run!r} is not a run name (give a name in --models-dir or a folder like ./{run})")
-    return os.path.join(models_dir, run)
-
-
 def named_run_args(run, training_args, given):
     """The training flags of the run that --run names: its run.json's when it exists, else the
     flags given (the run is then trained under that name). A training flag given explicitly must
@@ -279,8 +292,9 @@ def named_run_args(run, training_args, given):
     (the rows' update_rule keeps the trained one)."""
     if "save_name" in given:
         raise UsageError("--save-name", "--run names the run already; leave --save-name out")
-    run_dir = run_folder(run, training_args.models_dir)
-    training_args.models_dir, training_args.save_name = os.path.split(run_dir)
+    run_dir = runs.run_folder(run, training_args.models_dir)
+    models_dir, save_name = os.path.split(run_dir)
+    training_args = replace(training_args, models_dir=models_dir, save_name=save_name)
     path = runs.run_file(run_dir)
     if not os.path.exists(path):
         return training_args
@@ -288,9 +302,8 @@ def named_run_args(run, training_args, given):
     for dest, value in given.items():
         if dest in recorded and dest != "reduction" and value != recorded[dest]:
             raise UsageError(training_flag(dest), f"given {value!r}, but {path} has {recorded[dest]!r}")
-    for dest, value in recorded.items():
-        setattr(training_args, dest, value)
-    return training_args
+    known = training_args.as_dict()
+    return replace(training_args, **{dest: value for dest, value in recorded.items() if dest in known})
 
 
 def require_finished(run):
@@ -454,35 +467,46 @@ class ResultFile:
 
 # --- measuring one checkpoint --------------------------------------------------------------------
 
-def progress_bar(total, desc):
-    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, disable=None, leave=False)
-
-
 def measure_checkpoint(request, run, step, points, device, blocks=None):
     """The rows of one checkpoint for `points` (every requested direction). Coupling under
     torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
-    transform = sensitivity.Transform.of_run(config)
-    point_x, point_y = run.dataset.train_x[points], run.dataset.train_y[points]
+    transform = Transform.of_run(config)
+    point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
+    statistics_only = request.family == COUPLING and request.num_batches == 0
     with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         if request.reduction == "sum":
-            norms, predictions = sensitivity.transformed_norms(model, point_x, point_y, transform, device, bar)
-            columns = norm_columns(norms)
+            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
+        elif statistics_only:
+            statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
+                                                                     point_y, point_rows, transform, device, bar)
         else:
-            rows, point_gradients = sensitivity.checkpoint_gradients(
-                model, run.train_x, run.train_y, point_x, point_y, run.train_rows(points), transform, device,
-                progress=bar, point_rows=request.family == JENSEN or request.num_batches > 0)
+            rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
+                                                         point_rows, transform, device, progress=bar)
             predictions = point_gradients.predictions
-    if request.family == COUPLING:
-        columns = coupling_columns(request, config, rows, point_gradients, step, blocks)
-    elif request.family == JENSEN:
-        pool = sensitivity.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
+    if request.reduction == "sum":
+        columns = norm_columns(norms)
+    elif request.family == COUPLING:
+        # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
+        # larger, so its δ_size stays below --size-delta.
+        plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
+                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+        if statistics_only:
+            samples = coupling.CouplingSamples(np.zeros((len(points), 0)), plan)
+        else:
+            measured = plan.blocks if blocks is None else len(blocks)
+            with progress_bar(measured * plan.permutations, f"permutations, step {step}") as bar:
+                statistics, samples = coupling.measure_coupling(rows, point_gradients, plan, bar, blocks)
+        columns = coupling_columns(config.clip_bound, statistics, samples, blocks)
+    else:
+        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
         with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
-            statistics = sensitivity.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
-                                                      request.num_iters, request.num_batches, request.directions, bar)
+            statistics = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
+                                                          request.num_iters, request.num_batches, request.directions,
+                                                          bar)
         columns = jensen_columns(request, statistics)
     frame = measurement_rows(request, config, step, payload["test_accuracy"], points,
                              run.dataset.train_y[points].numpy(), predictions, columns)
@@ -497,21 +521,14 @@ def norm_columns(norms):
             "target_batch": 0, "sample": 0}
 
 
-def coupling_columns(request, config, rows, point_gradients, step, blocks=None):
+def coupling_columns(clip_bound, statistics, samples, blocks=None):
     """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
     max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
-    n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
-    larger, so its δ_size stays below --size-delta. With `blocks`, only their draws, and the
-    statistics rows only with block 0 (each part of a torchrun measurement holds its own rows)."""
-    plan = sensitivity.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
-                                     request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
-    measured = plan.blocks if blocks is None else len(blocks)
-    with progress_bar(measured * plan.permutations, f"permutations, step {step}") as bar:
-        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan, bar, blocks)
+    With `blocks`, only their draws, and the statistics rows only with block 0 (each part of a
+    torchrun measurement holds its own rows)."""
     count = len(statistics.spread) if blocks is None or 0 in blocks else 0
     position, block, sample, size, value = samples.accepted()
     # Δ_B ≤ ||h*|| ≤ Γ for k = 0 and ≤ 2Γ/(k+1) otherwise; float32 products can round one ulp above.
-    clip_bound = config.clip_bound
     value = np.minimum(value, np.where(size > 0, 2 * clip_bound / (size + 1), clip_bound))
     stats = [statistics.center_distance[:count], statistics.spread[:count], statistics.max_deviation[:count]]
     return {
@@ -524,7 +541,7 @@ def coupling_columns(request, config, rows, point_gradients, step, blocks=None):
         "sample": np.concatenate([np.zeros(3 * count, dtype=np.int64), sample]),
         "block": np.concatenate([np.full(3 * count, np.nan), block]),
         "k": np.concatenate([np.full(3 * count, np.nan), size]),
-        "k_min": plan.k_min,
+        "k_min": samples.plan.k_min,
     }
 
 

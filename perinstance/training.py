@@ -205,8 +205,8 @@ def latest_checkpoint(run_dir, planned):
 
 
 def train(args, quiet=False):
-    """Train (or resume, or find finished) the run that the training flags `args` name."""
-    runs.resolve_training_args(args)
+    """Train (or resume, or find finished) the run that the training flags `args` (runs.TrainingFlags) name."""
+    args = runs.resolve_training_args(args)
     dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point)
     run = runs.plan_run(args, dataset)
     run_dir = runs.run_dir_for(args)

@@ -10,10 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
+from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
-from perinstance import accounting, results, runs, sensitivity, sensitivity_cli, training
+from perinstance import accounting, coupling, results, runs, sensitivity_cli, training
 from perinstance.data import load_dataset
-from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY
+from perinstance.gradient_rows import Transform, transformed_norms
+from perinstance.poisson_batches import Pool
+from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
 # psac: every point's Δ* differs (flat clipping would give C for most of them).
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -65,9 +68,9 @@ def test_sum_rule_rows_are_the_points_norms_at_each_checkpoint(measure, models):
     dataset = load_dataset("synthetic")
     metadata, model, payload = checkpoint(models, rows["run"][0], 8)
     mine = rows[rows["step"] == 8].sort_values("point")
-    transform = sensitivity.Transform.of_run(metadata)
-    singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
-                                                [[point] for point in range(10)])
+    transform = Transform.of_run(metadata)
+    singles = reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
+                                    [[point] for point in range(10)])
     np.testing.assert_allclose(mine["value"], np.linalg.norm(singles, axis=1), rtol=1e-5)
     logits = model(dataset.train_x[:10])
     np.testing.assert_allclose(mine["loss"], F.cross_entropy(logits, dataset.train_y[:10], reduction="none")
@@ -101,13 +104,12 @@ def test_mean_rule_coupling_rows_match_the_reference(measure, models):
     np.testing.assert_allclose(rows["noise_std"], rows["sigma"] * rows["clip_bound"] / 32)
     metadata, model, _ = checkpoint(models, rows["run"][0], 16)
     # accounting.md §3.4: k_min from δ_size = δ/(10·T), n = N − 1.
-    plan = sensitivity.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
+    plan = coupling.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
     assert plan.k_min == accounting.size_threshold(511, 32 / 512, 1e-5 / 160) > 0
     assert (rows["k_min"] == plan.k_min).all()
     dataset = load_dataset("synthetic")
-    transform = sensitivity.Transform.of_run(metadata)
-    h = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
-                                          [[index] for index in range(512)])
+    transform = Transform.of_run(metadata)
+    h = reference_batch_means(model, dataset.train_x, dataset.train_y, transform, [[index] for index in range(512)])
     for point in (3, 7):
         mine = rows[rows["point"] == point]
         statistics = mine[mine["quantity"] != "batch_sensitivity"].set_index("quantity")["value"]
@@ -123,7 +125,7 @@ def test_mean_rule_coupling_rows_match_the_reference(measure, models):
         np.testing.assert_array_equal(samples["k"], [len(kept[int(b), int(s)]) for b, s in
                                                      zip(samples["block"], samples["sample"])])
         checked = samples.iloc[::25]
-        reference = sensitivity.reference_batch_sensitivities(
+        reference = reference_batch_sensitivities(
             model, dataset.train_x, dataset.train_y, transform, point,
             [kept[int(block), int(sample)] for block, sample in zip(checked["block"], checked["sample"])])
         np.testing.assert_allclose(checked["value"], reference, rtol=1e-4)
@@ -141,12 +143,12 @@ def test_renyi_mean_rows_match_the_reference(measure, models):
     assert (rows["alpha"] == 3).all() and (rows["step"] == 8).all()
     metadata, model, _ = checkpoint(models, rows["run"][0], 8)
     dataset = load_dataset("synthetic")
-    pool = sensitivity.Pool(0, 8, 512, metadata.sample_rate, np.arange(512))
+    pool = Pool(0, 8, 512, metadata.sample_rate, np.arange(512))
     target = np.flatnonzero(pool.draw(1, RENYI_TARGET_KEY, 1)[0])
     sets = [[np.flatnonzero(mask) for mask in pool.draw(3, RENYI_SET_KEY, 1, key)] for key in range(3)]
     without_point = [[batch[batch != 5] for batch in batches] for batches in sets]
-    expected = sensitivity.reference_renyi_statistics(model, dataset.train_x, dataset.train_y,
-                                                      sensitivity.Transform.of_run(metadata), target, without_point)
+    expected = reference_renyi_statistics(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata),
+                                          target, without_point)
     mine = rows[(rows["direction"] == "add") & (rows["target_batch"] == 1)].sort_values("sample")
     np.testing.assert_allclose(mine["value"], expected, rtol=1e-4)
 
@@ -158,8 +160,8 @@ def test_less_point_run_measures_the_left_out_point_by_its_full_dataset_index(me
     np.testing.assert_array_equal(rows["label"], dataset.train_y[2:5].numpy())
     assert set(rows["dataset_size"]) == {511}
     metadata, model, _ = checkpoint(models, rows["run"][0], 16)
-    singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y,
-                                                sensitivity.Transform.of_run(metadata), [[2], [3], [4]])
+    singles = reference_batch_means(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata),
+                                    [[2], [3], [4]])
     np.testing.assert_allclose(rows["value"], np.linalg.norm(singles, axis=1), rtol=1e-5)
 
 
@@ -289,8 +291,8 @@ def test_engine_runs_on_cuda_when_present():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)).cuda()
-    norms, _ = sensitivity.transformed_norms(model, torch.randn(5, 1, 2, 2), torch.arange(5) % 3,
-                                             sensitivity.Transform("flat", 1.0), device="cuda")
+    norms, _ = transformed_norms(model, torch.randn(5, 1, 2, 2), torch.arange(5) % 3, Transform("flat", 1.0),
+                                 device="cuda")
     assert (norms <= 1 + 1e-6).all()
 
 

@@ -14,15 +14,12 @@ from opacus.accountants import RDPAccountant
 
 from perinstance import checkpoints, runs, sampling, training
 from perinstance.data import load_dataset
-from perinstance.options import Parser, add_training_args
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def parse(*argv):
-    parser = Parser()
-    add_training_args(parser)
-    return parser.parse_args(list(map(str, argv)))
+    return runs.TrainingFlags.parse(list(map(str, argv)))
 
 
 # --- Poisson sampling -------------------------------------------------------------------

@@ -1,0 +1,326 @@
+"""The torch side of the audit (docs/audit.md): one DP-SGD step at a checkpoint, simulated with and without x*.
+
+The audited points' transformed gradients (perinstance/gradient_rows.py), the directions the
+releases are projected on, the Monte-Carlo simulation of one released step, and the accountant's
+upper bound it is held against. The mathematics (Clopper–Pearson, the ε conversion, Fisher
+directions, threshold choice) is in perinstance/audit.py.
+
+Cost trick of the simulation: everything is projected on one unit direction e per point. Then
+⟨u(B), e⟩ = Σ_{i∈B} a_i with a_i = ⟨h_i, e⟩ computed once, and the isotropic Gaussian noise
+projected on e is exactly one-dimensional; a trial is a batch draw and two normal draws.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from perinstance import accounting, audit, poisson_batches, sampling, training
+from perinstance.console import progress_bar
+from perinstance.gradient_rows import Bags, PointGradients, Predictions, Transform, checkpoint_gradients
+from perinstance.mechanism import Mechanism
+
+# Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
+# stay in the tens of megabytes.
+CHUNK_TRIALS = 8192
+# Batches of the mean rule's upper bound per pass over the rows (their float32 sums: 63 MB for LeNet-5).
+UPPER_PASS_BATCHES = 256
+# Scores of the points simulated together: (trials × points × 2) float32 at most this many bytes.
+SCORE_BYTES = 1 << 29
+# Whitening: the leading principal directions of the other points' gradients (randomised SVD,
+# Halko, Martinsson & Tropp 2011), with oversampling and power iterations for accuracy.
+WHITENING_RANK = 128
+WHITENING_OVERSAMPLE = 16
+WHITENING_POWER_ITERATIONS = 2
+STATISTICS = ("whitened", "projection", "known-batch")
+
+
+# --- per-sample gradients of the audited points ---------------------------------------------------
+
+@dataclass
+class AuditedPoints:
+    """The points under audit at one checkpoint: full-dataset indices, h* as rows (P × d),
+    training rows (−1 outside the training set), and their losses and correctness."""
+
+    points: np.ndarray
+    gradients: torch.Tensor
+    train_rows: np.ndarray
+    predictions: Predictions
+
+    def point_gradients(self):
+        return PointGradients(self.gradients, self.train_rows, self.predictions)
+
+
+def audited_gradients(run, model, transform, points, spread, device, progress):
+    """The gradients of every training row (gradient_rows.checkpoint_gradients: held as far as the
+    memory budget allows, the others recomputed on each pass) and the audited points.
+
+    `points` (full-dataset indices), or None and `spread` points chosen by
+    audit.spread_points from every training row's Δ* and correctness at this checkpoint.
+    """
+    query = np.asarray(points if points is not None else run.train_columns[:1])
+    rows, given = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
+                                       run.dataset.train_y[query], run.train_rows(query), transform, device,
+                                       progress=progress)
+    if points is not None:
+        return rows, AuditedPoints(query, given.rows, run.train_rows(query), given.predictions)
+    norms = np.minimum(rows.square_norms().sqrt().cpu().numpy(), transform.bound)
+    chosen = audit.spread_points(norms, rows.predictions.correct, spread)
+    return rows, AuditedPoints(run.train_columns[chosen], rows.take(chosen), chosen, rows.predictions.take(chosen))
+
+
+def top_components(rows, center, rank, seed):
+    """Leading right singular vectors V (d × l) and singular values of H − 1·centerᵀ, H the
+    training rows (center None: H itself), by randomised SVD with power iterations. Each product
+    is one pass over the rows."""
+    dim, count = rows.dim, rows.num_rows
+    size = min(rank + WHITENING_OVERSAMPLE, count, dim)
+    dtype, device = rows.dtype, rows.device
+    shift = None if center is None else torch.as_tensor(center, dtype=dtype, device=device)
+
+    def times(right):  # (H − 1cᵀ)·right: (count × size)
+        product = rows.products(right.T, dtype)
+        return product if shift is None else product - (shift @ right)[None, :]
+
+    def transposed_times(left):  # (H − 1cᵀ)ᵀ·left: (dim × size)
+        product = rows.transposed_product(left)
+        return product if shift is None else product - shift[:, None] * left.sum(dim=0)[None, :]
+
+    def orthonormal(matrix):
+        return torch.linalg.qr(matrix.double())[0].to(dtype)
+
+    generator = torch.Generator(device=device).manual_seed(int(seed))
+    basis = orthonormal(times(torch.randn(dim, size, generator=generator, dtype=dtype, device=device)))
+    for _ in range(WHITENING_POWER_ITERATIONS):
+        basis = orthonormal(times(orthonormal(transposed_times(basis))))
+    _, singular, right_vectors = torch.linalg.svd(transposed_times(basis).double().T, full_matrices=False)
+    return right_vectors.T.cpu().numpy(), singular.cpu().numpy()
+
+
+def shift_targets(rows, audited, rule):
+    """What x* moves the update along: h* (sum rule), h* − μ_X (mean rule, the coupling
+    direction of accounting.md §3.2, μ_X the mean of the other points' h_i). (P × d) float64."""
+    own = audited.gradients.double().cpu().numpy()
+    if rule == "sum":
+        return own
+    total = rows.column_sums().cpu().numpy()
+    count = rows.num_rows
+    inside = (audited.train_rows >= 0)[:, None]
+    others_mean = (total[None, :] - inside * own) / (count - inside)
+    return own - others_mean
+
+
+def directions(rows, audited, mechanism, statistic, seed):
+    """Unit directions e (P × d): the shift itself (projection, known-batch), or Fisher's
+    discriminant against the other points' batch spread plus the noise (whitened, docs/audit.md)."""
+    targets = shift_targets(rows, audited, mechanism.rule)
+    noise_var = mechanism.noise_std ** 2
+    if statistic != "whitened":
+        return audit.fisher_directions(targets, np.zeros((targets.shape[1], 0)), np.zeros(0), noise_var)
+    count = rows.num_rows
+    if mechanism.rule == "sum":
+        # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling.
+        basis, singular = top_components(rows, None, WHITENING_RANK, seed)
+        variances = mechanism.sample_rate * (1 - mechanism.sample_rate) * singular ** 2
+    else:
+        # The mean of a uniform k-subset has covariance Σ_X·(n−k)/(k(n−1)), at k = B_exp.
+        basis, singular = top_components(rows, rows.column_sums().cpu().numpy() / count, WHITENING_RANK, seed)
+        size = min(mechanism.batch_size, count - 1)
+        variances = singular ** 2 / count * (count - size) / (size * max(count - 1, 1))
+    return audit.fisher_directions(targets, basis, variances, noise_var)
+
+
+# --- the simulation ---------------------------------------------------------------------------------
+
+def projections_on(rows, unit):
+    """a_i = ⟨h_i, e_p⟩ for every training row and direction (float32 products, float64 result)."""
+    unit = torch.as_tensor(unit, dtype=rows.dtype, device=rows.device)
+    return rows.products(unit, rows.dtype).double().cpu().numpy()
+
+
+def memberships(members, sizes, own_rows):
+    """(batches, points) booleans: point p's training row own_rows[p] is in the batch (never for −1)."""
+    lookup = np.full(int(max(members.max(initial=-1), own_rows.max(initial=-1))) + 1, -1, dtype=np.int64)
+    inside = np.flatnonzero(own_rows >= 0)
+    lookup[own_rows[inside]] = inside
+    found = lookup[members] if len(members) else np.zeros(0, dtype=np.int64)
+    hit = np.flatnonzero(found >= 0)
+    result = np.zeros((len(sizes), len(own_rows)), dtype=bool)
+    result[np.repeat(np.arange(len(sizes)), sizes)[hit], found[hit]] = True
+    return result
+
+
+def _chunk_rng(seed, step, *key):
+    return sampling.stream_rng(seed, sampling.AUDIT_STREAM, step, *key)
+
+
+def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed, step, points, known_batch=False,
+                      progress=None):
+    """The projected release ⟨ũ, e_p⟩ of one step over `trials` trials, with x* in the
+    training set (law P) and without (law Q): two (trials, P) float32 arrays.
+    known_batch: the adversary also knows the other points' batch B and subtracts the
+    update without x*, ⟨u(B) or m(B), e_p⟩ (docs/audit.md).
+
+    projections: (n, P) a_i = ⟨h_i, e_p⟩ over the run's training rows; own_rows: each point's
+    row (−1 outside the training set); own_values: ⟨h*, e_p⟩. A trial draws one Poisson batch
+    D over all rows, shared by the points (the other points' batch is D without x*, exactly
+    Poisson_q(X)), then per point x*'s own Bernoulli(q) and the two noises from a stream of
+    (seed, step, chunk, point), so a point's scores do not depend on the points beside it.
+    The two laws share D: each rate's interval needs only independent trials of its own law.
+    """
+    count = projections.shape[0]
+    center = projections.mean(axis=0)
+    # Centred float32 for the gather-and-add; the exact centre is added back in float64.
+    centred = torch.from_numpy((projections - center).astype(np.float32))
+    own_rows = np.asarray(own_rows)
+    own_in_rows = np.where(own_rows >= 0, projections[np.maximum(own_rows, 0), np.arange(len(own_rows))], 0.0)
+    scores_in = np.empty((trials, len(own_rows)), dtype=np.float32)
+    scores_out = np.empty_like(scores_in)
+    for chunk, start in enumerate(range(0, trials, CHUNK_TRIALS)):
+        stop = min(start + CHUNK_TRIALS, trials)
+        members, sizes = sampling.poisson_members(_chunk_rng(seed, step, sampling.TRIAL_KEY, chunk), stop - start,
+                                                  count, mechanism.sample_rate)
+        member = memberships(members, sizes, own_rows)
+        others_sum = (Bags(members, sizes, centred.device).sums(centred).double().numpy() + sizes[:, None] * center
+                      - member * own_in_rows)
+        others_count = sizes[:, None] - member
+        for column, point in enumerate(points):
+            rng = _chunk_rng(seed, step, sampling.TRIAL_KEY, chunk, point)
+            joined = rng.random(stop - start) < mechanism.sample_rate
+            noise = rng.standard_normal((2, stop - start)) * mechanism.noise_std
+            parts = others_sum[:, column], others_count[:, column]
+            known = audit.projected_release(*parts, False, 0.0, 0.0, mechanism.rule) if known_batch else 0.0
+            scores_in[start:stop, column] = audit.projected_release(
+                *parts, joined, own_values[column], noise[0], mechanism.rule) - known
+            scores_out[start:stop, column] = audit.projected_release(
+                *parts, False, own_values[column], noise[1], mechanism.rule) - known
+        if progress is not None:
+            progress.update(stop - start)
+    return scores_in, scores_out
+
+
+# --- the upper bounds the audit holds them against ------------------------------------------------
+
+def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, clip_bound):
+    """(eps_upper, sensitivity, kind) per point: the matching accountant's per-step ε at δ.
+
+    Sum rule: exact (accounting.md §3.3 with Δ = Δ*). Mean rule: the estimate of §3.3 from
+    `upper_batches` Poisson batches of Δ_B, equal weights (its Monte-Carlo error is not a bound).
+    `sensitivity` is Δ* (sum) or the largest sampled Δ_B (mean).
+    """
+    if mechanism.rule == "sum":
+        norms = np.minimum(np.linalg.norm(audited.gradients.double().cpu().numpy(), axis=1), clip_bound)
+        eps = accounting.per_step_eps(norms[:, None] / mechanism.noise_std, delta, mechanism.sample_rate)
+        return eps, norms, "exact"
+    members, sizes = sampling.poisson_members(_chunk_rng(seed, step, sampling.UPPER_KEY), upper_batches,
+                                              rows.num_rows, mechanism.sample_rate)
+    samples = poisson_batches.batch_sensitivities(rows, audited.point_gradients(),
+                                                  sampling.members_mask(members, sizes, rows.num_rows),
+                                                  most_per_pass=UPPER_PASS_BATCHES)
+    eps = accounting.per_step_eps(samples / mechanism.noise_std, delta, mechanism.sample_rate)
+    return eps, samples.max(axis=1), "estimate"
+
+
+# --- the audit of one checkpoint -------------------------------------------------------------------
+
+AUDIT_COLUMNS = ["point", "step", "rule", "label", "loss", "correct", "sensitivity", "eps_lower", "eps_upper",
+                 "upper_kind", "ratio", "violated", "direction", "threshold", "tpr", "fpr", "trials", "delta",
+                 "confidence", "statistic", "seed"]
+
+
+@dataclass(frozen=True)
+class AuditRequest:
+    rule: str
+    trials: int
+    delta: float
+    statistic: str
+    upper_batches: int
+    seed: int
+    points: np.ndarray | None
+    spread: int | None
+
+
+def audit_checkpoint(run, step, request, device="cpu"):
+    """Audit rows (AUDIT_COLUMNS) of the requested points at checkpoint `step`.
+
+    trials: released steps simulated per law and point; half choose the test, half count it.
+    eps_lower holds with 95% confidence; eps_upper is the accountant's per-step ε; violated
+    marks eps_lower > eps_upper, i.e. an upper bound the audit proves wrong.
+    """
+    mechanism = Mechanism.of_run(run.config, request.rule)
+    model, _ = training.load_model(run.config, run.run_dir, step, device)
+    transform = Transform.of_run(run.config)
+    with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
+        rows, audited = audited_gradients(run, model, transform, request.points, request.spread, device, bar)
+    unit = directions(rows, audited, mechanism, request.statistic, _chunk_rng(request.seed, step, sampling.WHITENING_KEY)
+                      .integers(2**62))
+    projections = projections_on(rows, unit)
+    own_values = np.einsum("pd,pd->p", audited.gradients.double().cpu().numpy(), unit)
+    eps_upper, sensitivities, kind = upper_bounds(rows, audited, mechanism, request.delta, request.upper_batches,
+                                                  request.seed, step, transform.bound)
+    del rows  # the held gradients are no longer needed; the simulation only uses the projections
+    outcomes = []
+    per_pass = max(1, SCORE_BYTES // (8 * request.trials))
+    with progress_bar(request.trials * -(-len(audited.points) // per_pass), f"simulated steps, step {step}") as bar:
+        for start in range(0, len(audited.points), per_pass):
+            part = slice(start, start + per_pass)
+            scores_in, scores_out = simulate_releases(projections[:, part], audited.train_rows[part],
+                                                      own_values[part], mechanism, request.trials, request.seed,
+                                                      step, audited.points[part],
+                                                      request.statistic == "known-batch", bar)
+            outcomes += [audit.audit_scores(scores_in[:, column], scores_out[:, column], request.delta)
+                         for column in range(scores_in.shape[1])]
+    return audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, kind)
+
+
+def audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, kind):
+    eps_lower = np.array([outcome.eps_lower for outcome in outcomes])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(eps_upper > 0, eps_lower / eps_upper, np.where(eps_lower > 0, np.inf, 0.0))
+    return pd.DataFrame({
+        "point": audited.points,
+        "step": step,
+        "rule": request.rule,
+        "label": run.dataset.train_y[audited.points].numpy(),
+        "loss": audited.predictions.losses,
+        "correct": audited.predictions.correct.astype(int),
+        "sensitivity": sensitivities,
+        "eps_lower": eps_lower,
+        "eps_upper": eps_upper,
+        "upper_kind": kind,
+        "ratio": ratio,
+        "violated": (eps_lower > eps_upper).astype(int),
+        "direction": [outcome.direction for outcome in outcomes],
+        "threshold": [outcome.threshold for outcome in outcomes],
+        "tpr": [outcome.hits_in / outcome.trials for outcome in outcomes],
+        "fpr": [outcome.hits_out / outcome.trials for outcome in outcomes],
+        "trials": request.trials,
+        "delta": request.delta,
+        "confidence": audit.CONFIDENCE,
+        "statistic": request.statistic,
+        "seed": request.seed,
+    })[AUDIT_COLUMNS]
+
+
+def audit_summary(rows):
+    """Per checkpoint step: the rule, the kind of upper bound, trials, δ, the number of violated
+    points, and per group (easy, hard, misclassified, all) the number of points and the medians
+    of eps_lower, eps_upper and their ratio. Easy/hard: correctly classified points below / at
+    or above the median eps_upper of the correctly classified points audited at that step."""
+    summary = {}
+    for step, group in rows.groupby("step"):
+        right = group[group["correct"] == 1]
+        cut = right["eps_upper"].median()
+        subsets = {"easy": right[right["eps_upper"] < cut], "hard": right[right["eps_upper"] >= cut],
+                   "misclassified": group[group["correct"] == 0], "all": group}
+        summary[int(step)] = {
+            "rule": group["rule"].iloc[0], "upper_kind": group["upper_kind"].iloc[0],
+            "trials": int(group["trials"].iloc[0]), "delta": float(group["delta"].iloc[0]),
+            "violated": int(group["violated"].sum()), "points": len(group),
+            "groups": {name: {"points": len(subset), "median_lower": float(subset["eps_lower"].median()),
+                              "median_upper": float(subset["eps_upper"].median()),
+                              "median_ratio": float(subset["ratio"].median())}
+                       for name, subset in subsets.items() if len(subset)},
+        }
+    return summary
