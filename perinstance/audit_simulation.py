@@ -10,6 +10,7 @@ Cost trick of the simulation: everything is projected on one unit direction e pe
 projected on e is exactly one-dimensional; a trial is a batch draw and two normal draws.
 """
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from perinstance import accounting, audit, poisson_batches, sampling, training
 from perinstance.console import progress_bar
+from perinstance.errors import UsageError
 from perinstance.gradient_rows import Bags, PointGradients, Predictions, Transform, checkpoint_gradients
 from perinstance.mechanism import Mechanism
 
@@ -34,6 +36,7 @@ WHITENING_RANK = 128
 WHITENING_OVERSAMPLE = 16
 WHITENING_POWER_ITERATIONS = 2
 STATISTICS = ("whitened", "projection", "known-batch")
+TABLE_ROWS = 20
 
 
 # --- per-sample gradients of the audited points ---------------------------------------------------
@@ -230,6 +233,28 @@ AUDIT_COLUMNS = ["point", "step", "rule", "label", "loss", "correct", "sensitivi
 
 
 @dataclass(frozen=True)
+class Command:
+    """audit.py's flags, typed: the run, the points (--points or --spread) and checkpoints, the
+    audit's settings (AuditRequest once the run is open) and where the results go."""
+
+    run: str
+    models_dir: str
+    data_root: str
+    points: tuple | None
+    spread: int | None
+    stages: list
+    rule: str | None
+    trials: int
+    delta: float
+    statistic: str
+    upper_batches: int
+    mc_seed: int | None
+    out: str | None
+    figure: str | None
+    device: str
+
+
+@dataclass(frozen=True)
 class AuditRequest:
     rule: str
     trials: int
@@ -324,3 +349,38 @@ def audit_summary(rows):
                        for name, subset in subsets.items() if len(subset)},
         }
     return summary
+
+
+def report_lines(rows, out):
+    """What audit.py prints of its rows (written to `out`): the first rows, then per checkpoint the
+    summary of audit_summary."""
+    shown = rows.head(TABLE_ROWS)
+    lines = [shown[["point", "step", "label", "correct", "loss", "sensitivity", "eps_lower", "eps_upper", "ratio",
+                    "violated", "direction"]].to_string(index=False, float_format=lambda value: f"{value:.4g}")]
+    if len(rows) > len(shown):
+        lines.append(f"... {len(rows) - len(shown)} more rows in {out}")
+    lines.append("")
+    for step, summary in audit_summary(rows).items():
+        lines.append(f"step {step}, {summary['rule']} rule, {summary['upper_kind']} upper bound, "
+                     f"{summary['trials']} trials per law, delta={summary['delta']:g}:")
+        for name, group in summary["groups"].items():
+            lines.append(f"  {name:>13}: {group['points']:3d} points, median eps_lower {group['median_lower']:.4g}, "
+                         f"eps_upper {group['median_upper']:.4g}, eps_lower/eps_upper {group['median_ratio']:.3g}")
+        lines.append(f"  violated (eps_lower > eps_upper): {summary['violated']} of {summary['points']}"
+                     + (" — these upper bounds are WRONG (or, for an estimate, too noisy)" if summary["violated"]
+                        else ""))
+    return lines
+
+
+def output_paths(out, figure, run_name, rule):
+    """audit.py's --out and --figure (default res/<run>_audit_<rule>.csv, figures/<run>_audit_<rule>.png),
+    refused when a folder stands where the file goes or a file where its folder goes."""
+    out = out or os.path.join("res", f"{run_name}_audit_{rule}.csv")
+    figure = figure or os.path.join("figures", f"{run_name}_audit_{rule}.png")
+    for flag, path in (("--out", out), ("--figure", figure)):
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise UsageError(flag, f"{folder} is a file, not a folder")
+        if os.path.isdir(path):
+            raise UsageError(flag, f"{path} is a folder; give a file name")
+    return out, figure

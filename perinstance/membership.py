@@ -10,10 +10,37 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from perinstance import audit, sampling, training
+from perinstance import audit, runs, sampling, training
 from perinstance.errors import UsageError
 
 LOSS_CHUNK = 1024
+MODELS = {"DP": "--run", "non-private": "--nondp-run"}
+# Flags in which a DP run and its non-private counterpart may differ: privacy by construction,
+# and what is recorded rather than trained.
+NOT_COMPARED = {"dp", "eps", "sigma", "delta", "save_freq", "track_points"}
+
+
+def open_pair(run, nondp_run, models_dir, data_root):
+    """The DP run (--run) and the non-private run (--nondp-run), opened (runs.open_run) and checked to
+    be the two halves of one comparison: {model: run}, and the training flags they differ in
+    besides privacy."""
+    opened = {model: runs.open_run(name, models_dir, data_root, flag)
+              for (model, flag), name in zip(MODELS.items(), (run, nondp_run), strict=True)}
+    for model, flag in MODELS.items():
+        config = opened[model].config
+        if config.private != (model == "DP"):
+            raise UsageError(flag, f"{opened[model].name} is {'a DP run' if config.private else 'non-private'}; "
+                                   "give the DP run as --run and the non-private one as --nondp-run")
+        if config.less_point is not None:
+            raise UsageError(flag, f"{opened[model].name} was trained without point {config.less_point}; "
+                                   "use runs on the whole training set")
+    private, public = opened["DP"].config, opened["non-private"].config
+    if private.dataset_fingerprint != public.dataset_fingerprint:
+        raise UsageError("--nondp-run", f"{opened['non-private'].name} was trained on other data than "
+                                        f"{opened['DP'].name}")
+    differing = sorted(key for key in set(private.flags) | set(public.flags)
+                       if key not in NOT_COMPARED and private.flags.get(key) != public.flags.get(key))
+    return opened, differing
 
 
 @torch.no_grad()

@@ -84,7 +84,8 @@ def add_measurement_args(parser):
                        help="coupling: store the Δ_B samples as histograms, each rounded UP onto the grid Γ·(1+R)^-j "
                             "(at most a factor 1+R, an upper bound for every accountant; docs/sensitivity.md), one "
                             "row per value and size with its count; R in (0, 1], e.g. 0.01")
-    add_alpha_argument(group, [8.0], "jensen: the Rényi order α it measures, one integer >= 2 (default 8)")
+    add_alpha_argument(group, [8.0], "--estimator jensen only: the Rényi order α of GLA's statistic, one integer "
+                                     ">= 2 (default 8)")
     group.add_argument("--num-iters", type=int, default=20, help="jensen: target batches B_0")
     group.add_argument("--direction", default="both", choices=("remove", "add", "both"),
                        help="jensen: D(P||Q) (remove), D(Q||P) (add) or both")

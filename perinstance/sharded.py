@@ -50,12 +50,12 @@ def measure(world, request, run, points, result_file, *, part_points=None, devic
         items = [item for step in steps
                  for item in distributed.plan_items(step, result_file.missing(config.run, step, points, request),
                                                     chunk, blocks)]
-        parts = job_parts(request, config, items)
+        parts = job_parts(request, config, points)
         return config, items, [item for item in items if not parts.has(item)]
 
     config, items, todo = distributed.from_rank0(world, plan)
     run.config, run.finished = config, True
-    parts = job_parts(request, config, items)
+    parts = job_parts(request, config, points)
     mine = world.share(todo)
     for item in mine:
         rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), device,
@@ -76,7 +76,8 @@ def measure(world, request, run, points, result_file, *, part_points=None, devic
           f"{len(todo)} parts to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
 
 
-def job_parts(request, config, items):
-    """The part files of this request's items: the same command finds the same folder again."""
-    description = json.dumps([config.run, repr(request), [item.key for item in items]])
+def job_parts(request, config, points):
+    """The part files of this request for these points: the same command finds the same folder
+    again, also once nothing is left to measure (to remove what a rank killed while it merged left)."""
+    description = json.dumps([config.run, repr(request), [int(point) for point in points]])
     return distributed.Parts(request.res_path, description)

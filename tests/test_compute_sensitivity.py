@@ -240,6 +240,10 @@ BAD_INPUTS = [
     (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "1"], "--alpha"),
     (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "2.5"], "--alpha"),
     (["--exp", "eps_delta", "--reduction", "mean", "--estimator", "jensen"], "--estimator"),
+    # --alpha is GLA's statistic's order only: refused, not ignored, elsewhere.
+    (["--reduction", "mean", "--alpha", "1"], "--alpha"),
+    (["--reduction", "mean", "--estimator", "coupling", "--exp", "renyi", "--alpha", "8"], "--alpha"),
+    (["--reduction", "sum", "--alpha", "8"], "--alpha"),
     (["--reduction", "sum", "--estimator", "coupling"], "--estimator"),
     (["--reduction", "mean", "--mc-blocks", "0"], "--mc-blocks"),
     (["--reduction", "mean", "--max-sizes", "8"], "--max-sizes"),
