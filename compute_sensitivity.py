@@ -22,9 +22,10 @@ part files and the last to finish merges them into the result file (perinstance/
 import sys
 import time
 
-from perinstance import distributed, results, sensitivity_cli, sharded
+from perinstance import distributed, measurement, results, sensitivity_cli, sharded
 from perinstance.errors import run_main
 from perinstance.options import HELP_FORMAT, Parser, parse_points
+from perinstance.result_file import ResultFile
 
 
 def build_parser():
@@ -41,9 +42,8 @@ def main(argv=None):
     run = sensitivity_cli.find_run(command.run, command.training, given)
     request = command.request.for_run(run.config, given)
     points = parse_points(command.points, run.universe, run.config.seed)
-    result_file = sensitivity_cli.ResultFile.open(request.res_path, request.overwrite,
-                                                  results.run_columns(run.config, request.reduction),
-                                                  automatic=request.automatic_format)
+    result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
+                                  automatic=request.automatic_format)
     if command.no_train:
         sensitivity_cli.require_finished(run)
     world = distributed.World.from_env()
@@ -63,8 +63,8 @@ def main(argv=None):
         needed = sorted(set().union(*missing.values()))
         if not needed:
             continue
-        rows = sensitivity_cli.measure_checkpoint(request, run, step, needed, command.device)
-        rows = sensitivity_cli.keep_missing(rows, missing)
+        rows = measurement.measure_checkpoint(request, run, step, needed, command.device)
+        rows = measurement.keep_missing(rows, missing)
         result_file.add(rows)
         written += len(rows)
 

@@ -31,9 +31,9 @@ HELD_PASS_BATCHES = 4096
 # the chunks in. Held rows' passes are cut alike, so that results do not depend on what is held.
 PASS_SUM_BYTES = 1 << 30
 # Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take, a pass's
-# batch sums and a chunk's per-sample pass, a measurement of the quick preset stays under 2 GB
-# resident. Further rows are recomputed on each pass, at the cost of one more per-sample pass
-# over them per pass.
+# batch sums and a chunk's per-sample pass, a measurement of the quick preset fits in 2 GB
+# (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
+# per-sample pass over them per pass.
 HELD_BYTES_CPU = 1 << 28
 
 

@@ -1,22 +1,17 @@
-"""What compute_sensitivity.py needs besides the engine: its flags as one typed command, the run it
-measures, the stages it resolves to checkpoints, the rows of one checkpoint, and the result file
-it appends to."""
+"""compute_sensitivity.py's flags as one typed command, the run it measures and the stages it resolves
+to checkpoints. The rows of a checkpoint are perinstance/measurement.py's, the result file
+perinstance/result_file.py's."""
 
-import math
 import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-import numpy as np
-import pandas as pd
-
-from perinstance import coupling, fileio, poisson_batches, results, runs, storage, training
-from perinstance.console import progress_bar
+from perinstance import poisson_batches, results, runs, storage, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
-from perinstance.gradient_rows import Transform, checkpoint_gradients, transformed_norms
 from perinstance.guarantees import Direction
+from perinstance.measurement import COUPLING, JENSEN, NO_DIRECTION, NORM
 from perinstance.options import (
     Parser,
     add_alpha_argument,
@@ -28,19 +23,10 @@ from perinstance.options import (
 )
 
 STAGE_NAMES = ("initial", "middle", "final", "all")
-NO_DIRECTION = Direction.NONE.value
-# What a row measures, stored in its `exp` column: Δ* (sum rule), the coupling samples and
-# dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
-# accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
-NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
 # Defaults of --num-batches: Δ_B draws per point (coupling), or sets of α batches per target (jensen).
 DEFAULT_NUM_BATCHES = {COUPLING: 10_000, JENSEN: 100}
 # accounting.md §3.2: every size of [k_min, k_hi], or at least 32 grid sizes.
 MIN_GRID_SIZES = 32
-# A row is identified by these; the first seven name a (run, stage, point, measurement) combination.
-COMBINATION_COLUMNS = ["run", "step", "point", "exp", "direction", "alpha", "mc_seed"]
-ROW_ORDER = COMBINATION_COLUMNS + ["quantity", "block", "target_batch", "sample"]
-TEXT_COLUMNS = ["run", "exp", "reduction", "direction", "quantity", "dataset", "model", "clipping", "update_rule"]
 
 
 # --- flags ---------------------------------------------------------------------------------
@@ -343,241 +329,3 @@ def ensure_trained(run):
         run.config = training.train(run.training_args).run
         run.finished = True
     return run.config
-
-
-# --- the result file --------------------------------------------------------------------------
-
-def cell_text(value):
-    """A cell as the CSV writes it, so that values read back compare equal to fresh ones."""
-    if isinstance(value, float | np.floating):
-        return "" if math.isnan(value) else f"{value:.10g}"
-    return str(value)
-
-
-class ResultFile:
-    """res/<res-name>.csv or .parquet: rows already there, and locked, atomic merges of new rows.
-
-    Several processes (two measurements, the ranks of one torchrun) may add to one file at once:
-    each `add` takes the file's lock (fileio.locked on <res-dir>/<name without extension>, one
-    lock whatever the format), reads the file as it is now, merges its rows in and rewrites the
-    file atomically, so that no writer loses another's rows.
-
-    `automatic`: named without an extension, the file is CSV while it holds at most
-    storage.AUTO_PARQUET_ROWS rows, and Parquet from then on (the CSV is then removed).
-    """
-
-    def __init__(self, path, rows, config=None, replace_file=False, automatic=False):
-        self.path = path  # where the rows are (a new file: where they will go)
-        self.config = config  # run columns the rows must agree with (None: not checked)
-        self.replace_file = replace_file  # --overwrite 1: the first add replaces the file's rows
-        self.automatic = automatic
-        self._keep(rows)
-
-    def _keep(self, rows):
-        self.rows = rows
-        self.done = set(zip(*(self._texts(rows[column]) for column in COMBINATION_COLUMNS)))
-
-    @staticmethod
-    def _texts(values):
-        """cell_text of every value, computed once per distinct value (a file may hold millions)."""
-        codes, distinct = pd.factorize(values, use_na_sentinel=False)
-        return np.asarray([cell_text(value) for value in distinct] or [""], dtype=object)[codes]
-
-    @classmethod
-    def open(cls, path, overwrite, config, automatic=False):
-        """The file's rows (none with --overwrite 1), refusing rows of another run configuration.
-
-        Checks first that its folder can take the file, and removes the temps that killed
-        writes left there."""
-        folder = os.path.dirname(path) or "."
-        fileio.check_folder(folder, "--res-name")
-        if os.path.isdir(path):
-            raise UsageError("--res-name", f"{path} is a folder, not a result file")
-        fileio.remove_stale_temps(folder)
-        if overwrite or not os.path.exists(path):
-            return cls(path, pd.DataFrame(columns=results.COLUMNS), config, replace_file=bool(overwrite),
-                       automatic=automatic)
-        return cls(path, cls._read(path, config), config, automatic=automatic)
-
-    @staticmethod
-    def _read(path, config):
-        rows = results.read_results(path, flag="--res-name")
-        rows[TEXT_COLUMNS] = rows[TEXT_COLUMNS].astype(str)
-        texts = {} if config is None else {column: ResultFile._texts(rows[column]) for column in results.CONFIG_COLUMNS}
-        differing = [f"column {column} has {'/'.join(sorted(set(text)))} in file, {cell_text(config[column])} now"
-                     for column, text in texts.items() if (text != cell_text(config[column])).any()]
-        if differing:
-            raise UsageError("--res-name", f"refusing to mix: {'; '.join(differing)}; "
-                                           "use another --res-name or --overwrite 1")
-        return rows[results.COLUMNS]
-
-    def missing(self, run_name, step, points, request):
-        """{direction: points} whose rows at `step` are not in the file yet (COMBINATION_COLUMNS:
-        what was measured and with which Monte-Carlo seed, not the flags that asked for it)."""
-        alpha = np.nan if request.alpha is None else float(request.alpha)
-        mc_seed = np.nan if request.mc_seed is None else request.mc_seed
-        return {direction: [point for point in points
-                            if tuple(map(cell_text, (run_name, step, point, request.family, direction, alpha, mc_seed)))
-                            not in self.done]
-                for direction in request.directions}
-
-    def add(self, rows):
-        """Merge `rows` into the file as it is now and rewrite it atomically, in a fixed row order,
-        all under the file's lock; a row that another writer added meanwhile is kept once."""
-        stem = os.path.splitext(self.path)[0]
-        with fileio.locked(stem, "--res-name"):
-            if self.automatic:  # another writer may have turned it Parquet meanwhile
-                self.path = results.results_path(os.path.basename(stem), os.path.dirname(stem))
-            if self.replace_file or not os.path.exists(self.path):
-                current = pd.DataFrame(columns=results.COLUMNS)
-            else:
-                current = self._read(self.path, self.config)
-            merged = pd.concat([frame for frame in (current, rows) if len(frame)] or [rows], ignore_index=True)
-            keys = pd.DataFrame({column: self._texts(merged[column]) for column in ROW_ORDER})
-            merged = merged[~keys.duplicated(keep="first").to_numpy()]
-            merged = merged.sort_values(ROW_ORDER, kind="mergesort", na_position="last", ignore_index=True)
-            target = self._target(len(merged))
-            storage.write_frame(target, merged[results.COLUMNS], "--res-name")
-            if target != self.path and os.path.exists(self.path):
-                try:  # the rows live on in the Parquet file just written
-                    os.remove(self.path)
-                except OSError as error:
-                    raise fileio.write_error(self.path, error, "--res-name") from None
-            self.path = target
-            self.replace_file = False
-        self._keep(merged)
-
-    def _target(self, rows):
-        """Where `rows` rows go: an automatic name turns Parquet above storage.AUTO_PARQUET_ROWS
-        rows and stays Parquet once it is (unless --overwrite 1 starts it afresh)."""
-        if not self.automatic:
-            return self.path
-        stays = storage.extension(self.path) == storage.PARQUET and os.path.exists(self.path) and not self.replace_file
-        ending = storage.PARQUET if rows > storage.AUTO_PARQUET_ROWS or stays else storage.CSV
-        return os.path.splitext(self.path)[0] + ending
-
-    def describe(self):
-        """The file's path, and why an automatic name is Parquet (for the summary line)."""
-        if not (self.automatic and storage.extension(self.path) == storage.PARQUET):
-            return self.path
-        stem = os.path.basename(os.path.splitext(self.path)[0])
-        why = (f"more than {storage.AUTO_PARQUET_ROWS:,} rows" if len(self.rows) > storage.AUTO_PARQUET_ROWS
-               else "the file was Parquet already")
-        return f"{self.path} (Parquet: {why}; --res-name {stem}.csv keeps CSV)"
-
-
-# --- measuring one checkpoint --------------------------------------------------------------------
-
-def measure_checkpoint(request, run, step, points, device, blocks=None):
-    """The rows of one checkpoint for `points` (every requested direction). Coupling under
-    torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
-    config = run.config
-    points = np.asarray(points)
-    model, payload = training.load_model(config, run.run_dir, step, device)
-    transform = Transform.of_run(config)
-    point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
-    statistics_only = request.family == COUPLING and request.num_batches == 0
-    with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
-                      f"per-sample gradients, step {step}") as bar:
-        if request.reduction == "sum":
-            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
-        elif statistics_only:
-            statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
-                                                                     point_y, point_rows, transform, device, bar)
-        else:
-            rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
-                                                         point_rows, transform, device, progress=bar)
-            predictions = point_gradients.predictions
-    if request.reduction == "sum":
-        columns = norm_columns(norms)
-    elif request.family == COUPLING:
-        # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
-        # larger, so its δ_size stays below --size-delta.
-        plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
-                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
-        if statistics_only:
-            samples = coupling.CouplingSamples(np.zeros((len(points), 0)), plan)
-        else:
-            measured = plan.blocks if blocks is None else len(blocks)
-            with progress_bar(measured * plan.permutations, f"permutations, step {step}") as bar:
-                statistics, samples = coupling.measure_coupling(rows, point_gradients, plan, bar, blocks)
-        columns = coupling_columns(config.clip_bound, statistics, samples, blocks)
-    else:
-        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
-        with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
-            statistics = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
-                                                          request.num_iters, request.num_batches, request.directions,
-                                                          bar)
-        columns = jensen_columns(request, statistics)
-    frame = measurement_rows(request, config, step, payload["test_accuracy"], points,
-                             run.dataset.train_y[points].numpy(), predictions, columns)
-    if request.histogram_precision is None:
-        return frame
-    return storage.histogram_rows(frame, request.histogram_precision)
-
-
-def norm_columns(norms):
-    """Sum rule: one grad_norm row (Δ*) per point."""
-    return {"position": np.arange(len(norms)), "quantity": "grad_norm", "value": norms, "direction": NO_DIRECTION,
-            "target_batch": 0, "sample": 0}
-
-
-def coupling_columns(clip_bound, statistics, samples, blocks=None):
-    """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
-    max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
-    With `blocks`, only their draws, and the statistics rows only with block 0 (each part of a
-    torchrun measurement holds its own rows)."""
-    count = len(statistics.spread) if blocks is None or 0 in blocks else 0
-    position, block, sample, size, value = samples.accepted()
-    # Δ_B ≤ ||h*|| ≤ Γ for k = 0 and ≤ 2Γ/(k+1) otherwise; float32 products can round one ulp above.
-    value = np.minimum(value, np.where(size > 0, 2 * clip_bound / (size + 1), clip_bound))
-    stats = [statistics.center_distance[:count], statistics.spread[:count], statistics.max_deviation[:count]]
-    return {
-        "position": np.concatenate([np.tile(np.arange(count), 3), position]),
-        "quantity": np.concatenate([np.repeat(results.STATISTICS, count),
-                                    np.full(len(value), "batch_sensitivity")]),
-        "value": np.concatenate([*stats, value]),
-        "direction": NO_DIRECTION,
-        "target_batch": 0,
-        "sample": np.concatenate([np.zeros(3 * count, dtype=np.int64), sample]),
-        "block": np.concatenate([np.full(3 * count, np.nan), block]),
-        "k": np.concatenate([np.full(3 * count, np.nan), size]),
-        "k_min": samples.plan.k_min,
-    }
-
-
-def jensen_columns(request, statistics):
-    """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
-    parts = []
-    for direction, array in statistics.items():
-        count, targets, samples = array.shape
-        parts.append({"position": np.repeat(np.arange(count), targets * samples),
-                      "target_batch": np.tile(np.repeat(np.arange(targets), samples), count),
-                      "sample": np.tile(np.arange(samples), count * targets),
-                      "value": array.reshape(-1), "direction": np.full(array.size, direction)})
-    columns = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-    return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
-
-
-def measurement_rows(request, config, step, accuracy, points, labels, predictions, columns):
-    """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
-    point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
-    position = columns.pop("position")
-    return results.result_rows(config, request.reduction, step, {
-        "point": points[position],
-        "label": labels[position],
-        "correct": predictions.correct.astype(int)[position],
-        "loss": predictions.losses[position],
-        "exp": request.family,
-        "accuracy": accuracy,
-        "mc_seed": np.nan if request.mc_seed is None else request.mc_seed,
-        **columns,
-    })
-
-
-def keep_missing(rows, missing):
-    """Only the rows of (direction, point) combinations that `missing` lists."""
-    wanted = np.zeros(len(rows), dtype=bool)
-    for direction, points in missing.items():
-        wanted |= (rows["direction"] == direction).to_numpy() & rows["point"].isin(points).to_numpy()
-    return rows[wanted].reset_index(drop=True)

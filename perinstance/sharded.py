@@ -18,7 +18,7 @@ import time
 
 import pandas as pd
 
-from perinstance import distributed, gradient_rows, sensitivity_cli
+from perinstance import distributed, gradient_rows, measurement, sensitivity_cli
 from perinstance.errors import UsageError
 
 # Sum rule: points per part. A multiple of the engine's chunk (gradient_rows.ROW_CHUNK), so that
@@ -42,7 +42,7 @@ def measure(world, request, run, points, result_file, *, part_points=None, devic
     chunk = part_size(part_points, request, points)
     # Coupling draws: one part per Monte-Carlo block (each rank computes the per-sample gradients
     # of the checkpoint again, and only its blocks' draws); the dataset statistics go with block 0.
-    blocks = request.mc_blocks if request.family == sensitivity_cli.COUPLING and request.num_batches > 0 else 0
+    blocks = request.mc_blocks if request.family == measurement.COUPLING and request.num_batches > 0 else 0
 
     def plan():
         config = sensitivity_cli.ensure_trained(run)
@@ -58,9 +58,9 @@ def measure(world, request, run, points, result_file, *, part_points=None, devic
     parts = job_parts(request, config, points)
     mine = world.share(todo)
     for item in mine:
-        rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), device,
+        rows = measurement.measure_checkpoint(request, run, item.step, list(item.points), device,
                                                   item.blocks or None)
-        parts.write(item, sensitivity_cli.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
+        parts.write(item, measurement.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
                     "--res-name")
 
     merged = parts.merge_once(items, lambda frames: result_file.add(pd.concat(frames, ignore_index=True)),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
 from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
-from perinstance import accounting, coupling, results, runs, sensitivity_cli, training
+from perinstance import accounting, coupling, measurement, results, runs, sensitivity_cli, training
 from perinstance.data import load_dataset
 from perinstance.gradient_rows import Transform, transformed_norms
 from perinstance.poisson_batches import Pool
@@ -195,7 +195,7 @@ def test_same_seed_gives_identical_file_and_rerun_skips(measure, tmp_path):
 def test_interrupted_run_resumes_to_the_same_file(measure, tmp_path, monkeypatch):
     flags = ["--reduction", "mean", "--exp", "eps_delta", "--points", "0-5", "--stage", "all", "--num-batches", "4"]
     measure(*flags, res_name="whole")
-    measured = sensitivity_cli.measure_checkpoint
+    measured = measurement.measure_checkpoint
     calls = []
 
     def interrupted(*args):
@@ -204,10 +204,10 @@ def test_interrupted_run_resumes_to_the_same_file(measure, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return measured(*args)
 
-    monkeypatch.setattr(sensitivity_cli, "measure_checkpoint", interrupted)
+    monkeypatch.setattr(measurement, "measure_checkpoint", interrupted)
     result, partial = measure(*flags, res_name="resumed", check=False)
     assert result.returncode == 130 and sorted(set(partial["step"])) == [0]
-    monkeypatch.setattr(sensitivity_cli, "measure_checkpoint", measured)
+    monkeypatch.setattr(measurement, "measure_checkpoint", measured)
     result, _ = measure(*flags, res_name="resumed")
     assert "6 (point, stage, experiment) combinations already there skipped" in result.stdout
     assert (tmp_path / "res" / "resumed.csv").read_bytes() == (tmp_path / "res" / "whole.csv").read_bytes()

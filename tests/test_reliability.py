@@ -584,7 +584,7 @@ def slow_reads(seconds, without_lock=False):
     """Hold every read of a result file for `seconds`, so that two writers' read-modify-write
     cycles overlap: without the lock, both would read the file before either writes."""
     def arm():
-        from perinstance import sensitivity_cli
+        from perinstance import result_file
 
         read = results.read_results
 
@@ -594,7 +594,7 @@ def slow_reads(seconds, without_lock=False):
             return frame
         results.read_results = read_slowly
         if without_lock:
-            sensitivity_cli.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
+            result_file.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
     return arm
 
 
