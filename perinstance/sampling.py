@@ -32,6 +32,11 @@ def stream_rng(seed, stream, *key):
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(stream), *map(int, key)]))
 
 
+def init_seed(seed):
+    """The seed of a run's initial weights (torch.manual_seed), from the run's seed alone."""
+    return int(np.random.SeedSequence([int(seed), INIT_STREAM]).generate_state(1)[0])
+
+
 def torch_generator(seed, stream, step, device="cpu"):
     """A torch Generator for one (seed, stream, step), on `device`."""
     import torch  # only training draws with torch; the accountants read the stream names without it

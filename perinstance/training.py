@@ -113,7 +113,7 @@ class Trainer:
         self.train_x = dataset.train_x.to(self.device)
         self.train_y = dataset.train_y.to(self.device)
         self.test_x, self.test_y = dataset.test_x, dataset.test_y
-        torch.manual_seed(int(np.random.SeedSequence([run.seed, sampling.INIT_STREAM]).generate_state(1)[0]))
+        torch.manual_seed(sampling.init_seed(run.seed))
         self.model = model_for_run(run).to(self.device)
         self.params = gradients.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
