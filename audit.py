@@ -15,18 +15,15 @@ then exits with status 1. For the mean rule the summary also holds eps_lower aga
 (above it: status 1 too).
 """
 
-import os
 import time
 
 import numpy as np
 import pandas as pd
 
-from perinstance import attacks, audit_plots, fileio, sensitivity_cli
+from perinstance import audit_plots, audit_simulation, fileio, runs, sensitivity_cli
 from perinstance.errors import UsageError, run_main
 from perinstance.mechanism import Mechanism
 from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int, parse_points, probability
-
-TABLE_ROWS = 20
 
 
 def build_parser():
@@ -47,7 +44,7 @@ def build_parser():
                         help="simulated steps per point with x* and as many without it (default 1e6)")
     parser.add_argument("--delta", type=probability, default=1e-5,
                         help="δ of the reported guarantee that is audited (default 1e-5)")
-    parser.add_argument("--statistic", choices=attacks.STATISTICS, default="whitened",
+    parser.add_argument("--statistic", choices=audit_simulation.STATISTICS, default="whitened",
                         help="the test: projection on Fisher's discriminant against the batch spread and the noise "
                              "(whitened, default), on the shift x* adds (projection), or on that shift by an "
                              "adversary who also knows the other points' batch (known-batch)")
@@ -69,81 +66,40 @@ def parse_args(argv):
         raise UsageError("--upper-batches", f"must be > 0, got {args.upper_batches}")
     if args.spread is not None and args.spread <= 0:
         raise UsageError("--spread", f"must be > 0, got {args.spread}")
-    args.stages = sensitivity_cli.parse_stages(args.stage)
-    return args
-
-
-def output_paths(args, run_name, rule):
-    out = args.out or os.path.join("res", f"{run_name}_audit_{rule}.csv")
-    figure = args.figure or os.path.join("figures", f"{run_name}_audit_{rule}.png")
-    for flag, path in (("--out", out), ("--figure", figure)):
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise UsageError(flag, f"{folder} is a file, not a folder")
-        if os.path.isdir(path):
-            raise UsageError(flag, f"{path} is a folder; give a file name")
-    return out, figure
-
-
-def summary_lines(rows, gaps):
-    """The summary per checkpoint; `gaps`: attacks.gap_summary of mean-rule rows ({} for the sum rule)."""
-    lines = []
-    for step, summary in attacks.audit_summary(rows).items():
-        lines.append(f"step {step}, {summary['rule']} rule, {summary['upper_kind']} upper bound, "
-                     f"{summary['trials']} trials per law, delta={summary['delta']:g}:")
-        for name, group in summary["groups"].items():
-            lines.append(f"  {name:>13}: {group['points']:3d} points, median eps_lower {group['median_lower']:.4g}, "
-                         f"eps_upper {group['median_upper']:.4g}, eps_lower/eps_upper {group['median_ratio']:.3g}")
-        lines.append(f"  violated (eps_lower > eps_upper): {summary['violated']} of {summary['points']}"
-                     + (" — these upper bounds are WRONG (or, for an estimate, too noisy)" if summary["violated"]
-                        else ""))
-        if step in gaps:
-            gap = gaps[step]
-            lines.append(f"  against the sum rule's accounting at the same sigma={gap['noise_multiplier']:g}, "
-                         f"q={gap['sample_rate']:.4g} (one step: eps {gap['sum_rule_eps']:.4g}, exact): eps_lower above "
-                         f"it for {gap['above_sum_rule']} of {gap['points']} points ({gap['above_sum_rule_jointly']} "
-                         "with all bounds holding together, Bonferroni)"
-                         + (" — the realised-size mean rule leaks more than the sum rule's accounting says"
-                            if gap["above_sum_rule"] else ""))
-            lines.append(f"  against the mean rule's own baseline (one step: eps {gap['mean_baseline_eps']:.4g}, "
-                         f"k_min={gap['k_min']}, delta_size={gap['delta_size']:.3g}): eps_lower above it for "
-                         f"{gap['above_baseline']} of {gap['points']} points"
-                         + (" — that baseline is WRONG" if gap["above_baseline"] else ""))
-    return lines
+    return audit_simulation.Command(run=args.run, models_dir=args.models_dir, data_root=args.data_root,
+                                    points=None if args.points is None else tuple(args.points), spread=args.spread,
+                                    stages=sensitivity_cli.parse_stages(args.stage), rule=args.rule,
+                                    trials=args.trials, delta=args.delta, statistic=args.statistic,
+                                    upper_batches=args.upper_batches, mc_seed=args.mc_seed, out=args.out,
+                                    figure=args.figure, device=args.device)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    run = attacks.open_run(args.run, args.models_dir, args.data_root)
+    command = parse_args(argv)
+    run = runs.open_run(command.run, command.models_dir, command.data_root)
     config = run.config
     if not config.private or config.noise_multiplier == 0:
         raise UsageError("--run", f"{run.name} is trained without noise: it has no privacy to audit")
-    rule = args.rule or config.update_rule
-    points = None if args.points is None else parse_points(args.points, len(run.dataset.train_y), config.seed)
-    seed = config.seed if args.mc_seed is None else args.mc_seed
-    request = attacks.AuditRequest(rule=rule, trials=args.trials, delta=args.delta, statistic=args.statistic,
-                                   upper_batches=args.upper_batches, seed=seed, points=points, spread=args.spread)
-    out, figure = output_paths(args, run.name, rule)
-    steps = sensitivity_cli.resolve_stages(args.stages, run.saved_steps(), config.total_steps)
+    rule = command.rule or config.update_rule
+    points = None if command.points is None else parse_points(command.points, len(run.dataset.train_y), config.seed)
+    seed = config.seed if command.mc_seed is None else command.mc_seed
+    request = audit_simulation.AuditRequest(rule=rule, trials=command.trials, delta=command.delta, statistic=command.statistic,
+                                            upper_batches=command.upper_batches, seed=seed, points=points, spread=command.spread)
+    out, figure = audit_simulation.output_paths(command.out, command.figure, run.name, rule)
+    steps = sensitivity_cli.resolve_stages(command.stages, run.saved_steps(), config.total_steps)
 
     started = time.time()
-    frames = [attacks.audit_checkpoint(run, step, request, args.device) for step in steps]
+    frames = [audit_simulation.audit_checkpoint(run, step, request, command.device) for step in steps]
     rows = pd.concat(frames, ignore_index=True)
     fileio.write_csv(out, rows)
     last = rows[rows["step"] == steps[-1]]
     audit_plots.plot_audit_bounds(last["eps_lower"].to_numpy(), last["eps_upper"].to_numpy(),
                                   last["correct"].to_numpy().astype(bool), figure,
-                                  title=f"Audit of {run.name}, step {steps[-1]} ({rule} rule, δ={args.delta:g})",
+                                  title=f"Audit of {run.name}, step {steps[-1]} ({rule} rule, δ={command.delta:g})",
                                   upper_label=f"eps_upper ({last['upper_kind'].iloc[0]})")
 
-    shown = rows.head(TABLE_ROWS)
-    print(shown[["point", "step", "label", "correct", "loss", "sensitivity", "eps_lower", "eps_upper", "ratio",
-                 "violated", "direction"]].to_string(index=False, float_format=lambda value: f"{value:.4g}"))
-    if len(rows) > len(shown):
-        print(f"... {len(rows) - len(shown)} more rows in {out}")
-    print()
-    gaps = attacks.gap_summary(rows, Mechanism.of_run(config)) if rule == "mean" else {}
-    for line in summary_lines(rows, gaps):
+    gaps = audit_simulation.gap_summary(rows, Mechanism.of_run(config)) if rule == "mean" else {}
+    for line in audit_simulation.report_lines(rows, out, gaps):
         print(line)
     print(f"audited {rows['point'].nunique()} points at {len(steps)} checkpoint(s) of {run.name} in "
           f"{time.time() - started:.0f}s; wrote {out} and {figure}")

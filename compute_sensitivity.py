@@ -22,9 +22,10 @@ part files and the last to finish merges them into the result file (perinstance/
 import sys
 import time
 
-from perinstance import distributed, results, sensitivity_cli, sharded
+from perinstance import distributed, measurement, results, sensitivity_cli, sharded
 from perinstance.errors import run_main
 from perinstance.options import HELP_FORMAT, Parser, parse_points
+from perinstance.result_file import ResultFile
 
 
 def build_parser():
@@ -33,24 +34,24 @@ def build_parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    given = sensitivity_cli.given_flags(args, argv)
+    flags = vars(build_parser().parse_args(argv))
+    given = sensitivity_cli.given_flags(argv)
 
     # Every flag is checked before anything is trained, measured or written.
-    request = sensitivity_cli.parse_request(args, given)
-    run = sensitivity_cli.find_run(args, given)
-    request = request.for_run(run.config, given)
-    points = parse_points(args.points, run.universe, run.config.seed)
-    result_file = sensitivity_cli.ResultFile.open(request.res_path, request.overwrite,
-                                                  results.run_columns(run.config, request.reduction),
-                                                  automatic=request.automatic_format)
-    if args.no_train:
+    command = sensitivity_cli.parse_command(flags, given)
+    run = sensitivity_cli.find_run(command.run, command.training, given)
+    request = command.request.for_run(run.config, given)
+    points = parse_points(command.points, run.universe, run.config.seed)
+    result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
+                                  automatic=request.automatic_format)
+    if command.no_train:
         sensitivity_cli.require_finished(run)
     world = distributed.World.from_env()
-    distributed.make_deterministic(args.device)
+    distributed.make_deterministic(command.device)
     if world.launched:
-        with distributed.process_group(world, args.device):
-            return sharded.measure(world, args, request, run, points, result_file)
+        with distributed.process_group(world, command.device):
+            return sharded.measure(world, request, run, points, result_file, part_points=command.part_points,
+                                   device=command.device)
 
     started = time.time()
     config = sensitivity_cli.ensure_trained(run)
@@ -62,8 +63,8 @@ def main(argv=None):
         needed = sorted(set().union(*missing.values()))
         if not needed:
             continue
-        rows = sensitivity_cli.measure_checkpoint(request, run, step, needed, args.device)
-        rows = sensitivity_cli.keep_missing(rows, missing)
+        rows = measurement.measure_checkpoint(request, run, step, needed, command.device)
+        rows = measurement.keep_missing(rows, missing)
         result_file.add(rows)
         written += len(rows)
 

@@ -14,19 +14,31 @@ succeeds on more often.
 
 import os
 import time
+from dataclasses import dataclass
 
 import pandas as pd
 
-from perinstance import attacks, audit_plots, fileio, sensitivity_cli
+from perinstance import audit_plots, fileio, membership, sensitivity_cli
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
 
-MODELS = {"DP": "--run", "non-private": "--nondp-run"}
-# Flags in which a DP run and its non-private counterpart may differ: privacy by construction,
-# and what is recorded rather than trained.
-NOT_COMPARED = {"dp", "eps", "sigma", "delta", "save_freq", "track_points"}
 COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accuracy", "attack_advantage",
            "accuracy_std", "test_accuracy", "mean_eps", "splits", "step", "run"]
+
+
+@dataclass(frozen=True)
+class Request:
+    run: str
+    nondp_run: str
+    eps_csv: str
+    models_dir: str
+    data_root: str
+    stage: str | float  # a stage name or a fraction (sensitivity_cli.parse_stages)
+    splits: int
+    mc_seed: int | None
+    out: str | None
+    figure: str | None
+    device: str
 
 
 def build_parser():
@@ -58,71 +70,50 @@ def parse_args(argv):
     stages = sensitivity_cli.parse_stages(args.stage)
     if len(stages) != 1 or stages == ["all"]:
         raise UsageError("--stage", "give one checkpoint: a fraction, initial, middle or final (not all)")
-    args.stage = stages[0]
     if not os.path.isfile(args.eps_csv):
         raise UsageError("--eps-csv", f"no file {args.eps_csv} (renyi_per_instance_sum_compo.py writes it)")
-    return args
-
-
-def open_runs(args):
-    """The DP and the non-private run, checked to be the two halves of one comparison."""
-    runs = {model: attacks.open_run(getattr(args, flag[2:].replace("-", "_")), args.models_dir, args.data_root, flag)
-            for model, flag in MODELS.items()}
-    for model, flag in MODELS.items():
-        config = runs[model].config
-        if config.private != (model == "DP"):
-            raise UsageError(flag, f"{runs[model].name} is {'a DP run' if config.private else 'non-private'}; "
-                                   "give the DP run as --run and the non-private one as --nondp-run")
-        if config.less_point is not None:
-            raise UsageError(flag, f"{runs[model].name} was trained without point {config.less_point}; "
-                                   "use runs on the whole training set")
-    private, public = runs["DP"].config, runs["non-private"].config
-    if private.dataset_fingerprint != public.dataset_fingerprint:
-        raise UsageError("--nondp-run", f"{runs['non-private'].name} was trained on other data than {runs['DP'].name}")
-    differing = sorted(key for key in set(private.flags) | set(public.flags)
-                       if key not in NOT_COMPARED and private.flags.get(key) != public.flags.get(key))
-    return runs, differing
+    return Request(run=args.run, nondp_run=args.nondp_run, eps_csv=args.eps_csv, models_dir=args.models_dir,
+                   data_root=args.data_root, stage=stages[0], splits=args.splits, mc_seed=args.mc_seed, out=args.out,
+                   figure=args.figure, device=args.device)
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    runs, differing = open_runs(args)
-    private = runs["DP"]
+    request = parse_args(argv)
+    opened, differing = membership.open_pair(request.run, request.nondp_run, request.models_dir, request.data_root)
+    private = opened["DP"]
     labels = private.dataset.train_y.numpy()
-    class_eps = attacks.class_mean_eps(args.eps_csv, labels, private.config.total_steps)
-    out = args.out or os.path.join("res", f"{private.name}_membership.csv")
-    figure = args.figure or os.path.join("figures", f"{private.name}_membership.png")
-
+    class_eps = membership.class_mean_eps(request.eps_csv, labels, private.config.total_steps)
+    out = request.out or os.path.join("res", f"{private.name}_membership.csv")
+    figure = request.figure or os.path.join("figures", f"{private.name}_membership.png")
     started = time.time()
-    num_classes = private.dataset.num_classes
-    seed = private.config.seed if args.mc_seed is None else args.mc_seed
-    members = attacks.class_members(labels, private.dataset.test_y.numpy(), num_classes, seed)
+    seed = private.config.seed if request.mc_seed is None else request.mc_seed
+    members = membership.class_members(labels, private.dataset.test_y.numpy(), private.dataset.num_classes, seed)
     frames = []
-    for model, run in runs.items():
-        step = sensitivity_cli.resolve_stages([args.stage], run.saved_steps(), run.config.total_steps)[0]
-        frame = attacks.attack_by_class(run, step, members, args.splits, seed, args.device)
-        frames.append(frame.assign(model=model, step=step, run=run.name, splits=args.splits,
+    for model, run in opened.items():
+        step = sensitivity_cli.resolve_stages([request.stage], run.saved_steps(), run.config.total_steps)[0]
+        frame = membership.attack_by_class(run, step, members, request.splits, seed, request.device)
+        frames.append(frame.assign(model=model, step=step, run=run.name, splits=request.splits,
                                    class_name=[private.dataset.class_names[label] for label in frame["class"]],
                                    mean_eps=frame["class"].map(class_eps)))
     rows = pd.concat(frames, ignore_index=True)[COLUMNS]
     fileio.write_csv(out, rows)
-    by_model = {model: rows[rows["model"] == model] for model in runs}
+    by_model = {model: rows[rows["model"] == model] for model in opened}
     audit_plots.plot_class_attack(
         by_model["DP"]["class_name"].tolist(), by_model["DP"]["mean_eps"].to_numpy(),
         {model: frame["attack_accuracy"].to_numpy() for model, frame in by_model.items()},
         {model: frame["accuracy_std"].to_numpy() for model, frame in by_model.items()},
         {model: frame["test_accuracy"].to_numpy() for model, frame in by_model.items()}, figure)
 
-    print(rows.drop(columns=["run", "splits"]).to_string(index=False, float_format=lambda value: f"{value:.4g}"))
-    print()
+    print(rows.drop(columns=["run", "splits"]).to_string(index=False, float_format=lambda value: f"{value:.4g}"),
+          end="\n\n")
     if differing:
         print(f"note: the two runs differ in {', '.join(differing)} besides privacy; the comparison is not "
               "of the same configuration")
-    for model, summary in attacks.membership_summary(rows).items():
+    for model, summary in membership.membership_summary(rows).items():
         print(f"{model:>12}: mean attack accuracy {summary['mean_attack_accuracy']:.4f}, Pearson r across "
               f"{summary['classes']} classes with the class's mean ε: attack accuracy {summary['pearson_attack']:.3f}, "
               f"test accuracy {summary['pearson_test']:.3f}")
-    print(f"attacked {len(runs)} runs in {time.time() - started:.0f}s; wrote {out} and {figure}")
+    print(f"attacked {len(opened)} runs in {time.time() - started:.0f}s; wrote {out} and {figure}")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,22 @@ per point, checkpoint and order λ, ρ(λ) = RDP_SGM(q, σΓ/Δ*, λ) of one ste
 for both directions) next to the data-independent baseline RDP_SGM(q, σ, λ) (kind baseline).
 """
 
-import numpy as np
-import pandas as pd
+from dataclasses import dataclass
 
-from perinstance import accountants, accounting
+import numpy as np
+
+from perinstance import accountants, report, sum_rule
 from perinstance.errors import run_main
 from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp"]
 KEYS = ["point", "step", "alpha"]
+
+
+@dataclass(frozen=True)
+class Request:
+    source: accountants.Source
+    orders: np.ndarray
 
 
 def build_parser():
@@ -27,31 +34,17 @@ def build_parser():
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    args.alpha = accountants.check_orders(args.alpha)
-    return args
+    return Request(source=accountants.Source.from_flags(vars(args)), orders=accountants.check_orders(args.alpha))
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    loaded = accountants.load(args, ["grad_norm"], one_run=True)
-    accountants.check_unique(loaded, ["point", "step"])
-    mechanism, rows = loaded.mechanism, loaded.rows.sort_values(["point", "step"])
-    out = accountants.output_path(args, "renyi_per_instance_sum")
-
-    rdp = accounting.rdp_sum_rule(rows["value"].to_numpy(), mechanism.clip_bound, mechanism.noise_multiplier,
-                                  mechanism.sample_rate, args.alpha)
-    baseline = mechanism.baseline_rdp(args.alpha, steps=1)
-    keys = pd.DataFrame({"point": np.repeat(rows["point"].to_numpy(), len(args.alpha)),
-                         "step": np.repeat(rows["step"].to_numpy(), len(args.alpha)),
-                         "alpha": np.tile(args.alpha, len(rows)), "direction": "max"})
-    result = pd.concat([keys.assign(kind="certified", rdp=rdp.ravel()),
-                        keys.assign(kind="baseline", rdp=np.tile(baseline, len(rows)))], ignore_index=True)
-
-    print(f"per-step Rényi DP of {rows['point'].nunique()} points, sum rule, sigma={mechanism.noise_multiplier:g}, "
-          f"clip bound {mechanism.clip_bound:g}, q={mechanism.sample_rate:.4g}, "
-          f"orders {', '.join(f'{alpha:g}' for alpha in args.alpha)}")
+    request = parse_args(argv)
+    loaded = accountants.load(request.source, ["grad_norm"], one_run=True)
+    output = report.output_path(request.source, "renyi_per_instance_sum")
+    result, description = sum_rule.per_step_rdp(loaded, request.orders)
+    print(description)
     result = result.sort_values(KEYS + ["kind"], kind="mergesort")[COLUMNS]
-    accountants.report(out, result, "rdp", KEYS, ["step", "alpha"], accountants.correct_table(rows, ["point", "step"]))
+    report.report(output, result, "rdp", KEYS, ["step", "alpha"], report.correct_table(loaded.rows, ["point", "step"]))
 
 
 if __name__ == "__main__":

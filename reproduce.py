@@ -31,7 +31,19 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, attacks, checkpoints, fileio, plots, results, runs, storage, training
+from perinstance import (
+    accounting,
+    audit_simulation,
+    checkpoints,
+    composition,
+    fileio,
+    membership,
+    plots,
+    results,
+    runs,
+    storage,
+    training,
+)
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
 from perinstance.mechanism import Mechanism
@@ -368,12 +380,12 @@ def main(argv=None):
 
     # 5. The bounds held against attacks: the per-instance audit (sum rule on the main run, mean
     # rule on the mean-rule run at the main batch size) and the membership attack per class.
-    attacks = attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device)
+    attack_findings = attack_experiment(commands, config, preset, name, main_name, mean_name, out_dir, device)
 
     # 6. Figures and report.
     with commands.timed("figures 1-6 and their numbers"):
         findings = draw_figures(out_dir, config, main_run, run_dir, sensitivities, *accounted, mean_results, device)
-    findings.update(attacks)
+    findings.update(attack_findings)
     findings["headlines"] = finding_lines(config, findings)
     report = write_report(out_dir, preset, config, argv, commands, main_run, findings, time.time() - started)
     print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
@@ -493,16 +505,16 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, out_
                                                 "--trials", str(config.audit_trials), "--delta", str(config.delta),
                                                 "--figure", figure, "--device", device], out,
                                    runs.run_file(os.path.join("models", run_name)))
-        audits[rule] = attacks.audit_summary(audited)
+        audits[rule] = audit_simulation.audit_summary(audited)
     nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
     nodp = dataclasses.replace(config, lr=config.nodp_lr)
     commands.run("train_dpsgd.py", [*training_flags(nodp, device), "--no-dp", "--save-name", nodp_name])
     eps_csv = os.path.join(RES_DIR, f"{main_name}_compo.csv")
-    membership = commands.account("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name,
+    membership_rows = commands.account("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name,
                                                               "--eps-csv", eps_csv, "--figure",
                                                               os.path.join(out_dir, FIGURES[7]), "--device", device],
                                   os.path.join(RES_DIR, f"{main_name}_membership.csv"), eps_csv)
-    return {"audit": audits, "membership": attacks.membership_summary(membership)}
+    return {"audit": audits, "membership": membership.membership_summary(membership_rows)}
 
 
 def attack_lines(findings):
@@ -516,11 +528,11 @@ def attack_lines(findings):
             lines.append(f"audit, {rule} rule, step {step}, {result['trials']:,} simulated steps per law, "
                          f"δ={result['delta']:g}: eps_lower/eps_upper medians ({result['upper_kind']} upper bound) "
                          f"{groups}; violated: {result['violated']} of {result['points']}")
-    membership = findings["membership"]
+    attack = findings["membership"]
     lines.append("membership inference (loss threshold, per class): " + "; ".join(
         f"{model}: mean attack accuracy {values['mean_attack_accuracy']:.3f}, Pearson r(attack, class ε) = "
         f"{values['pearson_attack']:.2f}, r(test accuracy, class ε) = {values['pearson_test']:.2f} "
-        f"({values['classes']} classes)" for model, values in membership.items()))
+        f"({values['classes']} classes)" for model, values in attack.items()))
     return lines
 
 
@@ -609,27 +621,23 @@ def pick_points(eps, correct):
 
 
 def composition_curves(run, sensitivities, chosen, delta):
-    """Composed ε after t steps (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞, so the table needs only the
-    base orders) at each checkpoint, for the chosen points."""
-    orders = np.asarray(accounting.COMPOSITION_ORDERS, dtype=float)
+    """Composed ε after every step t = 0..T (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞) for the chosen
+    points, by the accountant's own composition (composition.compose_sum_rule, its default rounding), and
+    the worst case; also the checkpoint steps whose Δ* charge the steps after them."""
     rows = sensitivities[sensitivities["point"].isin(list(chosen.values()))]
     table_of = rows.pivot_table(index="step", columns="point", values="value", aggfunc="first")
     steps = table_of.index.to_numpy()
     ratio = (table_of[list(chosen.values())].to_numpy() / run.clip_bound)[None]
-    table = accounting.RdpTable(run.sample_rate, run.noise_multiplier, orders,
-                                accounting.sensitivity_levels(0.0, ratio))
+    mechanism = Mechanism.of_run(run, "sum")
     # Every horizon from step 0 (no privacy spent) to T: the early steps, where every point is often still
     # clipped at Γ, are where the curves rise fastest.
     horizon = np.arange(run.total_steps + 1)
-    curves = {label: (horizon, np.zeros(len(horizon))) for label in chosen}
-    baseline = np.zeros(len(horizon))
-    for end in horizon[1:]:
-        rdp = accounting.compose_rdp(table, ratio, steps, end, orders, COMPOSITION_HOLDER_B)
-        eps, _ = accounting.rdp_to_eps(orders, rdp, delta)
-        for index, label in enumerate(chosen):
-            curves[label][1][end] = eps[index]
-        baseline[end] = Mechanism.of_run(run, "sum").baseline_eps(delta, end, orders)[0]
-    return curves, (horizon, baseline), steps
+    eps, _ = composition.compose_sum_rule(ratio, steps, mechanism, orders=accounting.COMPOSITION_ORDERS, delta=delta,
+                                          holder_b=COMPOSITION_HOLDER_B, rounding=composition.SUM_RULE_ROUNDING,
+                                          horizons=horizon[1:])
+    curves = {label: (horizon, np.concatenate([[0.0], eps[:, index]])) for index, label in enumerate(chosen)}
+    baseline = [0.0] + [mechanism.baseline_eps(delta, end, accounting.COMPOSITION_ORDERS)[0] for end in horizon[1:]]
+    return curves, (horizon, np.asarray(baseline)), steps
 
 
 # --- report --------------------------------------------------------------------------------------

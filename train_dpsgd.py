@@ -11,10 +11,10 @@ sum or mean update rule. Rerunning the same command resumes an interrupted run (
 of --seeds / --less-points resumes on its own).
 """
 
-import argparse
+import dataclasses
 import time
 
-from perinstance import checkpoints, distributed, training
+from perinstance import checkpoints, distributed, runs, training
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
 from perinstance.options import HELP_FORMAT, Parser, add_training_args, parse_points, parse_seeds
@@ -38,44 +38,38 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     world = distributed.World.from_env()
-    runs = run_list(args)
+    planned = run_list(args.seeds, args.less_points, runs.TrainingFlags.from_flags(vars(args)))
     distributed.make_deterministic(args.device)
 
     started = time.time()
-    mine = world.share(runs)
+    mine = world.share(planned)
     trained = 0
     for run_args in mine:
         outcome = training.train(run_args, quiet=world.size > 1)
         trained += outcome.trained
         print(summary(outcome), flush=True)
-    if len(runs) > 1 or world.launched:
+    if len(planned) > 1 or world.launched:
         names = ", ".join(run_label(run_args) for run_args in mine[:RUNS_NAMED])
         more = f" and {len(mine) - RUNS_NAMED} more" if len(mine) > RUNS_NAMED else ""
-        print(f"{world.label}: {len(mine)} of {len(runs)} runs ({names or 'none'}{more}): {trained} trained, "
+        print(f"{world.label}: {len(mine)} of {len(planned)} runs ({names or 'none'}{more}): {trained} trained, "
               f"{len(mine) - trained} already trained; {time.time() - started:.1f}s", flush=True)
 
 
-def run_list(args):
-    """The training flags of every run asked for: one per (seed, left-out point), in a fixed order."""
-    seeds = [args.seed] if args.seeds is None else parse_seeds(args.seeds)
-    less_points = [args.less_point]
-    if args.less_points is not None:
-        if args.less_point is not None:
+def run_list(seeds, less_points, flags):
+    """The training flags (runs.TrainingFlags) of every run asked for: one per (seed, left-out point)
+    of --seeds and --less-points, in a fixed order; each is the run `--seed S --less-point I` names."""
+    seeds = [flags.seed] if seeds is None else parse_seeds(seeds)
+    left_out = [flags.less_point]
+    if less_points is not None:
+        if flags.less_point is not None:
             raise UsageError("--less-points", "give either --less-point or --less-points, not both")
-        universe = len(load_dataset(args.dataset, args.data_root).train_y)
-        less_points = parse_points(args.less_points, universe, args.seed, flag="--less-points").tolist()
-    runs = []
-    for less_point in less_points:
-        for seed in seeds:
-            run_args = argparse.Namespace(**vars(args))
-            # Only the training flags name a run: the same run as `--seed S --less-point I`.
-            del run_args.seeds, run_args.less_points
-            run_args.seed, run_args.less_point = seed, less_point
-            runs.append(run_args)
-    if len(runs) > 1 and args.save_name is not None:
-        raise UsageError("--save-name", f"names one run folder, but {len(runs)} runs were asked for; leave it out "
+        universe = len(load_dataset(flags.dataset, flags.data_root).train_y)
+        left_out = parse_points(less_points, universe, flags.seed, flag="--less-points").tolist()
+    planned = [dataclasses.replace(flags, seed=seed, less_point=less_point) for less_point in left_out for seed in seeds]
+    if len(planned) > 1 and flags.save_name is not None:
+        raise UsageError("--save-name", f"names one run folder, but {len(planned)} runs were asked for; leave it out "
                                         "(each run's name comes from its flags) or tag them with --id")
-    return runs
+    return planned
 
 
 def run_label(run_args):

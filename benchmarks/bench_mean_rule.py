@@ -6,10 +6,10 @@
 Side by side in one process, on every training point of the embedded MNIST subset (8,000) with
 LeNet-5 (61,706 parameters), both from the same per-sample gradients held in memory:
 
-1. the coupling engine (sensitivity.measure_coupling): the dataset statistics of every point and
+1. the coupling engine (coupling.measure_coupling): the dataset statistics of every point and
    --num-batches Δ_B draws per point, on the grid of sizes of the default run (B_exp = 256, 8
    epochs: T = 250, δ = 1e-5, δ_size = δ/(10·T), 32 grid sizes, 4 blocks);
-2. the Monte Carlo the mean rule used before (sensitivity.batch_sensitivities: independent Poisson
+2. the Monte Carlo the mean rule used before (poisson_batches.batch_sensitivities: independent Poisson
    batches, s_D·h* gathered per batch, the products h_i·h* in float64), on every point but only
    --slice-batches batches, extrapolated to --num-batches: its per-point products are timed
    apart (they do not grow with the batches) and the rest is scaled by the number of batches.
@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _smoke import synthetic_lenet_dataset  # noqa: E402
 
-from perinstance import sensitivity  # noqa: E402
+from perinstance import coupling, poisson_batches, sampling  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
+from perinstance.gradient_rows import Transform, checkpoint_gradients  # noqa: E402
 from perinstance.nets import build_model  # noqa: E402
-from perinstance.sensitivity import Pool, Transform  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 BATCH_SIZE, EPOCHS, DELTA, MC_BLOCKS, MAX_SIZES = 256, 8, 1e-5, 4, 32
@@ -52,9 +52,9 @@ class TimedRows:
     def __getattr__(self, name):
         return getattr(self.rows, name)
 
-    def dots(self, point_rows):
+    def products(self, point_rows):
         started = time.perf_counter()
-        products = self.rows.dots(point_rows)
+        products = self.rows.products(point_rows)
         self.dots_seconds += time.perf_counter() - started
         return products
 
@@ -98,13 +98,13 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"load average before: {os.getloadavg()[0]:.2f}")
 
-    plan = sensitivity.coupling_plan(0, 0, size - 1, sample_rate, DELTA / (10 * total_steps), args.num_batches,
+    plan = coupling.coupling_plan(0, 0, size - 1, sample_rate, DELTA / (10 * total_steps), args.num_batches,
                                      MC_BLOCKS, MAX_SIZES)
     started = time.perf_counter()
-    rows, points = sensitivity.checkpoint_gradients(model, x, y, x, y, np.arange(size), TRANSFORM, hold=True)
+    rows, points = checkpoint_gradients(model, x, y, x, y, np.arange(size), TRANSFORM, hold=True)
     gradient_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    statistics, samples = sensitivity.measure_coupling(rows, points, plan)
+    statistics, samples = coupling.measure_coupling(rows, points, plan)
     coupling_seconds = time.perf_counter() - started
     engine_seconds = gradient_seconds + coupling_seconds
     draws = size * plan.draws
@@ -114,9 +114,10 @@ def main():
     del samples, statistics
 
     timed = TimedRows(rows)
-    pool = Pool(seed=0, step=0, universe=size, sample_rate=sample_rate, train_columns=np.arange(size))
     started = time.perf_counter()
-    sensitivity.batch_sensitivities(timed, points, np.arange(size), pool, args.slice_batches)
+    masks = sampling.poisson_masks(sampling.stream_rng(0, sampling.SENSITIVITY_STREAM, 0), args.slice_batches, size,
+                                   sample_rate)
+    poisson_batches.batch_sensitivities(timed, points, masks)
     slice_seconds = time.perf_counter() - started
     per_batch = (slice_seconds - timed.dots_seconds) / args.slice_batches
     previous_seconds = gradient_seconds + timed.dots_seconds + args.num_batches * per_batch

@@ -28,15 +28,19 @@ import torch.nn.functional as F
 from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch.func import functional_call, grad, vmap
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests' oracle
 
 from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
+from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
-from perinstance import gradients, sensitivity  # noqa: E402
-from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY, Pool, Transform  # noqa: E402
+from perinstance import gradient_rows, gradients, poisson_batches  # noqa: E402
+from perinstance.gradient_rows import Transform  # noqa: E402
+from perinstance.poisson_batches import Pool  # noqa: E402
+from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
-CHUNK = sensitivity.ROW_CHUNK
+CHUNK = gradient_rows.ROW_CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +63,7 @@ SMOKE_RESNET_POINTS = 8
 # --- 1. Δ* of every point ---------------------------------------------------------------------
 
 def engine_norms(model, x, y):
-    sensitivity.transformed_norms(model, x, y, TRANSFORM)
+    gradient_rows.transformed_norms(model, x, y, TRANSFORM)
 
 
 def opacus_materialised_norms(model, x, y):
@@ -122,7 +126,7 @@ def bench_norms(workload, rounds, clock):
             method(model, x, y)
             rates[name].append(len(y) / (clock() - started))
     engine = rates["engine (per_sample_norms)"]
-    print(f"\n1. Δ* of all {workload.label}, {sensitivity.parameter_count(workload.model())} parameters, "
+    print(f"\n1. Δ* of all {workload.label}, {gradient_rows.parameter_count(workload.model())} parameters, "
           f"chunks of {CHUNK}, {rounds} interleaved rounds ({clock.__name__}). Best round (least disturbed by other processes), "
           "and the median over rounds of the same-round ratio:")
     for name, rate in rates.items():
@@ -143,11 +147,11 @@ def time_reference(model, dataset, pool, point, reference_sets, alpha):
     target_seconds, set_seconds, values = [], [], []
     for key in range(reference_sets):
         started = time.perf_counter()
-        sensitivity.reference_batch_means(model, x, y, TRANSFORM, [target])
+        reference_batch_means(model, x, y, TRANSFORM, [target])
         target_seconds.append(time.perf_counter() - started)
         batches = [np.flatnonzero(mask) for mask in pool.draw(alpha, RENYI_SET_KEY, 0, key)]
         started = time.perf_counter()
-        values.append(sensitivity.reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches])[0])
+        values.append(reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches])[0])
         set_seconds.append(time.perf_counter() - started - target_seconds[-1])
     return min(target_seconds), min(set_seconds), np.asarray(values)
 
@@ -166,15 +170,15 @@ def bench_renyi(workload, reference_sets, setting):
     # the extrapolated reference (and the speed-up) on the low side.
     before = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
     started = time.perf_counter()
-    rows, point_gradients = sensitivity.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM)
+    rows, point_gradients = gradient_rows.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM)
     gradient_seconds = time.perf_counter() - started
-    engine = sensitivity.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
+    engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
     engine_seconds = time.perf_counter() - started
     del rows, point_gradients
     after = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
     target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
     per_direction = num_iters * (target_seconds + num_batches * set_seconds)
-    reference_seconds = num_points * len(sensitivity.DIRECTIONS) * per_direction
+    reference_seconds = num_points * len(poisson_batches.DIRECTIONS) * per_direction
     difference = np.max(np.abs(engine["remove"][0, 0, :reference_sets] - before[2]) / np.abs(before[2]))
 
     sets = num_iters * num_batches

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 
 from perinstance import runs, training  # noqa: E402
-from perinstance.options import Parser, add_training_args  # noqa: E402
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
@@ -36,9 +35,7 @@ NOISE_MULTIPLIER, CLIP_NORM, LEARNING_RATE = 1.0, 1.0, 0.5
 
 
 def time_this_trainer(workload, steps, batch_size, clock):
-    parser = Parser()
-    add_training_args(parser)
-    args = runs.resolve_training_args(parser.parse_args([
+    args = runs.resolve_training_args(runs.TrainingFlags.parse([
         "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
         "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench"]))
     trainer = training.Trainer(runs.plan_run(args, workload.dataset), workload.dataset)

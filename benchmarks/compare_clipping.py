@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, sensitivity, training  # noqa: E402
+from perinstance import accounting, gradient_rows, runs, training  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
 from perinstance.mechanism import Mechanism  # noqa: E402
-from perinstance.options import Parser, add_training_args, parse_points  # noqa: E402
+from perinstance.options import parse_points  # noqa: E402
 
 SIGMA = 0.6  # about ε = 10 at δ = 1e-5 for 4 epochs of q = 0.032 (Opacus calibration: 0.608)
 DELTA = 1e-5
@@ -54,17 +54,16 @@ VARIANTS = [
 
 
 def run_variant(flags, seed, epochs, models_dir, setting, points):
-    parser = Parser()
-    add_training_args(parser)
-    args = parser.parse_args(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
-                              str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs), "--seed",
-                              str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq", "1000000", *flags])
+    args = runs.TrainingFlags.parse(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
+                                     str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
+                                     "--seed", str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq",
+                                     "1000000", *flags])
     outcome = training.train(args, quiet=True)
     run = outcome.run
     model, payload = training.load_model(run, outcome.run_dir, run.total_steps)
     dataset = load_dataset(run.dataset)
-    norms, _ = sensitivity.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
-                                             sensitivity.Transform.of_run(run))
+    norms, _ = gradient_rows.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
+                                               gradient_rows.Transform.of_run(run))
     noise_std = Mechanism.of_run(run, "sum").noise_std
     eps = accounting.eps_delta_holder(norms[:, None], noise_std, run.sample_rate, DELTA, np.inf)
     baseline = accounting.baseline_eps_delta(run.noise_multiplier, run.sample_rate, DELTA)

@@ -1,19 +1,19 @@
-"""Plumbing shared by the four accountant scripts (docs/accountants.md).
+"""The input side of the four accountant scripts (docs/accountants.md): their shared flags, and the
+sensitivity CSV (perinstance/results.py) read, filtered and checked.
 
-Flags, reading and checking the sensitivity CSV (perinstance/results.py), the printed table and
-summary, and the atomic write of the output. The mathematics is in perinstance/accounting.py.
+A script turns its flags into a frozen request at the top (`Source` for the input and the
+output it names); the result rows come back as `Loaded`, with the mechanism they describe.
+The output side is perinstance/report.py; the mathematics perinstance/accounting.py.
 """
 
-import hashlib
-import json
-import os
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, fileio, storage
+from perinstance import accounting
+from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.mechanism import Mechanism, rule_noise_std
 from perinstance.options import add_overwrite_argument, parse_points, probability
@@ -26,10 +26,37 @@ from perinstance.results import (
     results_path,
 )
 
-TABLE_ROWS = 20
-# Which update rule each quantity is measured for (results.QUANTITIES).
 NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
                    "batch_size", "dataset_size", "noise_std"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an accountant reads its rows (--res-name in --res-dir, or --res-file), which rows it
+    keeps (--filter, --points), and the output it was asked for (--out, --overwrite)."""
+
+    res_name: str | None
+    res_file: str | None
+    res_dir: str = "res"
+    out: str | None = None
+    filters: tuple = ()
+    points: tuple | None = None
+    overwrite: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: Mapping):
+        """The source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
+        return cls(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"],
+                   out=flags["out"], filters=tuple(flags["filter"]),
+                   points=None if flags["points"] is None else tuple(flags["points"]),
+                   overwrite=bool(flags["overwrite"]))
+
+    @property
+    def path(self):
+        """The result file read, and the flag that names it."""
+        if self.res_name is not None:
+            return results_path(self.res_name, self.res_dir), "--res-name"
+        return self.res_file, "--res-file"
 
 
 @dataclass(frozen=True)
@@ -95,15 +122,15 @@ def parse_holder(text, total_steps, flag="--holder-p"):
 
 # --- reading and checking -------------------------------------------------------------------
 
-def load(args, quantities, one_run, integer_columns=None):
-    """Read the CSV of --res-name/--res-file, apply --filter, keep `quantities`, check that the
+def load(source, quantities, one_run, integer_columns=None):
+    """Read the CSV of `source` (a Source), apply --filter, keep `quantities`, check that the
     rows form one configuration (and one run if `one_run`), their values, and --points.
 
     integer_columns: {column: smallest allowed value} for the columns that index samples.
     """
-    path, flag = _input_path(args)
+    path, flag = source.path
     rows = read_results(path, flag)
-    rows = _apply_filters(rows, args.filter)
+    rows = _apply_filters(rows, source.filters)
     rows = rows[rows["quantity"].isin(quantities)]
     if rows.empty:
         makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity].made_by}" for quantity in quantities)
@@ -113,14 +140,8 @@ def load(args, quantities, one_run, integer_columns=None):
     mechanism = _mechanism(rows, path, flag)
     _check_rows(rows, mechanism, path, flag)
     rows = _check_integers(rows, integer_columns or {}, path, flag)
-    rows = _select_points(rows, args.points, mechanism.dataset_size)
+    rows = _select_points(rows, source.points, mechanism.dataset_size)
     return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
-
-
-def _input_path(args):
-    if args.res_name is not None:
-        return results_path(args.res_name, args.res_dir), "--res-name"
-    return args.res_file, "--res-file"
 
 
 def _apply_filters(rows, filters):
@@ -244,9 +265,11 @@ def check_unique(loaded, keys):
                          f"(same {', '.join(keys)}){hint}")
 
 
-def check_values(loaded, bad, message):
-    """Refuse the first row where `bad` holds (a boolean Series over loaded.rows)."""
-    _first_bad(loaded.rows, bad.to_numpy(), loaded.path, loaded.flag, message)
+def check_values(loaded, bad, message, rows=None):
+    """Refuse the first row where `bad` holds (booleans over loaded.rows, or over `rows`, a
+    selection of them), naming the row by `message(row)`."""
+    rows = loaded.rows if rows is None else rows
+    _first_bad(rows, np.asarray(bad, dtype=bool), loaded.path, loaded.flag, message)
 
 
 def _select_points(rows, specs, dataset_size):
@@ -288,282 +311,3 @@ def checkpoint_ratios(loaded):
 def run_key(rows):
     """Runs are told apart by `run` and `seed` (accounting.md §4)."""
     return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)
-
-
-def correct_at_end(rows):
-    """`correct` per point at each run's last checkpoint (majority over runs; a tie is misclassified),
-    as a frame (point, correct); None when the rows do not all record it."""
-    correct = pd.to_numeric(rows["correct"], errors="coerce")
-    if correct.isna().any():
-        return None
-    last = rows["step"] == rows.groupby(run_key(rows))["step"].transform("max")
-    share = correct[last].groupby(rows.loc[last, "point"]).mean()
-    return pd.DataFrame({"point": share.index, "correct": (share > 0.5).astype(int).to_numpy()})
-
-
-# --- output ---------------------------------------------------------------------------------
-
-# An output's provenance (the script and input it comes from, its checksum) lives beside it.
-PROVENANCE_FORMAT = 1
-# output path (absolute) -> (script, input path), recorded by output_path for write_output.
-_OUTPUT_SOURCES = {}
-
-
-def output_path(args, script):
-    """--out, or <res-dir>/<res-name>_<script>.csv, or <stem>_<script>.csv next to --res-file; checked
-    before any work so that an output never clobbers a file.
-
-    Refused (one line naming --out): the input file itself, a folder, a destination folder that
-    is missing, read-only or a file, and an existing file that is not this script's own earlier
-    output for this same input (its provenance file says so and its checksum still matches)
-    unless --overwrite.
-    """
-    if args.out:
-        path = args.out
-    elif args.res_name is not None:
-        stem = os.path.splitext(args.res_name)[0] if storage.extension(args.res_name) else args.res_name
-        path = os.path.join(args.res_dir, f"{stem}_{script}.csv")
-    else:
-        stem = os.path.splitext(os.path.basename(args.res_file))[0]
-        path = os.path.join(os.path.dirname(args.res_file), f"{stem}_{script}.csv")
-    source = _input_path(args)[0]
-    if _same_file(path, source):
-        raise UsageError("--out", f"{path} is the input file; choose another output")
-    if os.path.isdir(path):
-        raise UsageError("--out", f"{path} is a folder; give the output a file name")
-    fileio.check_folder(os.path.dirname(path) or ".", "--out", must_exist=True)
-    if os.path.lexists(path) and not getattr(args, "overwrite", 0) and not _own_output(path, script, source):
-        raise UsageError("--out", f"{path} exists and is not {script}.py's earlier output for {source}; refusing to "
-                                  "replace it (use another --out, or --overwrite)")
-    _OUTPUT_SOURCES[os.path.abspath(path)] = (script, source)
-    return path
-
-
-def _same_file(path, other):
-    if os.path.exists(path) and os.path.exists(other):
-        return os.path.samefile(path, other)
-    return os.path.realpath(path) == os.path.realpath(other)
-
-
-def provenance_path(path):
-    """The hidden file beside an output that records where it comes from."""
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.provenance.json")
-
-
-def _own_output(path, script, source):
-    """`path` is what `script` wrote from `source` and nobody has changed it since."""
-    try:
-        with open(provenance_path(path), encoding="utf-8") as handle:
-            provenance = json.load(handle)
-        return (isinstance(provenance, dict) and provenance.get("script") == script
-                and provenance.get("input") == _input_seen_from(path, source)
-                and provenance.get("sha256") == fileio.sha256_of(path))
-    except (OSError, ValueError):
-        return False
-
-
-def _input_seen_from(path, source):
-    """The input's path relative to the output's folder: still right when both move together."""
-    return os.path.relpath(os.path.realpath(source), os.path.realpath(os.path.dirname(path) or "."))
-
-
-def write_output(path, frame):
-    """Write the output CSV atomically, then its provenance beside it (what lets the same script
-    on the same input replace it next time without --overwrite)."""
-    text = fileio.csv_text(frame)
-    fileio.write_text(path, text, flag="--out")
-    script, source = _OUTPUT_SOURCES.get(os.path.abspath(path), (None, None))
-    if script is not None:
-        fileio.write_json(provenance_path(path), {
-            "format": PROVENANCE_FORMAT, "script": script, "input": _input_seen_from(path, source),
-            "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}, flag="--out")
-
-
-def warn(message):
-    print(f"warning: {message}", file=sys.stderr)
-
-
-# --- the mean rule by coupling (accounting.md §3.2, §3.4) -----------------------------------
-
-# Sizes at which the certified bound and the baseline are evaluated (each size's probability is
-# lumped onto the grid size below it, which keeps the bound valid: accounting.size_grid).
-CERTIFIED_SIZES = 64
-# Sensitivities are rounded up onto a geometric grid with this relative step before RDP_SGM is
-# looked up (accounting.geometric_levels): at most 0.1% on Δ, an upper bound.
-LEVEL_STEP = 1e-3
-
-
-@dataclass(frozen=True)
-class SizeModel:
-    """The batch sizes of one mean-rule configuration (§3.4): n = |X|, q, k_min and what it costs."""
-
-    n: int
-    sample_rate: float
-    k_min: int
-    delta_size: float
-    failure: float  # β of the certified event
-
-    def grid(self):
-        """Sizes and lumped log-probabilities at which certified bounds and baselines are evaluated."""
-        sizes = accounting.size_grid(self.n, self.sample_rate, self.k_min, CERTIFIED_SIZES)
-        return sizes, accounting.lumped_size_log_weights(sizes, self.n, self.sample_rate)
-
-    def delta_fail(self, kind):
-        """§3.4: δ_size for the estimate and the baseline, δ_size + β for the certified bound."""
-        return self.delta_size + (self.failure if kind == "certified" else 0.0)
-
-
-def size_model(loaded, failure=None):
-    """§3.4 from the rows: k_min as measured (column k_min), n = N − 1 points besides x*.
-
-    failure: β of the certified event; default δ_size, or δ/(10·T) with the run's training δ when
-    k_min = 0 forces δ_size = 0."""
-    k_mins = pd.to_numeric(loaded.rows["k_min"], errors="coerce").dropna().unique()
-    if len(k_mins) != 1:
-        raise UsageError(loaded.flag, f"{loaded.path}: mean-rule rows need one k_min (found "
-                         f"{', '.join(f'{value:g}' for value in k_mins) or 'none'}); measure them with "
-                         "compute_sensitivity.py --reduction mean")
-    mechanism = loaded.mechanism
-    n = mechanism.dataset_size - 1
-    k_min = int(k_mins[0])
-    delta_size = accounting.size_failure(n, mechanism.sample_rate, k_min)
-    if failure is None:
-        training_delta = pd.to_numeric(loaded.rows["delta"], errors="coerce").dropna()
-        fallback = (float(training_delta.iloc[0]) if len(training_delta) else 1e-5) / (10 * mechanism.total_steps)
-        failure = delta_size if delta_size > 0 else fallback
-    return SizeModel(n=n, sample_rate=mechanism.sample_rate, k_min=k_min, delta_size=delta_size, failure=failure)
-
-
-def mean_statistics(loaded):
-    """d*, v_X, b_X per (point, step): a frame with one column per statistic."""
-    rows = loaded.rows[loaded.rows["quantity"].isin(list(STATISTICS))]
-    if rows.empty:
-        return None
-    # Every --mc-seed of one checkpoint records the same statistics: keep one copy.
-    rows = rows.drop_duplicates(subset=["point", "step", "quantity", "value"])
-    check_unique(Loaded(rows, loaded.mechanism, loaded.path, loaded.flag), ["point", "step", "quantity"])
-    table = rows.pivot(index=["point", "step"], columns="quantity", values="value")
-    missing = table.isna().any(axis=1) | (len(table.columns) < len(STATISTICS))
-    if missing.any():
-        point, step = table.index[np.argmax(missing.to_numpy())]
-        raise UsageError(loaded.flag, f"{loaded.path}: point {point} at step {step} lacks one of "
-                         f"{', '.join(STATISTICS)} (measure with compute_sensitivity.py --reduction mean)")
-    return table
-
-
-def mean_samples(loaded):
-    """Δ_B samples per (point, step): index, and (P, S) arrays of value, size k and block (NaN = absent)."""
-    rows = loaded.rows[loaded.rows["quantity"] == "batch_sensitivity"]
-    if rows.empty:
-        return None
-    sizes = pd.to_numeric(rows["k"], errors="coerce")
-    _first_bad(rows, sizes.isna().to_numpy() | (sizes < 0).to_numpy(), loaded.path, loaded.flag,
-               lambda row: f"batch_sensitivity row without a batch size k ({row['k']!r}); re-measure with "
-               "compute_sensitivity.py --reduction mean (Δ_B samples must carry k, accounting.md §2)")
-    # Samples of several --mc-seed values pool; each (mc_seed, block) is a block of its own.
-    seed = pd.to_numeric(rows["mc_seed"], errors="coerce").fillna(-1)
-    block = pd.to_numeric(rows["block"], errors="coerce").fillna(0)
-    rows = rows.assign(k=sizes.astype(int), mc_seed=seed,
-                       block=pd.MultiIndex.from_arrays([seed, block]).factorize()[0])
-    check_unique(Loaded(rows, loaded.mechanism, loaded.path, loaded.flag), ["point", "step", "mc_seed", "block", "sample"])
-    rows = expand_histograms(rows, loaded)
-    rows = rows.assign(column=rows.groupby(["point", "step"]).cumcount())
-    index = pd.MultiIndex.from_frame(rows[["point", "step"]].drop_duplicates().sort_values(["point", "step"]))
-    def dense(column):
-        return rows.pivot(index=["point", "step"], columns="column", values=column).reindex(index).to_numpy(float)
-    return index, dense("value"), dense("k"), dense("block")
-
-
-def expand_histograms(rows, loaded):
-    """Δ_B rows with their `count` (a histogram row of storage.histogram_rows stands for `count`
-    samples of its value; empty: 1) as that many samples, ordered by (point, step, block, k, value):
-    a histogram and the rounded-up samples it was made from give the same arrays, hence the same
-    numbers from every estimator, to the last bit (docs/sensitivity.md)."""
-    counts = pd.to_numeric(rows["count"], errors="coerce").fillna(1)
-    _first_bad(rows, ((counts < 1) | (counts != np.round(counts))).to_numpy(), loaded.path, loaded.flag,
-               lambda row: f"count {row['count']} is not an integer >= 1 (the samples a histogram row stands for)")
-    rows = rows.loc[rows.index.repeat(counts.astype(int).to_numpy())]
-    return rows.sort_values(["point", "step", "block", "k", "value"], kind="mergesort")
-
-
-def sample_grid(batch_sizes, sizes, loaded):
-    """The sizes the Δ_B samples were drawn at (§3.2), checked against k_min."""
-    grid = np.unique(batch_sizes[~np.isnan(batch_sizes)]).astype(int)
-    if len(grid) and grid[0] < sizes.k_min:
-        raise UsageError(loaded.flag, f"{loaded.path}: Δ_B samples at size {grid[0]} below k_min={sizes.k_min}")
-    return grid
-
-
-def mean_rule_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
-    """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
-    sensitivities round up to (§5)."""
-    ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound for values in sensitivities])
-    levels = accounting.geometric_levels(ratios, relative_step)
-    return accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders, levels)
-
-
-def mixture_rdp_by_point(table, sensitivities, log_weights, log_mass, mechanism, chunk=512):
-    """§3.2 for every point and order of `table`: (1/(λ−1))·(log Σ_k w_k·exp(M_k(λ)) − log mass),
-    with sensitivities (P, K) per point and size; computed in chunks of points (P × K × orders)."""
-    orders = table.orders
-    result = np.empty((len(sensitivities), len(orders)))
-    for start in range(0, len(sensitivities), chunk):
-        moments = table.log_moments(np.asarray(sensitivities[start:start + chunk]) / mechanism.clip_bound)
-        combined = accounting.logsumexp(moments + np.asarray(log_weights)[None, :, None], axis=1)
-        result[start:start + chunk] = (combined - log_mass) / (orders - 1.0)
-    return result
-
-
-# --- output: one row per value, each labelled with its kind (§3.5) ---------------------------
-
-KINDS = ("estimate", "certified", "baseline", "gla_statistic")
-KIND_LABEL = {"estimate": "estimate (Monte Carlo, not a bound)", "certified": "certified bound",
-              "baseline": "data-independent baseline", "gla_statistic": "GLA statistic (loose)"}
-
-
-def report(path, result, value, keys, groups, correct=None):
-    """Print the guarantee (direction max) with its kinds side by side and a summary, then write
-    `result` (long format: one row per key and kind) to `path`."""
-    # The max over directions where there is one; a file that measured one direction shows that one.
-    has_max = "direction" in result and (result["direction"] == "max").any()
-    shown = result[result["direction"] == "max"] if has_max else result
-    wide = shown.pivot_table(index=keys, columns="kind", values=value, aggfunc="first").reset_index()
-    kinds = [kind for kind in KINDS if kind in wide.columns]
-    main = next(kind for kind in ("certified", "estimate", "gla_statistic", "baseline") if kind in kinds)
-    if "baseline" in kinds and main != "baseline":
-        wide["ratio"] = wide[main] / wide["baseline"]
-    print(wide.head(TABLE_ROWS).to_string(index=False, float_format=lambda number: f"{number:.4g}"))
-    if len(wide) > TABLE_ROWS:
-        print(f"... {len(wide) - TABLE_ROWS} more rows in {path}")
-    print("kinds: " + "; ".join(f"{kind} = {KIND_LABEL[kind]}" for kind in kinds))
-    if correct is not None:
-        correct = wide[keys].merge(correct, on=[key for key in keys if key in correct.columns], how="left")["correct"]
-    frame = wide.assign(subset="all")
-    if correct is not None and set(correct.dropna().unique()) >= {0, 1}:
-        labelled = wide.assign(subset=np.where(correct.to_numpy() == 1, "correct", "misclassified"))
-        frame = pd.concat([frame, labelled], ignore_index=True)
-    summary = frame.groupby(groups + ["subset"], sort=True).apply(_summarise_kinds, kinds, main,
-                                                                  include_groups=False).reset_index()
-    print(f"\nsummary of {value} ({main}; medians; '2x below': share of points with {main} <= baseline/2)")
-    print(summary.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
-    write_output(path, result)
-    print(f"wrote {path}")
-
-
-def _summarise_kinds(group, kinds, main):
-    summary = {"points": len(group)}
-    for kind in kinds:
-        summary[kind] = np.nanmedian(group[kind].to_numpy(dtype=float))
-    summary[f"{main} q10"] = np.nanquantile(group[main].to_numpy(dtype=float), 0.1)
-    summary[f"{main} q90"] = np.nanquantile(group[main].to_numpy(dtype=float), 0.9)
-    if "baseline" in kinds and main != "baseline":
-        summary["2x below"] = np.mean(group[main].to_numpy(dtype=float) <= group["baseline"].to_numpy(dtype=float) / 2)
-    return pd.Series(summary)
-
-
-def correct_table(rows, keys):
-    """`correct` per `keys` from the measured rows (None when the rows do not all record it)."""
-    correct = pd.to_numeric(rows["correct"], errors="coerce")
-    if correct.isna().any():
-        return None
-    return rows[keys].assign(correct=correct).groupby(keys, as_index=False)["correct"].first()

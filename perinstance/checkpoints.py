@@ -6,7 +6,9 @@ does not fit the run's model is a one-line error naming the file.
 """
 
 import os
+import pickle
 import re
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -15,6 +17,8 @@ from perinstance import fileio
 from perinstance.errors import UsageError
 
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d{7})\.pt$")
+# Terminal control sequences (colours, bold) that torch puts in some of its messages.
+ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Every error about the run folder names the flag that chose it.
 FLAG = "--save-name"
 
@@ -44,7 +48,14 @@ def save_checkpoint(run_dir, step, payload):
 def load_checkpoint(run_dir, step, device="cpu"):
     path = checkpoint_path(run_dir, step)
     try:
-        payload = torch.load(path, map_location=device, weights_only=True)
+        with warnings.catch_warnings():
+            # torch warns on stderr about a foreign file's pickle protocol; the error below says all.
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message advises loading without weights_only, which would run the file's code.
+        raise UsageError(FLAG, f"{path} holds objects other than tensors and plain values (or is no checkpoint at "
+                               "all): it is refused, never unpickled; delete it to resume from the one before") from None
     except Exception as error:  # torch raises many types for truncated or foreign files
         raise UsageError(FLAG, f"corrupt or truncated checkpoint {path} ({_one_line(error)}); "
                                "delete it to resume from the one before") from None
@@ -69,5 +80,5 @@ def restoring(run_dir, step):
 
 def _one_line(error, limit=300):
     """The exception's message on one line, shortened (torch's can run to many lines)."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    text = " ".join(ESCAPE_SEQUENCE.sub("", str(error)).split()) or type(error).__name__
     return text if len(text) <= limit else text[:limit] + "..."

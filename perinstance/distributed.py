@@ -190,7 +190,7 @@ class Parts:
 
     Parquet holds exactly what the result file will hold (storage.write_frame), and a part is
     written atomically, so a part file that exists is complete. The job's folder name hashes
-    the request and its items: a rerun of the same command finds the parts of a killed run.
+    the command's request and points: a rerun of the same command finds the parts of a killed run.
     """
 
     def __init__(self, result_path, job_description):
@@ -213,12 +213,17 @@ class Parts:
     def merge_once(self, items, merge, flag=None):
         """If every item's part exists: `merge(frames)` (which writes the result file) and remove
         the parts, all under this result file's parts lock, so that of the ranks that try, only
-        the one that finds every part there merges. Returns whether this call merged."""
+        the one that finds every part there merges. Returns whether this call merged.
+
+        No items means that the result file holds every row already: the parts of this job that
+        a rank killed between writing the result file and removing the parts left are removed."""
         with fileio.locked(self.root, flag):
-            if not items or not all(self.has(item) for item in items):
+            if items and not all(self.has(item) for item in items):
                 return False
-            merge(self.read(items))
-            shutil.rmtree(self.directory)
+            if items:
+                merge(self.read(items))
+            if os.path.isdir(self.directory):
+                shutil.rmtree(self.directory)
             with suppress(OSError):  # other jobs' parts are still there
                 os.rmdir(self.root)
-        return True
+        return bool(items)

@@ -4,6 +4,7 @@ import argparse
 
 import numpy as np
 
+from perinstance import sampling
 from perinstance.errors import UsageError
 
 # Keeps the example commands at the top of each script's docstring as written in --help.
@@ -149,7 +150,7 @@ def _parse_point_token(token, dataset_size, seed, flag):
         count = _parse_int(token[len("random:"):], flag, token, allowed)
         if count <= 0 or count > dataset_size:
             raise UsageError(flag, f"{token}: N must be in 1..{dataset_size}")
-        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x9017]))
+        rng = sampling.stream_rng(seed, sampling.POINTS_STREAM)
         return rng.choice(dataset_size, size=count, replace=False).tolist()
     if "-" in token[1:]:
         start_text, end_text = token.split("-", 1) if not token.startswith("-") else (token, "")

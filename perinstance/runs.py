@@ -22,8 +22,9 @@ import torch
 from opacus.accountants.utils import get_noise_multiplier
 
 from perinstance import checkpoints, clipping, fileio
+from perinstance.data import load_dataset
 from perinstance.errors import UsageError
-from perinstance.options import parse_points
+from perinstance.options import Parser, add_training_args, parse_points
 
 DEFAULT_EPS = 10.0
 DEFAULT_SCALE_R = 0.1
@@ -230,23 +231,72 @@ def _short(value, limit=60):
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-
-
-
 # --- from the training flags to a run -----------------------------------------------------------
 
+@dataclass(frozen=True)
+class TrainingFlags:
+    """Every flag of options.add_training_args, by destination: what names and defines a run."""
+
+    dataset: str
+    data_root: str
+    model: str
+    norm_type: str
+    batch_size: int
+    lr: float
+    optimizer: str
+    momentum: float
+    gamma: float
+    dec_lr: list
+    epochs: float
+    dp: int
+    eps: float | None
+    sigma: float | None
+    delta: float
+    cn: float
+    clipping: str
+    scale_r: float | None
+    scale_s: float | None
+    reduction: str
+    seed: int
+    less_point: int | None
+    save_freq: int | None
+    save_steps: list | None
+    save_name: str | None
+    id: str | None
+    models_dir: str
+    overwrite: int
+    device: str
+    eval_freq: int | None
+    track_points: list | None
+
+    @classmethod
+    def from_flags(cls, flags):
+        """The training flags among parsed flags (a mapping of destination to value)."""
+        return cls(**{field.name: flags[field.name] for field in dataclasses.fields(cls)})
+
+    @classmethod
+    def parse(cls, argv=()):
+        """The training flags of a command line of training flags only (their defaults when empty)."""
+        parser = Parser()
+        add_training_args(parser)
+        return cls.from_flags(vars(parser.parse_args(list(argv))))
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
 def resolve_training_args(args):
-    """Fill derived defaults and reject bad training flags (no dataset needed).
+    """The TrainingFlags `args` with their derived defaults filled in, bad ones refused (no dataset needed).
 
     The parser's types (options.py) refuse NaN, ±inf and out-of-domain numbers already; the
-    checks here repeat them for callers that build `args` themselves, and add those that
+    checks here repeat them for callers that build the flags themselves, and add those that
     involve several flags (the learning-rate schedule).
     """
     if args.dp == 1:
         if args.eps is not None and args.sigma is not None:
             raise UsageError("--eps", "give either --eps (target ε) or --sigma, not both")
         if args.sigma is None and args.eps is None:
-            args.eps = DEFAULT_EPS
+            args = dataclasses.replace(args, eps=DEFAULT_EPS)
     for flag, value in (("--eps", args.eps), ("--sigma", args.sigma), ("--epochs", args.epochs), ("--cn", args.cn),
                         ("--lr", args.lr), ("--gamma", args.gamma)):
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -272,7 +322,7 @@ def resolve_training_args(args):
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
         raise UsageError("--eval-freq", f"must be > 0, got {args.eval_freq}")
-    _resolve_scaling(args)
+    args = _resolve_scaling(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device", f"{args.device} requested but no CUDA device is available (allowed: cpu, cuda)")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -299,16 +349,17 @@ def _check_schedule(args):
 
 
 def _resolve_scaling(args):
+    """The flags with r and s defaulted for the transforms that take them."""
     if args.clipping == "flat":
         if args.scale_r is not None:
             raise UsageError("--scale-r", "only psac and psasc take --scale-r")
     elif args.scale_r is None:
-        args.scale_r = DEFAULT_SCALE_R
+        args = dataclasses.replace(args, scale_r=DEFAULT_SCALE_R)
     if args.clipping != "psasc":
         if args.scale_s is not None:
             raise UsageError("--scale-s", "only psasc takes --scale-s")
     elif args.scale_s is None:
-        args.scale_s = DEFAULT_SCALE_S
+        args = dataclasses.replace(args, scale_s=DEFAULT_SCALE_S)
     if args.scale_r is not None and not (math.isfinite(args.scale_r) and 0 < args.scale_r <= MAX_CLIP_NORM):
         raise UsageError("--scale-r", f"must be in (0, {MAX_CLIP_NORM:g}], got {args.scale_r:g} (a larger r "
                                       "overflows the float32 gradients' scale)")
@@ -317,11 +368,12 @@ def _resolve_scaling(args):
     if args.scale_s is not None and args.cn / args.scale_s > MAX_CLIP_NORM:
         raise UsageError("--scale-s", f"the bound Γ = C/s = {args.cn / args.scale_s:g} must be at most "
                                       f"{MAX_CLIP_NORM:g} (the noise std sigma·Γ would overflow)")
+    return args
 
 
 def identity_args(args):
     """The flags that determine what is trained (a resumed run must agree on all of them)."""
-    return {key: value for key, value in sorted(vars(args).items())
+    return {key: value for key, value in sorted(args.as_dict().items())
             if key not in NON_IDENTITY_FLAGS and not (key in LATER_FLAGS and value is None)}
 
 
@@ -467,8 +519,6 @@ def _foreign_files(run_dir):
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))
 
 
-
-
 # --- an opened run ---------------------------------------------------------------------------------
 
 @dataclass
@@ -511,3 +561,34 @@ class OpenRun:
         """The planned checkpoints present in the folder, ascending."""
         planned = set(self.config.checkpoint_steps)
         return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
+
+
+def run_folder(name, models_dir, flag="--run"):
+    """The folder of the run that `name` (--run) means: a folder holding run.json, else a run name
+    in `models_dir` (which may not exist yet). A path that holds no run is an error: it names no run."""
+    if os.path.isfile(run_file(name)):
+        return os.path.normpath(name)
+    if name in ("", ".", "..") or any(separator and separator in name for separator in (os.sep, os.altsep)):
+        raise UsageError(flag, f"{name!r} is neither a run folder (no {RUN_FILE} in it) nor a run name in "
+                               f"{models_dir} (train it with train_dpsgd.py --save-name NAME)")
+    return os.path.join(models_dir, name)
+
+
+def open_run(name, models_dir, data_root, flag="--run"):
+    """The trained run `name` (run_folder) with its datasets, checked against the dataset
+    fingerprint in run.json."""
+    run_dir = run_folder(name, models_dir, flag)
+    if not os.path.isfile(run_file(run_dir)):
+        raise UsageError(flag, f"no run {name!r}: neither a folder with {RUN_FILE} nor {run_dir} (train it with "
+                               "train_dpsgd.py --save-name NAME)")
+    config = load_run(run_dir)
+    dataset = load_dataset(config.dataset, data_root)
+    if dataset.fingerprint != config.dataset_fingerprint:
+        raise UsageError("--data-root", f"the dataset {config.dataset} under {data_root} is not the one "
+                                        f"{run_dir} was trained on (fingerprints differ)")
+    training_set = dataset if config.less_point is None else load_dataset(config.dataset, data_root,
+                                                                          config.less_point)
+    run = OpenRun(run_dir, config, dataset, training_set.train_x, training_set.train_y)
+    if not run.saved_steps():
+        raise UsageError(flag, f"{run_dir} has no checkpoints")
+    return run

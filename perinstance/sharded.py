@@ -10,7 +10,7 @@ that finds every part there merges them into the result file, once, under its lo
 rank loses only the item it was measuring: rerunning the same command (with any K) measures
 only the items without a part and then merges. The rows are those of the single-process
 command: a point's values do not depend on the points measured with it, nor a block's draws on
-the blocks measured with it (sensitivity.py).
+the blocks measured with it (perinstance/coupling.py).
 """
 
 import json
@@ -18,30 +18,31 @@ import time
 
 import pandas as pd
 
-from perinstance import distributed, sensitivity, sensitivity_cli
+from perinstance import distributed, gradient_rows, measurement, sensitivity_cli
 from perinstance.errors import UsageError
 
-# Sum rule: points per part. A multiple of the engine's chunk (sensitivity.ROW_CHUNK), so that
+# Sum rule: points per part. A multiple of the engine's chunk (gradient_rows.ROW_CHUNK), so that
 # every point is computed in the same chunk as by a single process. The mean rule needs a pass
 # over the whole training set per part, so by default all points of a checkpoint make one part.
-DEFAULT_PART_POINTS = 4 * sensitivity.ROW_CHUNK
+DEFAULT_PART_POINTS = 4 * gradient_rows.ROW_CHUNK
 
 
-def part_points(args, request, points):
-    if args.part_points is not None and args.part_points <= 0:
-        raise UsageError("--part-points", f"must be > 0, got {args.part_points}")
-    if args.part_points is not None:
-        return args.part_points
+def part_size(part_points, request, points):
+    """Points per part: --part-points, or the default of the rule."""
+    if part_points is not None and part_points <= 0:
+        raise UsageError("--part-points", f"must be > 0, got {part_points}")
+    if part_points is not None:
+        return part_points
     return DEFAULT_PART_POINTS if request.reduction == "sum" else max(len(points), 1)
 
 
-def measure(world, args, request, run, points, result_file):
+def measure(world, request, run, points, result_file, *, part_points=None, device="cpu"):
     """This rank's share of the measurement; prints its `rank R/W:` line."""
     started = time.time()
-    chunk = part_points(args, request, points)
+    chunk = part_size(part_points, request, points)
     # Coupling draws: one part per Monte-Carlo block (each rank computes the per-sample gradients
     # of the checkpoint again, and only its blocks' draws); the dataset statistics go with block 0.
-    blocks = request.mc_blocks if request.family == sensitivity_cli.COUPLING and request.num_batches > 0 else 0
+    blocks = request.mc_blocks if request.family == measurement.COUPLING and request.num_batches > 0 else 0
 
     def plan():
         config = sensitivity_cli.ensure_trained(run)
@@ -49,17 +50,17 @@ def measure(world, args, request, run, points, result_file):
         items = [item for step in steps
                  for item in distributed.plan_items(step, result_file.missing(config.run, step, points, request),
                                                     chunk, blocks)]
-        parts = job_parts(request, config, items)
+        parts = job_parts(request, config, points)
         return config, items, [item for item in items if not parts.has(item)]
 
     config, items, todo = distributed.from_rank0(world, plan)
     run.config, run.finished = config, True
-    parts = job_parts(request, config, items)
+    parts = job_parts(request, config, points)
     mine = world.share(todo)
     for item in mine:
-        rows = sensitivity_cli.measure_checkpoint(request, run, item.step, list(item.points), args.device,
+        rows = measurement.measure_checkpoint(request, run, item.step, list(item.points), device,
                                                   item.blocks or None)
-        parts.write(item, sensitivity_cli.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
+        parts.write(item, measurement.keep_missing(rows, {direction: list(wanted) for direction, wanted in item.wanted}),
                     "--res-name")
 
     merged = parts.merge_once(items, lambda frames: result_file.add(pd.concat(frames, ignore_index=True)),
@@ -75,7 +76,8 @@ def measure(world, args, request, run, points, result_file):
           f"{len(todo)} parts to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
 
 
-def job_parts(request, config, items):
-    """The part files of this request's items: the same command finds the same folder again."""
-    description = json.dumps([config.run, repr(request), [item.key for item in items]])
+def job_parts(request, config, points):
+    """The part files of this request for these points: the same command finds the same folder
+    again, also once nothing is left to measure (to remove what a rank killed while it merged left)."""
+    description = json.dumps([config.run, repr(request), [int(point) for point in points]])
     return distributed.Parts(request.res_path, description)

@@ -15,7 +15,7 @@ A Parquet file holds exactly the table that reading its CSV twin gives back (eve
 goes through the CSV text first), so every accountant computes identical numbers from both.
 
 A result named without an extension is CSV while it holds at most AUTO_PARQUET_ROWS rows and
-Parquet from then on (sensitivity_cli.ResultFile); `.csv` or `.parquet` fixes the format.
+Parquet from then on (result_file.ResultFile); `.csv` or `.parquet` fixes the format.
 
 Δ_B histograms (`compute_sensitivity.py --histogram-precision R`): the mean rule's Δ_B samples
 rounded UP onto the geometric grid Γ·(1+R)^−j, one row per distinct rounded value of a (point,

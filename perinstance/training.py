@@ -6,6 +6,7 @@ It takes a typed run (runs.RunConfig); the flags become one in runs.py. Step t (
 same bytes as an uninterrupted run.
 """
 
+import math
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from perinstance import checkpoints, clipping, fileio, gradients, results, runs, sampling
 from perinstance.data import load_dataset
+from perinstance.errors import UsageError
 from perinstance.mechanism import Mechanism
 from perinstance.nets import build_model
 
@@ -111,7 +113,7 @@ class Trainer:
         self.train_x = dataset.train_x.to(self.device)
         self.train_y = dataset.train_y.to(self.device)
         self.test_x, self.test_y = dataset.test_x, dataset.test_y
-        torch.manual_seed(int(np.random.SeedSequence([run.seed, sampling.INIT_STREAM]).generate_state(1)[0]))
+        torch.manual_seed(sampling.init_seed(run.seed))
         self.model = model_for_run(run).to(self.device)
         self.params = gradients.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
@@ -182,7 +184,8 @@ class Trainer:
         self.tracked_rows.append(torch.stack([norms, losses, correct]).double().cpu().numpy().ravel().tolist())
 
     def step(self, step):
-        """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch."""
+        """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
+        θ_{step−1}), None for an empty batch."""
         if self.tracked is not None:
             self.track()
         batch = sampling.poisson_batch(self.run.seed, step, self.run.dataset_size, self.run.sample_rate)
@@ -193,7 +196,10 @@ class Trainer:
             group["lr"] = learning_rate(self.run, step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return losses.mean().item() if len(losses) else float("nan")
+        return losses.mean().item() if len(losses) else None
+
+    def weights_finite(self):
+        return all(bool(torch.isfinite(param).all()) for param in self.params)
 
     def test_accuracy(self):
         return evaluate(self.model, self.test_x, self.test_y, self.device)[0]
@@ -205,8 +211,8 @@ def latest_checkpoint(run_dir, planned):
 
 
 def train(args, quiet=False):
-    """Train (or resume, or find finished) the run that the training flags `args` name."""
-    runs.resolve_training_args(args)
+    """Train (or resume, or find finished) the run that the training flags `args` (runs.TrainingFlags) name."""
+    args = runs.resolve_training_args(args)
     dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point)
     run = runs.plan_run(args, dataset)
     run_dir = runs.run_dir_for(args)
@@ -237,11 +243,14 @@ def train_run(trainer, run_dir, eval_freq=None, quiet=False):
     for step in progress:
         loss = trainer.step(step)
         at_checkpoint = step in planned
+        if (loss is not None and not math.isfinite(loss)) or (at_checkpoint and not trainer.weights_finite()):
+            progress.close()
+            raise diverged(run, run_dir, step, loss)
         if at_checkpoint or (eval_freq and step % eval_freq == 0):
             accuracy = trainer.test_accuracy()
         if at_checkpoint:
             checkpoints.save_checkpoint(run_dir, step, trainer.state(step, accuracy))
-        postfix = {"loss": f"{loss:.3f}", "test_acc": f"{accuracy:.3f}"}
+        postfix = {"loss": "-" if loss is None else f"{loss:.3f}", "test_acc": f"{accuracy:.3f}"}
         if epsilon_spent:
             postfix["eps"] = f"{epsilon_spent(step):.2f}"
         progress.set_postfix(postfix, refresh=False)
@@ -250,6 +259,17 @@ def train_run(trainer, run_dir, eval_freq=None, quiet=False):
         write_tracked_norms(run_dir, run, trainer.tracked_rows, trainer.train_y.cpu())
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
                    train_seconds=time.time() - started)
+
+
+def diverged(run, run_dir, step, loss):
+    """The one-line error of a run whose loss (at θ_{step−1}) or weights (at θ_step) are no longer
+    finite: training stops there, and the checkpoints before keep their finite weights."""
+    what = f"the loss is {loss:g} at step {step}" if loss is not None and not math.isfinite(loss) else \
+        f"the weights are not finite after step {step}"
+    latest = latest_checkpoint(run_dir, set(run.checkpoint_steps))
+    return UsageError("--lr", f"training diverged: {what} of {run.total_steps} (learning rate "
+                              f"{learning_rate(run, step):g}); the checkpoints up to step {latest} in {run_dir} are "
+                              "kept; train with a smaller --lr")
 
 
 def write_tracked_norms(run_dir, run, tracked_rows, labels):

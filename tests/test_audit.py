@@ -9,10 +9,12 @@ import pandas as pd
 import pytest
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, snapshot
+from reference import reference_batch_means, reference_batch_sensitivities
 from scipy.stats import beta, binom, binomtest
 
-from perinstance import accounting, attacks, audit, runs, sensitivity, training
+from perinstance import accounting, audit, audit_simulation, poisson_batches, runs, sampling, training
 from perinstance.data import load_dataset
+from perinstance.gradient_rows import Transform
 from perinstance.mechanism import Mechanism
 
 # psac: every point has its own Δ* (flat clipping gives Γ to most points this early).
@@ -144,7 +146,7 @@ def test_spread_points_span_the_range():
 @pytest.mark.parametrize("width", [None, 2])
 def test_poisson_batches_are_independent_bernoulli_draws(width):
     count, size, rate = 20_000, 40, 0.3
-    members, sizes = attacks.poisson_batches(np.random.default_rng(5), count, size, rate, width=width)
+    members, sizes = sampling.poisson_members(np.random.default_rng(5), count, size, rate, width=width)
     assert sizes.sum() == len(members) and members.min() >= 0 and members.max() < size
     mask = np.zeros((count, size), dtype=bool)
     mask[np.repeat(np.arange(count), sizes), members] = True
@@ -157,7 +159,7 @@ def test_poisson_batches_are_independent_bernoulli_draws(width):
 
 def test_memberships_find_each_points_row():
     members, sizes = np.array([0, 3, 5, 3, 1, 2]), np.array([3, 0, 1, 2])
-    found = attacks.memberships(members, sizes, np.array([3, -1, 1, 5]))
+    found = audit_simulation.memberships(members, sizes, np.array([3, -1, 1, 5]))
     expected = np.array([[True, False, False, True], [False] * 4, [True, False, False, False],
                          [False, False, True, False]])
     np.testing.assert_array_equal(found, expected)
@@ -172,7 +174,7 @@ def test_simulated_releases_have_the_mechanisms_moments(rule):
     own_values = np.array([projections[7, 0], 1.5])
     mechanism = Mechanism(noise_multiplier=std * (30 if rule == "mean" else 1), clip_bound=1.0, sample_rate=rate, batch_size=30, dataset_size=1000,
                           total_steps=1, rule=rule)
-    scores_in, scores_out = attacks.simulate_releases(projections, own_rows, own_values, mechanism, trials, 1, 2,
+    scores_in, scores_out = audit_simulation.simulate_releases(projections, own_rows, own_values, mechanism, trials, 1, 2,
                                                       [7, 300])
     others = [np.delete(projections[:, 0], 7), projections[:, 1]]
     for column, values in enumerate(others):
@@ -194,7 +196,7 @@ def test_simulated_releases_have_the_mechanisms_moments(rule):
         if var_out is not None:
             assert scores_out[:, column].var() == pytest.approx(var_out, rel=0.02)
     # The noise is the mechanism's: a known batch leaves exactly N(0, std²) without x*.
-    _, known_out = attacks.simulate_releases(projections, own_rows, own_values, mechanism, 50_000, 1, 2, [7, 300],
+    _, known_out = audit_simulation.simulate_releases(projections, own_rows, own_values, mechanism, 50_000, 1, 2, [7, 300],
                                              known_batch=True)
     assert known_out.std() == pytest.approx(std, rel=0.02)
 
@@ -227,13 +229,13 @@ def audit_run(tmp_path, models):
 
 
 def reference_norms(models, points, step):
-    """Δ* = ||h(g*)|| by one forward/backward per point (sensitivity.py's reference), and the model."""
+    """Δ* = ||h(g*)|| by one forward/backward per point (tests/reference.py), and the model."""
     run_dir = models / "tiny"
     metadata = runs.load_run(run_dir)
     model, _ = training.load_model(metadata, run_dir, step)
     dataset = load_dataset("synthetic")
-    singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y,
-                                                sensitivity.Transform.of_run(metadata), [[point] for point in points])
+    singles = reference_batch_means(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata),
+                                    [[point] for point in points])
     return metadata, model, dataset, np.linalg.norm(singles, axis=1)
 
 
@@ -263,7 +265,7 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
 def test_a_too_small_upper_bound_is_flagged(audit_run, monkeypatch):
     # Hand the audit the accountant's bound for Δ*/4 instead of Δ*: it must prove that bound wrong.
     exact = accounting.per_step_eps
-    monkeypatch.setattr(attacks.accounting, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
+    monkeypatch.setattr(audit_simulation.accounting, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
     result, rows = audit_run("--points", "0-3", "--trials", "200000")
     assert result.returncode == 1 and (rows["violated"] == 1).all()
     assert (rows["eps_lower"] > rows["eps_upper"]).all()
@@ -277,17 +279,20 @@ def test_mean_rule_audit_holds(audit_run):
 
 
 def test_mean_rule_sensitivities_are_the_reference_ones(models):
-    run = attacks.open_run(str(models / "tiny"), "unused", "./data")
+    run = runs.open_run(str(models / "tiny"), "unused", "./data")
     metadata, model, dataset, _ = reference_norms(models, [0], 8)
-    transform = sensitivity.Transform.of_run(metadata)
+    transform = Transform.of_run(metadata)
     points = np.array([3, 10])
-    rows, audited = attacks.checkpoint_gradients(run, model, transform, points, None, "cpu", None)
-    members, sizes = attacks.poisson_batches(np.random.default_rng(7), 4, len(run.train_y), 0.05)
+    rows, audited = audit_simulation.audited_gradients(run, model, transform, points, None, "cpu", None)
+    members, sizes = sampling.poisson_members(np.random.default_rng(7), 4, len(run.train_y), 0.05)
     batches = np.split(members, np.cumsum(sizes)[:-1])
-    values = attacks.mean_rule_sensitivities(rows, audited, members, sizes)
+    # As the audit's upper bound takes them: two batches per pass over the rows.
+    values = poisson_batches.batch_sensitivities(rows, audited.point_gradients(),
+                                                 sampling.members_mask(members, sizes, len(run.train_y)),
+                                                 most_per_pass=2)
     for row, point in enumerate(points):
-        expected = sensitivity.reference_batch_sensitivities(model, dataset.train_x, dataset.train_y, transform,
-                                                             point, [batch[batch != point] for batch in batches])
+        expected = reference_batch_sensitivities(model, dataset.train_x, dataset.train_y, transform, point,
+                                                 [batch[batch != point] for batch in batches])
         np.testing.assert_allclose(values[row], expected, rtol=1e-4)
 
 
@@ -350,7 +355,7 @@ def test_gap_summary_by_hand():
     rows = pd.DataFrame({"step": [0, 0, 0, 8], "rule": "mean", "eps_lower": [0.0, 2.0, 20.0, 1.0],
                          "eps_upper": [4.0, 13.0, 13.0, 5.0], "trials": 1000, "delta": DELTA,
                          "tpr": hits_in / 500, "fpr": hits_out / 500, "confidence": 0.95})
-    summary = attacks.gap_summary(rows, mechanism)
+    summary = audit_simulation.gap_summary(rows, mechanism)
     assert set(summary) == {0, 8}
     first = summary[0]
     assert first["sum_rule_eps"] == pytest.approx(sum_rule, rel=1e-12)
@@ -366,7 +371,7 @@ def test_gap_summary_by_hand():
     assert first["median_lower_jointly"] == pytest.approx(np.median(joint), rel=1e-9)
     assert first["above_sum_rule_jointly"] == (joint > sum_rule).sum() == 2
     with pytest.raises(ValueError, match="the mean rule's"):
-        attacks.gap_summary(rows.assign(rule="sum"), mechanism)
+        audit_simulation.gap_summary(rows.assign(rule="sum"), mechanism)
 
 
 # N = 64, B_exp = 4, σ = 1: x* alone in its batch (probability q·(1 − q)^63 ≈ 1e-3) releases h*
@@ -391,7 +396,7 @@ def test_the_audit_catches_the_mean_rule_above_the_sum_rules_accounting(gap_mode
     result, rows = gap_audit(gap_models, tmp_path)
     assert result.returncode == 0, result.stderr
     mechanism = Mechanism.of_run(runs.load_run(gap_models / "gap"))
-    [gap] = attacks.gap_summary(rows, mechanism).values()
+    [gap] = audit_simulation.gap_summary(rows, mechanism).values()
     assert gap["sum_rule_eps"] == pytest.approx(accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0], rel=1e-12)
     assert (gap["k_min"], gap["delta_size"], gap["points"], gap["trials"]) == (0, 0.0, 8, 200_000)
     # Every bound holds; most points prove more than the sum rule's accounting allows.

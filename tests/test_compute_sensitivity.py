@@ -10,10 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
+from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
-from perinstance import accounting, results, runs, sensitivity, sensitivity_cli, training
+from perinstance import accounting, coupling, measurement, results, runs, sensitivity_cli, training
 from perinstance.data import load_dataset
-from perinstance.sensitivity import RENYI_SET_KEY, RENYI_TARGET_KEY
+from perinstance.gradient_rows import Transform, transformed_norms
+from perinstance.poisson_batches import Pool
+from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
 # psac: every point's Δ* differs (flat clipping would give C for most of them).
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -65,9 +68,9 @@ def test_sum_rule_rows_are_the_points_norms_at_each_checkpoint(measure, models):
     dataset = load_dataset("synthetic")
     metadata, model, payload = checkpoint(models, rows["run"][0], 8)
     mine = rows[rows["step"] == 8].sort_values("point")
-    transform = sensitivity.Transform.of_run(metadata)
-    singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
-                                                [[point] for point in range(10)])
+    transform = Transform.of_run(metadata)
+    singles = reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
+                                    [[point] for point in range(10)])
     np.testing.assert_allclose(mine["value"], np.linalg.norm(singles, axis=1), rtol=1e-5)
     logits = model(dataset.train_x[:10])
     np.testing.assert_allclose(mine["loss"], F.cross_entropy(logits, dataset.train_y[:10], reduction="none")
@@ -101,13 +104,12 @@ def test_mean_rule_coupling_rows_match_the_reference(measure, models):
     np.testing.assert_allclose(rows["noise_std"], rows["sigma"] * rows["clip_bound"] / 32)
     metadata, model, _ = checkpoint(models, rows["run"][0], 16)
     # accounting.md §3.4: k_min from δ_size = δ/(10·T), n = N − 1.
-    plan = sensitivity.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
+    plan = coupling.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
     assert plan.k_min == accounting.size_threshold(511, 32 / 512, 1e-5 / 160) > 0
     assert (rows["k_min"] == plan.k_min).all()
     dataset = load_dataset("synthetic")
-    transform = sensitivity.Transform.of_run(metadata)
-    h = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y, transform,
-                                          [[index] for index in range(512)])
+    transform = Transform.of_run(metadata)
+    h = reference_batch_means(model, dataset.train_x, dataset.train_y, transform, [[index] for index in range(512)])
     for point in (3, 7):
         mine = rows[rows["point"] == point]
         statistics = mine[mine["quantity"] != "batch_sensitivity"].set_index("quantity")["value"]
@@ -123,7 +125,7 @@ def test_mean_rule_coupling_rows_match_the_reference(measure, models):
         np.testing.assert_array_equal(samples["k"], [len(kept[int(b), int(s)]) for b, s in
                                                      zip(samples["block"], samples["sample"])])
         checked = samples.iloc[::25]
-        reference = sensitivity.reference_batch_sensitivities(
+        reference = reference_batch_sensitivities(
             model, dataset.train_x, dataset.train_y, transform, point,
             [kept[int(block), int(sample)] for block, sample in zip(checked["block"], checked["sample"])])
         np.testing.assert_allclose(checked["value"], reference, rtol=1e-4)
@@ -141,12 +143,12 @@ def test_renyi_mean_rows_match_the_reference(measure, models):
     assert (rows["alpha"] == 3).all() and (rows["step"] == 8).all()
     metadata, model, _ = checkpoint(models, rows["run"][0], 8)
     dataset = load_dataset("synthetic")
-    pool = sensitivity.Pool(0, 8, 512, metadata.sample_rate, np.arange(512))
+    pool = Pool(0, 8, 512, metadata.sample_rate, np.arange(512))
     target = np.flatnonzero(pool.draw(1, RENYI_TARGET_KEY, 1)[0])
     sets = [[np.flatnonzero(mask) for mask in pool.draw(3, RENYI_SET_KEY, 1, key)] for key in range(3)]
     without_point = [[batch[batch != 5] for batch in batches] for batches in sets]
-    expected = sensitivity.reference_renyi_statistics(model, dataset.train_x, dataset.train_y,
-                                                      sensitivity.Transform.of_run(metadata), target, without_point)
+    expected = reference_renyi_statistics(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata),
+                                          target, without_point)
     mine = rows[(rows["direction"] == "add") & (rows["target_batch"] == 1)].sort_values("sample")
     np.testing.assert_allclose(mine["value"], expected, rtol=1e-4)
 
@@ -158,8 +160,8 @@ def test_less_point_run_measures_the_left_out_point_by_its_full_dataset_index(me
     np.testing.assert_array_equal(rows["label"], dataset.train_y[2:5].numpy())
     assert set(rows["dataset_size"]) == {511}
     metadata, model, _ = checkpoint(models, rows["run"][0], 16)
-    singles = sensitivity.reference_batch_means(model, dataset.train_x, dataset.train_y,
-                                                sensitivity.Transform.of_run(metadata), [[2], [3], [4]])
+    singles = reference_batch_means(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata),
+                                    [[2], [3], [4]])
     np.testing.assert_allclose(rows["value"], np.linalg.norm(singles, axis=1), rtol=1e-5)
 
 
@@ -193,7 +195,7 @@ def test_same_seed_gives_identical_file_and_rerun_skips(measure, tmp_path):
 def test_interrupted_run_resumes_to_the_same_file(measure, tmp_path, monkeypatch):
     flags = ["--reduction", "mean", "--exp", "eps_delta", "--points", "0-5", "--stage", "all", "--num-batches", "4"]
     measure(*flags, res_name="whole")
-    measured = sensitivity_cli.measure_checkpoint
+    measured = measurement.measure_checkpoint
     calls = []
 
     def interrupted(*args):
@@ -202,10 +204,10 @@ def test_interrupted_run_resumes_to_the_same_file(measure, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return measured(*args)
 
-    monkeypatch.setattr(sensitivity_cli, "measure_checkpoint", interrupted)
+    monkeypatch.setattr(measurement, "measure_checkpoint", interrupted)
     result, partial = measure(*flags, res_name="resumed", check=False)
     assert result.returncode == 130 and sorted(set(partial["step"])) == [0]
-    monkeypatch.setattr(sensitivity_cli, "measure_checkpoint", measured)
+    monkeypatch.setattr(measurement, "measure_checkpoint", measured)
     result, _ = measure(*flags, res_name="resumed")
     assert "6 (point, stage, experiment) combinations already there skipped" in result.stdout
     assert (tmp_path / "res" / "resumed.csv").read_bytes() == (tmp_path / "res" / "whole.csv").read_bytes()
@@ -238,6 +240,10 @@ BAD_INPUTS = [
     (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "1"], "--alpha"),
     (["--exp", "renyi", "--reduction", "mean", "--estimator", "jensen", "--alpha", "2.5"], "--alpha"),
     (["--exp", "eps_delta", "--reduction", "mean", "--estimator", "jensen"], "--estimator"),
+    # --alpha is GLA's statistic's order only: refused, not ignored, elsewhere.
+    (["--reduction", "mean", "--alpha", "1"], "--alpha"),
+    (["--reduction", "mean", "--estimator", "coupling", "--exp", "renyi", "--alpha", "8"], "--alpha"),
+    (["--reduction", "sum", "--alpha", "8"], "--alpha"),
     (["--reduction", "sum", "--estimator", "coupling"], "--estimator"),
     (["--reduction", "mean", "--mc-blocks", "0"], "--mc-blocks"),
     (["--reduction", "mean", "--max-sizes", "8"], "--max-sizes"),
@@ -289,8 +295,8 @@ def test_engine_runs_on_cuda_when_present():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3)).cuda()
-    norms, _ = sensitivity.transformed_norms(model, torch.randn(5, 1, 2, 2), torch.arange(5) % 3,
-                                             sensitivity.Transform("flat", 1.0), device="cuda")
+    norms, _ = transformed_norms(model, torch.randn(5, 1, 2, 2), torch.arange(5) % 3, Transform("flat", 1.0),
+                                 device="cuda")
     assert (norms <= 1 + 1e-6).all()
 
 

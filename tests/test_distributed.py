@@ -2,6 +2,7 @@
 over seeds, and sensitivities sharded into per-rank parts merged once into the single-process result."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,6 +279,32 @@ def test_a_killed_rank_leaves_parts_that_a_rerun_completes(trained, single):
     rows = pd.read_csv(folder / "res" / "killed.csv")
     assert not rows.duplicated(KEY_COLUMNS).any() and len(rows) == 512 * 3
     assert leftover_parts(folder, "killed.csv") == []
+
+
+def test_a_rank_killed_while_it_merges_leaves_no_parts_after_a_rerun(trained, single, monkeypatch):
+    """A rank that dies after it wrote the result file but before it removed the parts: the rerun
+    finds nothing left to measure and removes them (the torchrun path, in this process as rank 0
+    of 1)."""
+    folder, _ = trained
+    flags = [*MEASURE, "--part-points", "256", "--res-name", "merged"]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    remove = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    first = run_in_process("compute_sensitivity.py", *flags, cwd=folder)
+    monkeypatch.setattr(shutil, "rmtree", remove)
+    assert first.returncode == 130, first.stderr
+    assert (folder / "res" / "merged.csv").read_bytes() == single
+    assert len(leftover_parts(folder, "merged.csv")) == 6
+    rerun = run_in_process("compute_sensitivity.py", *flags, cwd=folder)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "nothing left to measure" in rerun.stdout
+    assert leftover_parts(folder, "merged.csv") == []
+    assert (folder / "res" / "merged.csv").read_bytes() == single
 
 
 # --- the mean rule's Monte-Carlo blocks sharded over the ranks --------------------------------------

@@ -498,10 +498,10 @@ def test_jensen_measures_at_one_integer_order(parsers, orders, expected):
     args = parsers["compute_sensitivity.py"].parse_args(argv)
     if expected is None:
         with pytest.raises(UsageError) as error:
-            sensitivity_cli.parse_request(args, sensitivity_cli.given_flags(args, argv))
+            sensitivity_cli.parse_request(vars(args), sensitivity_cli.given_flags(argv))
         assert error.value.flag == "--alpha"
     else:
-        assert sensitivity_cli.parse_request(args, sensitivity_cli.given_flags(args, argv)).alpha == expected
+        assert sensitivity_cli.parse_request(vars(args), sensitivity_cli.given_flags(argv)).alpha == expected
 
 
 if __name__ == "__main__":

@@ -440,20 +440,17 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     """||m(B) − μ_X|| > r_k for uniform k-subsets of a trained model's transformed gradients happens
     at a rate ≤ β (binomial margin); a radius without the concentration term is exceeded often, so
     the check has the power to see a wrong r_k."""
-    from perinstance import sensitivity, training
+    from perinstance import runs, training
     from perinstance.data import load_dataset
-    from perinstance.options import Parser, add_training_args
+    from perinstance.gradient_rows import HeldRows, Transform
 
-    parser = Parser()
-    add_training_args(parser)
-    args = parser.parse_args(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
-                              "--epochs", "1", "--models-dir", str(tmp_path)])
+    args = runs.TrainingFlags.parse(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
+                                     "--epochs", "1", "--models-dir", str(tmp_path)])
     outcome = training.train(args, quiet=True)
     metadata = outcome.run
     model, _ = training.load_model(metadata, outcome.run_dir, metadata.total_steps)
     dataset = load_dataset("synthetic")
-    held = sensitivity.HeldRows.compute(model, dataset.train_x, dataset.train_y,
-                                        sensitivity.Transform.of_run(metadata))
+    held = HeldRows.compute(model, dataset.train_x, dataset.train_y, Transform.of_run(metadata))
     gradients = held.take(np.arange(len(dataset.train_y))).double().numpy()
     others = gradients[1:]
     center = others.mean(axis=0)

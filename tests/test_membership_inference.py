@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, snapshot
 
-from perinstance import attacks, audit, runs, training
+from perinstance import audit, membership, runs, sampling, training
 from perinstance.data import load_dataset
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -51,10 +51,10 @@ def test_attack_accuracy_by_hand():
 def test_class_members_match_the_test_counts():
     train_labels = np.array([0] * 10 + [1] * 3 + [2] * 6)
     test_labels = np.array([0] * 4 + [1] * 5 + [2] * 6)
-    chosen = attacks.class_members(train_labels, test_labels, 3, seed=4)
+    chosen = membership.class_members(train_labels, test_labels, 3, seed=4)
     assert [len(chosen[label]) for label in range(3)] == [4, 3, 6]
     assert all(set(train_labels[rows]) == {label} for label, rows in chosen.items())
-    again = attacks.class_members(train_labels, test_labels, 3, seed=4)
+    again = membership.class_members(train_labels, test_labels, 3, seed=4)
     assert all(np.array_equal(chosen[label], again[label]) for label in range(3))
 
 
@@ -119,13 +119,13 @@ def test_per_class_attack_next_to_class_eps_and_accuracy(attack, models, tmp_pat
             train_losses = F.cross_entropy(network(dataset.train_x), dataset.train_y, reduction="none").numpy()
             test_logits = network(dataset.test_x)
         test_losses = F.cross_entropy(test_logits, dataset.test_y, reduction="none").numpy()
-        members = attacks.class_members(labels, test_labels, 4, 0)
+        members = membership.class_members(labels, test_labels, 4, 0)
         for label in range(4):
             nonmember = test_labels == label
             assert mine.loc[label, "members"] == min(np.sum(labels == label), nonmember.sum())
             assert mine.loc[label, "test_accuracy"] == pytest.approx(
                 np.mean(test_logits[nonmember].argmax(1).numpy() == label))
-            rng = np.random.default_rng(np.random.SeedSequence([0, attacks.MEMBERSHIP_STREAM, label, 1]))
+            rng = sampling.stream_rng(0, sampling.MEMBERSHIP_STREAM, label, 1)
             expected = independent_attack(train_losses[members[label]], test_losses[nonmember], rng, SPLITS)
             assert mine.loc[label, "attack_accuracy"] == pytest.approx(expected, abs=1e-12)
         r = np.corrcoef(mine["mean_eps"], mine["attack_accuracy"])[0, 1]

@@ -13,6 +13,7 @@ its own exit status, stdout, stderr and file-size limit, and it dies of SIGKILL 
 
 import collections
 import contextlib
+import fcntl
 import json
 import os
 import pickle
@@ -25,8 +26,10 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -259,6 +262,34 @@ def code_running_checkpoint(folder, run_dir, _):
         pickle.dump(Payload(), handle)
 
 
+def write_code_running_pickle(path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {os.path.join(os.path.dirname(path), 'pwned')}",))
+
+    with open(path, "wb") as handle:
+        pickle.dump(Payload(), handle)
+
+
+def write_numpy_checkpoint(path):
+    torch.save({"step": 4, "model": {"weight": np.zeros(3)}, "test_accuracy": 0.5}, path)
+
+
+@pytest.mark.parametrize("write", [write_code_running_pickle, write_numpy_checkpoint], ids=["pickle", "numpy"])
+def test_a_checkpoint_of_other_objects_is_refused_in_one_plain_line(tmp_path, write):
+    """torch's own message for such a file advises retrying with weights_only=False and, for some
+    files, holds terminal escape codes (and a warning about the pickle protocol goes to stderr):
+    the error says instead, in one plain line, that the file is refused and never unpickled."""
+    write(checkpoints.checkpoint_path(str(tmp_path), 4))
+    with pytest.raises(checkpoints.UsageError) as error, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoints.load_checkpoint(str(tmp_path), 4)
+    message = str(error.value)
+    assert "step_0000004.pt holds objects other than tensors" in message and "never unpickled" in message
+    assert "weights_only" not in message and "\x1b" not in message and "\n" not in message
+    assert not caught and not (tmp_path / "pwned").exists()
+
+
 def truncate_checkpoint(folder, run_dir, _):
     with open(checkpoints.checkpoint_path(str(run_dir), 16), "r+b") as handle:
         handle.truncate(200)
@@ -324,7 +355,7 @@ BAD_INPUTS = [
     (TRAIN, ["--save-name", "{run}", "--save-freq", "4"], "different flags", None),  # refusing to mix
     (MEASURE, ["--stage", "final"], "step_0000016.pt does not fit", foreign_checkpoint(16)),
     (MEASURE, ["--stage", "final"], "step_0000016.pt", truncate_checkpoint),
-    (MEASURE, ["--stage", "final"], "step_0000016.pt", code_running_checkpoint),  # weights_only
+    (MEASURE, ["--stage", "final"], "step_0000016.pt holds objects other than tensors", code_running_checkpoint),
     # measurement: training flags, its own flags, its result file
     (MEASURE, ["--cn", "nan"], "--cn", None),
     (MEASURE, ["--epochs", "inf"], "--epochs", None),
@@ -401,6 +432,49 @@ def test_own_output_is_replaced_and_overwrite_replaces_a_foreign_file(copy):
     assert forced.returncode == 0, forced.stderr
     assert set(pd.read_csv(folder / "notes.txt")["point"]) == set(range(10))
     assert not temps(folder)
+
+
+def test_an_output_is_written_under_its_lock(copy, monkeypatch):
+    """Two accountants writing one --out at once take turns: the CSV and its provenance are written
+    while the output's lock is held (another open of the lock file cannot take it meanwhile)."""
+    folder, _ = copy
+    written = []
+    write_text = fileio.write_text
+
+    def probing(path, text, flag=None):
+        probe = os.open(fileio.lock_path(folder / "res" / "toy_eps_delta.csv"), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+        written.append(os.path.basename(path))
+        write_text(path, text, flag)
+
+    monkeypatch.setattr(fileio, "write_text", probing)
+    result = run_in_process("eps_delta.py", "--res-name", "toy", "--delta", "1e-6", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert written == ["toy_eps_delta.csv", ".toy_eps_delta.csv.provenance.json"]
+
+
+def test_an_output_another_writer_replaced_meanwhile_is_refused(copy, monkeypatch):
+    """The output was free when the accountant started; by the time it takes the lock to write,
+    another program has put its own file there: refused, that file untouched."""
+    folder, _ = copy
+    locked = fileio.locked
+
+    @contextlib.contextmanager
+    def after_a_foreign_write(path, flag=None):
+        with open(path, "w") as handle:
+            handle.write("someone else's\n")
+        with locked(path, flag):
+            yield
+
+    monkeypatch.setattr(fileio, "locked", after_a_foreign_write)
+    result = run_in_process("eps_delta.py", "--res-name", "toy", "--out", "res/fresh.csv", cwd=folder)
+    assert_usage_error(result, "--out")
+    assert (folder / "res" / "fresh.csv").read_text() == "someone else's\n"
+    assert not (folder / "res" / ".fresh.csv.provenance.json").exists()
 
 
 # --- kill -9: resume is bitwise identical and leaves nothing behind --------------------------------
@@ -510,7 +584,7 @@ def slow_reads(seconds, without_lock=False):
     """Hold every read of a result file for `seconds`, so that two writers' read-modify-write
     cycles overlap: without the lock, both would read the file before either writes."""
     def arm():
-        from perinstance import sensitivity_cli
+        from perinstance import result_file
 
         read = results.read_results
 
@@ -520,7 +594,7 @@ def slow_reads(seconds, without_lock=False):
             return frame
         results.read_results = read_slowly
         if without_lock:
-            sensitivity_cli.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
+            result_file.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
     return arm
 
 

@@ -16,15 +16,12 @@ from perinstance import accounting, runs
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.mechanism import Mechanism, rule_noise_std
-from perinstance.options import Parser, add_training_args
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def planned(*argv):
-    parser = Parser()
-    add_training_args(parser)
-    args = runs.resolve_training_args(parser.parse_args([*SYNTHETIC, *map(str, argv)]))
+    args = runs.resolve_training_args(runs.TrainingFlags.parse([*SYNTHETIC, *map(str, argv)]))
     return runs.plan_run(args, load_dataset("synthetic"))
 
 

@@ -3,16 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 from torch import nn
 
-from perinstance import accounting, sensitivity
-from perinstance.sensitivity import (
-    EPS_DELTA_KEY,
-    RENYI_SET_KEY,
-    RENYI_TARGET_KEY,
-    Pool,
-    Transform,
-)
+from perinstance import accounting, coupling, gradient_rows, poisson_batches
+from perinstance.gradient_rows import Transform
+from perinstance.poisson_batches import Pool
+from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
 TRAIN_SIZE = 20
 RTOL = 1e-5
@@ -40,18 +37,16 @@ def data():
 
 
 class FixedPool(Pool):
-    """A pool whose batches are given: row k of `masks` for eps_delta batch k; for Rényi, the
-    target t is row t of `targets`, set (t, k) is `sets[t][k]` (α rows)."""
+    """A pool whose batches are given: the target t is row t of `targets`, set (t, k) is
+    `sets[t][k]` (α rows)."""
 
-    def __init__(self, masks=None, targets=None, sets=None, universe=TRAIN_SIZE, train_columns=None):
+    def __init__(self, targets=None, sets=None, universe=TRAIN_SIZE, train_columns=None):
         columns = np.arange(universe) if train_columns is None else train_columns
         super().__init__(seed=0, step=0, universe=universe, sample_rate=0.5, train_columns=columns)
-        object.__setattr__(self, "given", (masks, targets, sets))
+        object.__setattr__(self, "given", (targets, sets))
 
     def draw(self, count, *key):
-        masks, targets, sets = self.given
-        if key[0] == EPS_DELTA_KEY:
-            return masks[key[1]][None]
+        targets, sets = self.given
         if key[0] == RENYI_TARGET_KEY:
             return targets[key[1]][None]
         assert key[0] == RENYI_SET_KEY
@@ -68,7 +63,7 @@ def engine_inputs(data, points, hold=True, universe=TRAIN_SIZE, transform=PSAC):
     inputs, labels = data
     train_columns = np.arange(min(universe, TRAIN_SIZE))
     point_rows = [point if point < TRAIN_SIZE else -1 for point in points]
-    rows, point_gradients = sensitivity.checkpoint_gradients(
+    rows, point_gradients = gradient_rows.checkpoint_gradients(
         tiny_convnet(), inputs[train_columns], labels[train_columns], inputs[points], labels[points], point_rows,
         transform, hold=hold)
     return rows, point_gradients
@@ -83,8 +78,8 @@ def assert_close(engine, reference):
 @pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda transform: transform.clipping)
 def test_grad_norm_matches_reference(data, transform):
     inputs, labels = data
-    norms, predictions = sensitivity.transformed_norms(tiny_convnet(), inputs, labels, transform)
-    singles = sensitivity.reference_batch_means(tiny_convnet(), inputs, labels, transform,
+    norms, predictions = gradient_rows.transformed_norms(tiny_convnet(), inputs, labels, transform)
+    singles = reference_batch_means(tiny_convnet(), inputs, labels, transform,
                                                 [[index] for index in range(len(labels))])
     assert_close(norms, np.linalg.norm(singles, axis=1))
     logits = tiny_convnet()(inputs)
@@ -99,7 +94,7 @@ def test_grad_norm_never_exceeds_bound(data, transform):
     with torch.no_grad():
         for param in model.parameters():
             param.mul_(30)  # gradients far above the clipping norm
-    norms, _ = sensitivity.transformed_norms(model, inputs * 50, labels, transform)
+    norms, _ = gradient_rows.transformed_norms(model, inputs * 50, labels, transform)
     assert norms.max() > 0.5 * transform.bound
     assert (norms <= transform.bound * (1 + 1e-12)).all()
 
@@ -123,10 +118,10 @@ def test_batch_sensitivity_matches_reference(data, hold):
     masks = eps_delta_masks()
     points = [0, 5]
     rows, point_gradients = engine_inputs(data, points, hold=hold)
-    engine = sensitivity.batch_sensitivities(rows, point_gradients, points, FixedPool(masks=masks), len(masks))
+    engine = poisson_batches.batch_sensitivities(rows, point_gradients, masks)
     for row, point in enumerate(points):
         batches = [[index for index in members(mask) if index != point] for mask in masks]
-        reference = sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, point, batches)
+        reference = reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, point, batches)
         assert_close(engine[row], reference)
 
 
@@ -135,19 +130,17 @@ def test_batch_sensitivity_of_a_point_outside_the_training_set(data):
     outside = TRAIN_SIZE
     masks = np.random.default_rng(4).random((10, TRAIN_SIZE + 1)) < 0.3
     masks[0, outside] = True
-    pool = FixedPool(masks=masks, universe=TRAIN_SIZE + 1, train_columns=np.arange(TRAIN_SIZE))
     rows, point_gradients = engine_inputs(data, [outside, 2], universe=TRAIN_SIZE + 1)
-    engine = sensitivity.batch_sensitivities(rows, point_gradients, [outside, 2], pool, len(masks))
+    engine = poisson_batches.batch_sensitivities(rows, point_gradients, masks[:, :TRAIN_SIZE])
     batches = [[index for index in members(mask) if index != outside] for mask in masks]
-    assert_close(engine[0], sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, outside,
+    assert_close(engine[0], reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, outside,
                                                                       batches))
 
 
 def test_batch_sensitivity_never_exceeds_bound(data):
     masks = np.random.default_rng(5).random((30, TRAIN_SIZE)) < 0.2
     rows, point_gradients = engine_inputs(data, list(range(TRAIN_SIZE)))
-    values = sensitivity.batch_sensitivities(rows, point_gradients, list(range(TRAIN_SIZE)), FixedPool(masks=masks),
-                                             len(masks))
+    values = poisson_batches.batch_sensitivities(rows, point_gradients, masks)
     assert (values <= PSAC.bound * (1 + 1e-12)).all()
     assert values.min() >= 0
 
@@ -170,7 +163,7 @@ def renyi_pool(alpha, num_iters, num_batches, universe=TRAIN_SIZE, train_columns
 def reference_renyi(data, pool, point, alpha, direction):
     """S by the defining formula, batches derived from the pool as accounting.md §2 says."""
     inputs, labels = data
-    masks_targets, masks_sets = pool.given[1], pool.given[2]
+    masks_targets, masks_sets = pool.given
 
     def without_point(mask):
         return [index for index in members(mask) if index != point]
@@ -180,7 +173,7 @@ def reference_renyi(data, pool, point, alpha, direction):
         target_batch = without_point(target) if direction == "remove" else members(target)
         sets = [[members(mask) if direction == "remove" else without_point(mask) for mask in batches]
                 for batches in set_masks]
-        statistics.append(sensitivity.reference_renyi_statistics(tiny_convnet(), inputs, labels, PSAC, target_batch,
+        statistics.append(reference_renyi_statistics(tiny_convnet(), inputs, labels, PSAC, target_batch,
                                                                  sets))
     return np.asarray(statistics)
 
@@ -191,8 +184,8 @@ def test_renyi_statistic_matches_reference(data, hold):
     pool = renyi_pool(alpha, num_iters, num_batches)
     points = [0, 7]
     rows, point_gradients = engine_inputs(data, points, hold=hold)
-    engine = sensitivity.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
-    for direction in sensitivity.DIRECTIONS:
+    engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
+    for direction in poisson_batches.DIRECTIONS:
         for row, point in enumerate(points):
             assert_close(engine[direction][row], reference_renyi(data, pool, point, alpha, direction))
 
@@ -201,10 +194,10 @@ def test_renyi_statistic_of_a_point_outside_the_training_set(data):
     alpha, num_iters, num_batches = 2, 2, 2
     outside = TRAIN_SIZE
     pool = renyi_pool(alpha, num_iters, num_batches, universe=TRAIN_SIZE + 1, train_columns=np.arange(TRAIN_SIZE))
-    pool.given[1][1, outside] = True
+    pool.given[0][1, outside] = True
     rows, point_gradients = engine_inputs(data, [outside], universe=TRAIN_SIZE + 1)
-    engine = sensitivity.renyi_statistics(rows, point_gradients, [outside], pool, alpha, num_iters, num_batches)
-    for direction in sensitivity.DIRECTIONS:
+    engine = poisson_batches.renyi_statistics(rows, point_gradients, [outside], pool, alpha, num_iters, num_batches)
+    for direction in poisson_batches.DIRECTIONS:
         assert_close(engine[direction][0], reference_renyi(data, pool, outside, alpha, direction))
 
 
@@ -212,17 +205,17 @@ def test_renyi_passes_split_and_packed_give_the_same_values(data, monkeypatch):
     alpha, num_iters, num_batches = 2, 3, 4
     pool = Pool(seed=1, step=3, universe=TRAIN_SIZE, sample_rate=0.3, train_columns=np.arange(TRAIN_SIZE))
     rows, point_gradients = engine_inputs(data, [1, 2])
-    whole = sensitivity.renyi_statistics(rows, point_gradients, [1, 2], pool, alpha, num_iters, num_batches)
+    whole = poisson_batches.renyi_statistics(rows, point_gradients, [1, 2], pool, alpha, num_iters, num_batches)
     monkeypatch.setattr(rows, "pass_batches", lambda num_points: 5)  # 2 sets per slice, slices split targets
-    split = sensitivity.renyi_statistics(rows, point_gradients, [1, 2], pool, alpha, num_iters, num_batches)
-    for direction in sensitivity.DIRECTIONS:
+    split = poisson_batches.renyi_statistics(rows, point_gradients, [1, 2], pool, alpha, num_iters, num_batches)
+    for direction in poisson_batches.DIRECTIONS:
         np.testing.assert_allclose(split[direction], whole[direction], rtol=1e-12)
 
 
 def test_a_points_values_do_not_depend_on_the_other_points(data):
     pool = Pool(seed=2, step=5, universe=TRAIN_SIZE, sample_rate=0.3, train_columns=np.arange(TRAIN_SIZE))
-    alone = sensitivity.renyi_statistics(*engine_inputs(data, [4]), [4], pool, 2, 2, 3)
-    together = sensitivity.renyi_statistics(*engine_inputs(data, [1, 4, 9]), [1, 4, 9], pool, 2, 2, 3)
+    alone = poisson_batches.renyi_statistics(*engine_inputs(data, [4]), [4], pool, 2, 2, 3)
+    together = poisson_batches.renyi_statistics(*engine_inputs(data, [1, 4, 9]), [1, 4, 9], pool, 2, 2, 3)
     np.testing.assert_allclose(together["add"][1], alone["add"][0], rtol=1e-12)
 
 
@@ -236,7 +229,7 @@ def test_renyi_identity_when_all_batch_means_are_equal():
     point = rng.standard_normal(dim)
     set_gram = (sums @ sums.T)[None]
     members = np.zeros((1, alpha + 1, 1), dtype=bool)
-    statistic = sensitivity.renyi_from_gram(set_gram, (sums @ point)[None, :, None], np.array([point @ point]),
+    statistic = poisson_batches.renyi_from_gram(set_gram, (sums @ point)[None, :, None], np.array([point @ point]),
                                             sizes, members, np.array([True]), "remove")
     difference = shared_sum / 7 - target_sum / 5
     np.testing.assert_allclose(statistic[0, 0], -alpha * (alpha - 1) * difference @ difference, rtol=1e-12)
@@ -252,7 +245,7 @@ def test_renyi_from_gram_matches_explicit_means():
     masks[0, point_index], masks[1, point_index], masks[2, point_index] = True, True, False
     sums = masks.astype(float) @ rows
     point = rows[point_index]
-    for direction in sensitivity.DIRECTIONS:
+    for direction in poisson_batches.DIRECTIONS:
         means = []
         for j, mask in enumerate(masks):
             keep = mask.copy()
@@ -261,7 +254,7 @@ def test_renyi_from_gram_matches_explicit_means():
         means = np.asarray(means)
         expected = ((means[1:] ** 2).sum() - (alpha - 1) * means[0] @ means[0]
                     - np.sum((means[1:].sum(axis=0) - (alpha - 1) * means[0]) ** 2))
-        statistic = sensitivity.renyi_from_gram((sums @ sums.T)[None], (sums @ point)[None, :, None],
+        statistic = poisson_batches.renyi_from_gram((sums @ sums.T)[None], (sums @ point)[None, :, None],
                                                 np.array([point @ point]), masks.sum(axis=1)[None],
                                                 masks[None, :, point_index, None], np.array([True]), direction)
         np.testing.assert_allclose(statistic[0, 0], expected, rtol=1e-10)
@@ -276,7 +269,7 @@ def test_pool_batches_depend_only_on_seed_step_and_key():
 
 
 def test_renyi_slices_cover_every_set_once():
-    passes = sensitivity.renyi_slices(num_iters=3, num_batches=5, alpha=2, max_batches=6)
+    passes = poisson_batches.renyi_slices(num_iters=3, num_batches=5, alpha=2, max_batches=6)
     covered = [(target, key) for slices in passes for target, first, end in slices for key in range(first, end)]
     assert sorted(covered) == [(target, key) for target in range(3) for key in range(5)]
     assert all(sum(1 + (end - first) * 2 for _, first, end in slices) <= 6 for slices in passes)
@@ -289,7 +282,7 @@ COUPLING_SIZES = np.array([0, 1, 2, 5, 9, TRAIN_SIZE - 1])
 
 
 def coupling_plan(seed=3, step=7, sizes=COUPLING_SIZES, blocks=2, permutations=3):
-    return sensitivity.CouplingPlan(seed, step, sizes, blocks, permutations)
+    return coupling.CouplingPlan(seed, step, sizes, blocks, permutations)
 
 
 def drawn_batches(plan, num_rows=TRAIN_SIZE):
@@ -301,7 +294,7 @@ def drawn_batches(plan, num_rows=TRAIN_SIZE):
 def all_rows(data, count):
     """h_i of the first `count` examples, one forward/backward each (float64)."""
     inputs, labels = data
-    return sensitivity.reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[index] for index in range(count)])
+    return reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[index] for index in range(count)])
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
@@ -310,21 +303,21 @@ def test_coupling_sensitivity_matches_reference_and_rejects_batches_holding_the_
     plan = coupling_plan()
     points = [0, 6, 13]
     rows, point_gradients = engine_inputs(data, points, hold=hold)
-    _, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
+    _, samples = coupling.measure_coupling(rows, point_gradients, plan)
     batches = drawn_batches(plan)
     for row, point in enumerate(points):
         holds_point = np.array([point in batch for batch in batches])
         assert holds_point.any() and not holds_point.all()
         np.testing.assert_array_equal(np.isnan(samples.values[row]), holds_point)
         kept = [batch for batch in batches if point not in batch]
-        reference = sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, point, kept)
+        reference = reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, point, kept)
         assert_close(samples.values[row][~holds_point], reference)
 
 
 def test_coupling_rows_are_kept_batches_with_their_true_size(data):
     plan = coupling_plan()
     points = [2, 11]
-    _, samples = sensitivity.measure_coupling(*engine_inputs(data, points), plan)
+    _, samples = coupling.measure_coupling(*engine_inputs(data, points), plan)
     batches = drawn_batches(plan)
     position, block, sample, size, value = samples.accepted()
     draw = np.concatenate([np.flatnonzero(~np.isnan(samples.values[row])) for row in range(len(points))])
@@ -347,9 +340,9 @@ def test_coupling_of_a_point_outside_the_training_set_is_never_rejected(data):
     outside = TRAIN_SIZE
     plan = coupling_plan(sizes=np.array([0, 1, 4, TRAIN_SIZE]))
     rows, point_gradients = engine_inputs(data, [outside, 3], universe=TRAIN_SIZE + 1)
-    statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
+    statistics, samples = coupling.measure_coupling(rows, point_gradients, plan)
     assert not np.isnan(samples.values[0]).any() and np.isnan(samples.values[1]).any()
-    reference = sensitivity.reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, outside,
+    reference = reference_batch_sensitivities(tiny_convnet(), inputs, labels, PSAC, outside,
                                                           drawn_batches(plan))
     assert_close(samples.values[0], reference)
     # X is the whole training set: every statistic is exact.
@@ -364,7 +357,7 @@ def test_coupling_of_a_point_outside_the_training_set_is_never_rejected(data):
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
 def test_dataset_statistics_match_a_direct_computation(data, hold):
     points = [0, 9, TRAIN_SIZE - 1]
-    statistics, _ = sensitivity.measure_coupling(*engine_inputs(data, points, hold=hold), coupling_plan())
+    statistics, _ = coupling.measure_coupling(*engine_inputs(data, points, hold=hold), coupling_plan())
     h = all_rows(data, TRAIN_SIZE)
     for row, point in enumerate(points):
         others = np.delete(h, point, axis=0)
@@ -379,31 +372,31 @@ def test_dataset_statistics_match_a_direct_computation(data, hold):
 
 def test_coupling_is_deterministic_and_seeded(data, monkeypatch):
     plan = coupling_plan()
-    first = sensitivity.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
-    again = sensitivity.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
+    first = coupling.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
+    again = coupling.measure_coupling(*engine_inputs(data, [1, 4]), plan)[1].values
     assert first.tobytes() == again.tobytes()
     rows, point_gradients = engine_inputs(data, [4])
-    alone = sensitivity.measure_coupling(rows, point_gradients, plan)[1].values
+    alone = coupling.measure_coupling(rows, point_gradients, plan)[1].values
     np.testing.assert_allclose(alone[0], first[1], rtol=1e-12)  # independent of the other points
     monkeypatch.setattr(rows, "pass_batches", lambda num_points, output_bytes: 2 * len(plan.sizes) + 1)  # 2 per pass
-    split = sensitivity.measure_coupling(rows, point_gradients, plan)[1].values
+    split = coupling.measure_coupling(rows, point_gradients, plan)[1].values
     np.testing.assert_allclose(split, alone, rtol=1e-12)
-    other_seed = sensitivity.measure_coupling(rows, point_gradients, coupling_plan(seed=4))[1].values
+    other_seed = coupling.measure_coupling(rows, point_gradients, coupling_plan(seed=4))[1].values
     assert not np.allclose(np.nan_to_num(other_seed), np.nan_to_num(alone))
     other_step = coupling_plan(step=8)
     assert not np.array_equal(other_step.permutation(0, 0, TRAIN_SIZE), plan.permutation(0, 0, TRAIN_SIZE))
 
 
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
-def test_coupling_over_many_column_blocks_and_products(data, monkeypatch, hold):
-    """Column blocks of 50 (13 of them) and products over groups of 4 blocks: the same values as one
-    block, and the same statistics."""
+def test_coupling_over_many_column_panels_and_products(data, monkeypatch, hold):
+    """Column panels of 50 (13 of them) and products over groups of 4 panels: the same values as one
+    panel, and the same statistics."""
     plan = coupling_plan()
-    whole = sensitivity.measure_coupling(*engine_inputs(data, [0, 8], hold=hold), plan)
-    monkeypatch.setattr(sensitivity, "COLUMN_BLOCK", 50)
+    whole = coupling.measure_coupling(*engine_inputs(data, [0, 8], hold=hold), plan)
+    monkeypatch.setattr(gradient_rows, "COLUMN_PANEL", 50)
     rows, point_gradients = engine_inputs(data, [0, 8], hold=hold)
-    assert rows.dim > sensitivity.PRODUCT_BLOCKS * 50 * 2
-    split = sensitivity.measure_coupling(rows, point_gradients, plan)
+    assert rows.dim > coupling.PRODUCT_PANELS * 50 * 2
+    split = coupling.measure_coupling(rows, point_gradients, plan)
     np.testing.assert_allclose(split[1].values, whole[1].values, rtol=1e-12)
     for name in ("center_distance", "spread", "max_deviation"):
         np.testing.assert_allclose(getattr(split[0], name), getattr(whole[0], name), rtol=1e-12)
@@ -411,9 +404,9 @@ def test_coupling_over_many_column_blocks_and_products(data, monkeypatch, hold):
 
 def test_coupling_of_a_point_at_the_mean_is_small():
     """A null population (every h_i equal): every batch mean is h*, so Δ_B = 0 for k ≥ 1 (§6.8)."""
-    rows = sensitivity.HeldRows([torch.ones((8, 3), dtype=torch.float64)], None)
-    points = sensitivity.PointGradients(torch.ones((2, 3), dtype=torch.float64), np.array([0, 5]), None)
-    statistics, samples = sensitivity.measure_coupling(rows, points, coupling_plan(sizes=np.array([0, 1, 3, 7])))
+    rows = gradient_rows.HeldRows([torch.ones((8, 3), dtype=torch.float64)], None)
+    points = gradient_rows.PointGradients(torch.ones((2, 3), dtype=torch.float64), np.array([0, 5]), None)
+    statistics, samples = coupling.measure_coupling(rows, points, coupling_plan(sizes=np.array([0, 1, 3, 7])))
     values = samples.values.reshape(2, -1, 4)
     np.testing.assert_allclose(values[:, :, 0], np.sqrt(3))  # k = 0: ||h*||
     assert np.nanmax(values[:, :, 1:]) < 1e-12
@@ -421,7 +414,7 @@ def test_coupling_of_a_point_at_the_mean_is_small():
 
 
 def test_coupling_plan_draws_at_least_num_batches_per_point():
-    plan = sensitivity.coupling_plan(seed=0, step=5, n=999, sample_rate=0.05, size_delta=1e-6, num_batches=1000,
+    plan = coupling.coupling_plan(seed=0, step=5, n=999, sample_rate=0.05, size_delta=1e-6, num_batches=1000,
                                      blocks=4, max_sizes=32)
     assert plan.k_min == accounting.size_threshold(999, 0.05, 1e-6) == plan.sizes[0] > 0
     assert len(plan.sizes) <= 33 and np.all(np.diff(plan.sizes) > 0)
@@ -438,16 +431,16 @@ def rows_holding(data, held, points):
     if held is None:
         return engine_inputs(data, points)
     # Held 8: the points beyond the held rows are kept from the first pass; held 0: recomputed for take.
-    rows = sensitivity.RecomputedRows(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], PSAC, held=held,
+    rows = gradient_rows.RecomputedRows(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], PSAC, held=held,
                                       keep=points if held else ())
-    return rows, sensitivity.PointGradients(rows.take(points), np.asarray(points), rows.predictions.take(points))
+    return rows, gradient_rows.PointGradients(rows.take(points), np.asarray(points), rows.predictions.take(points))
 
 
 def test_rows_give_the_same_bits_whichever_are_held(data, monkeypatch):
-    """Chunks of 4 rows and column blocks of 50: all held, the first 8 held, none held. Every
+    """Chunks of 4 rows and column panels of 50: all held, the first 8 held, none held. Every
     quantity of the engine is equal bit for bit (the budget only trades memory for time)."""
-    monkeypatch.setattr(sensitivity, "ROW_CHUNK", 4)
-    monkeypatch.setattr(sensitivity, "COLUMN_BLOCK", 50)
+    monkeypatch.setattr(gradient_rows, "ROW_CHUNK", 4)
+    monkeypatch.setattr(gradient_rows, "COLUMN_PANEL", 50)
     points = [0, 6, 13, 17]
     mask = np.random.default_rng(5).random((7, TRAIN_SIZE)) < 0.4
     plan = coupling_plan()
@@ -457,17 +450,19 @@ def test_rows_give_the_same_bits_whichever_are_held(data, monkeypatch):
         rows, point_gradients = rows_holding(data, held, points)
         assert rows.dim > 2 * 50
         mean, centred = rows.moments()
-        statistics, samples = sensitivity.measure_coupling(rows, point_gradients, plan)
-        renyi = sensitivity.renyi_statistics(rows, point_gradients, points, pool, 2, 2, 3)
-        results.append([mean, centred, rows.dots(point_gradients.rows), torch.cat(list(rows.sum_blocks(mask)), dim=1),
+        statistics, samples = coupling.measure_coupling(rows, point_gradients, plan)
+        renyi = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, 2, 2, 3)
+        results.append([mean, centred, rows.products(point_gradients.rows), torch.cat(list(rows.sum_panels(mask)), dim=1),
                         rows.take([19, 2, 9]), rows.predictions.losses, point_gradients.rows, samples.values,
-                        statistics.spread, statistics.max_deviation, renyi["add"], renyi["remove"]])
+                        statistics.spread, statistics.max_deviation, renyi["add"], renyi["remove"],
+                        rows.products(point_gradients.rows, rows.dtype), rows.square_norms(),
+                        rows.transposed_product(torch.ones((TRAIN_SIZE, 2), dtype=rows.dtype))])
     for recomputed in results[1:]:
         for held_value, value in zip(results[0], recomputed):
             held_value, value = np.asarray(held_value), np.asarray(value)
             assert held_value.tobytes() == value.tobytes()
     # and they are the right values: rows and batch sums against one forward/backward per example
-    singles = sensitivity.reference_batch_means(tiny_convnet(), *data, PSAC, [[index] for index in range(TRAIN_SIZE)])
+    singles = reference_batch_means(tiny_convnet(), *data, PSAC, [[index] for index in range(TRAIN_SIZE)])
     assert_close(results[2][4], singles[[19, 2, 9]])
     assert_close(results[2][3], mask.astype(float) @ singles)
 
@@ -475,20 +470,20 @@ def test_rows_give_the_same_bits_whichever_are_held(data, monkeypatch):
 def test_the_budget_decides_which_rows_are_held(data, monkeypatch):
     inputs, labels = data
     model = tiny_convnet()
-    row_bytes = sensitivity.parameter_count(model) * 8
-    monkeypatch.setattr(sensitivity, "ROW_CHUNK", 4)
-    monkeypatch.setattr(sensitivity, "memory_budget", lambda device: 10**12)
-    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == TRAIN_SIZE
-    monkeypatch.setattr(sensitivity, "HELD_BYTES_CPU", 9 * row_bytes)  # 9 rows fit: 2 whole chunks
-    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == 8
-    rows, points = sensitivity.checkpoint_gradients(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], inputs[[3, 20]],
+    row_bytes = gradient_rows.parameter_count(model) * 8
+    monkeypatch.setattr(gradient_rows, "ROW_CHUNK", 4)
+    monkeypatch.setattr(gradient_rows, "memory_budget", lambda device: 10**12)
+    assert gradient_rows.held_rows(model, TRAIN_SIZE, "cpu") == TRAIN_SIZE
+    monkeypatch.setattr(gradient_rows, "HELD_BYTES_CPU", 9 * row_bytes)  # 9 rows fit: 2 whole chunks
+    assert gradient_rows.held_rows(model, TRAIN_SIZE, "cpu") == 8
+    rows, points = gradient_rows.checkpoint_gradients(model, inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], inputs[[3, 20]],
                                                     labels[[3, 20]], [3, -1], PSAC, point_rows=False)
-    assert isinstance(rows, sensitivity.RecomputedRows) and rows.held == 8
+    assert isinstance(rows, gradient_rows.RecomputedRows) and rows.held == 8
     assert points.rows is None and points.outside_rows.shape == (1, rows.dim)
-    reference = sensitivity.reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[20]])
+    reference = reference_batch_means(tiny_convnet(), inputs, labels, PSAC, [[20]])
     assert_close(points.outside_rows.numpy(), reference)
-    monkeypatch.setattr(sensitivity, "memory_budget", lambda device: 2 * 3 * row_bytes)  # 3 rows: no whole chunk
-    assert sensitivity.held_rows(model, TRAIN_SIZE, "cpu") == 0
+    monkeypatch.setattr(gradient_rows, "memory_budget", lambda device: 2 * 3 * row_bytes)  # 3 rows: no whole chunk
+    assert gradient_rows.held_rows(model, TRAIN_SIZE, "cpu") == 0
 
 
 def test_a_blocks_draws_do_not_depend_on_the_blocks_measured_with_it(data):
@@ -496,8 +491,8 @@ def test_a_blocks_draws_do_not_depend_on_the_blocks_measured_with_it(data):
     all blocks, and the other blocks' draws are left out (NaN, as rejected draws)."""
     plan = coupling_plan(blocks=3)
     rows, point_gradients = engine_inputs(data, [2, 11])
-    _, whole = sensitivity.measure_coupling(rows, point_gradients, plan)
-    _, alone = sensitivity.measure_coupling(rows, point_gradients, plan, blocks=[1])
+    _, whole = coupling.measure_coupling(rows, point_gradients, plan)
+    _, alone = coupling.measure_coupling(rows, point_gradients, plan, blocks=[1])
     of_block = plan.draw_blocks == 1
     assert whole.values[:, of_block].tobytes() == alone.values[:, of_block].tobytes()
     assert np.isnan(alone.values[:, ~of_block]).all() and not np.isnan(alone.values[:, of_block]).all()
@@ -513,8 +508,8 @@ def test_statistics_without_rows_equal_the_materialised_ones(data, transform):
     points = [0, 9, TRAIN_SIZE - 1, TRAIN_SIZE]
     point_rows = [point if point < TRAIN_SIZE else -1 for point in points]
     rows, point_gradients = engine_inputs(data, points, universe=TRAIN_SIZE + 1, transform=transform)
-    materialised, _ = sensitivity.measure_coupling(rows, point_gradients, coupling_plan())
-    rowless, predictions = sensitivity.statistics_without_rows(
+    materialised, _, _ = coupling.measure_statistics(rows, point_gradients)
+    rowless, predictions = coupling.checkpoint_statistics(
         tiny_convnet(), inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE], inputs[points], labels[points], point_rows, transform)
     for name in ("center_distance", "spread", "max_deviation"):
         assert_close(getattr(rowless, name), getattr(materialised, name))

@@ -14,15 +14,12 @@ from opacus.accountants import RDPAccountant
 
 from perinstance import checkpoints, runs, sampling, training
 from perinstance.data import load_dataset
-from perinstance.options import Parser, add_training_args
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def parse(*argv):
-    parser = Parser()
-    add_training_args(parser)
-    return parser.parse_args(list(map(str, argv)))
+    return runs.TrainingFlags.parse(list(map(str, argv)))
 
 
 # --- Poisson sampling -------------------------------------------------------------------
@@ -312,3 +309,21 @@ def test_short_real_run_on_embedded_mnist_learns(tmp_path):
     args = parse("--epochs", "2", "--eps", "10", "--save-freq", "1000", "--models-dir", tmp_path)
     outcome = training.train(args, quiet=True)
     assert outcome.final_test_accuracy > 0.80
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path, run):
+    """ResNet-20 without clipping at the largest allowed learning rate: the loss overflows within a
+    few steps. Training stops there with one line naming --lr, instead of finishing with NaN weights;
+    the checkpoints before are kept, every weight finite, and none after."""
+    models = tmp_path / "models"
+    result = run("train_dpsgd.py", "--dataset", "synthetic", "--model", "resnet20", "--batch-size", "32", "--no-dp",
+                 "--lr", "1e6", "--epochs", "1", "--save-freq", "1", "--models-dir", models, "--save-name", "wild")
+    # The last line (the progress bar is above it): exit 2, naming --lr, no traceback.
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --lr: training diverged: the loss is nan at step")
+    step = int(result.stderr.split("at step ")[1].split()[0])
+    assert 1 < step < 16
+    assert checkpoints.saved_steps(models / "wild") == list(range(step))
+    for kept in range(step):
+        weights = checkpoints.load_checkpoint(models / "wild", kept)["model"].values()
+        assert all(torch.isfinite(tensor).all() for tensor in weights)

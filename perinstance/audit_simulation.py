@@ -1,9 +1,9 @@
-"""The torch and file side of the audit and of the membership attack (docs/audit.md).
+"""The torch side of the audit (docs/audit.md): one DP-SGD step at a checkpoint, simulated with and without x*.
 
-Loading a run and its checkpoints, per-sample transformed gradients (perinstance/sensitivity.py),
-the directions the releases are projected on, the Monte-Carlo simulation of one DP-SGD step
-with and without x*, and the per-class loss-threshold attack. The mathematics (Clopper–Pearson,
-the ε conversion, Fisher directions, threshold choice) is in perinstance/audit.py.
+The audited points' transformed gradients (perinstance/gradient_rows.py), the directions the
+releases are projected on, the Monte-Carlo simulation of one released step, and the accountant's
+upper bound it is held against. The mathematics (Clopper–Pearson, the ε conversion, Fisher
+directions, threshold choice) is in perinstance/audit.py.
 
 Cost trick of the simulation: everything is projected on one unit direction e per point. Then
 ⟨u(B), e⟩ = Σ_{i∈B} a_i with a_i = ⟨h_i, e⟩ computed once, and the isotropic Gaussian noise
@@ -11,27 +11,18 @@ projected on e is exactly one-dimensional; a trial is a batch draw and two norma
 """
 
 import os
-import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from perinstance import accounting, audit, runs, sensitivity, training
-from perinstance.data import load_dataset
+from perinstance import accounting, audit, poisson_batches, sampling, training
+from perinstance.console import progress_bar
 from perinstance.errors import UsageError
+from perinstance.gradient_rows import Bags, PointGradients, Predictions, Transform, checkpoint_gradients
 from perinstance.mechanism import Mechanism
 
-# Random stream of the audit's trials, apart from sampling.py's streams 0-3 (batches, noise,
-# sensitivity pools, initialisation), so that the audit never replays training's own draws.
-AUDIT_STREAM = 17
-MEMBERSHIP_STREAM = 18
-# Keys within the audit stream: the trial batches (then chunk, point), the Δ_B batches of the
-# mean rule's upper bound, the random start of the whitening.
-TRIAL_KEY, UPPER_KEY, WHITENING_KEY = 0, 1, 2
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
 # stay in the tens of megabytes.
 CHUNK_TRIALS = 8192
@@ -44,39 +35,8 @@ SCORE_BYTES = 1 << 29
 WHITENING_RANK = 128
 WHITENING_OVERSAMPLE = 16
 WHITENING_POWER_ITERATIONS = 2
-LOSS_CHUNK = 1024
 STATISTICS = ("whitened", "projection", "known-batch")
-
-
-def progress_bar(total, desc):
-    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, disable=None, leave=False)
-
-
-# --- the run ------------------------------------------------------------------------------------
-
-def run_folder(name, models_dir, flag):
-    """A run given as a folder holding run.json, or as a name under `models_dir`."""
-    for folder in (name, os.path.join(models_dir, name)):
-        if os.path.isfile(runs.run_file(folder)):
-            return folder
-    raise UsageError(flag, f"no run {name!r}: neither a folder with run.json nor {os.path.join(models_dir, name)} "
-                           "(train it with train_dpsgd.py --save-name NAME)")
-
-
-def open_run(name, models_dir, data_root, flag="--run"):
-    """The run `name` with its datasets, checked against the dataset fingerprint in run.json."""
-    run_dir = run_folder(name, models_dir, flag)
-    config = runs.load_run(run_dir)
-    dataset = load_dataset(config.dataset, data_root)
-    if dataset.fingerprint != config.dataset_fingerprint:
-        raise UsageError("--data-root", f"the dataset {config.dataset} under {data_root} is not the one "
-                                        f"{run_dir} was trained on (fingerprints differ)")
-    training_set = dataset if config.less_point is None else load_dataset(config.dataset, data_root,
-                                                                          config.less_point)
-    run = runs.OpenRun(run_dir, config, dataset, training_set.train_x, training_set.train_y)
-    if not run.saved_steps():
-        raise UsageError(flag, f"{run_dir} has no checkpoints")
-    return run
+TABLE_ROWS = 20
 
 
 # --- per-sample gradients of the audited points ---------------------------------------------------
@@ -89,58 +49,45 @@ class AuditedPoints:
     points: np.ndarray
     gradients: torch.Tensor
     train_rows: np.ndarray
-    predictions: object
+    predictions: Predictions
+
+    def point_gradients(self):
+        return PointGradients(self.gradients, self.train_rows, self.predictions)
 
 
-def row_norms(rows):
-    """||h_i|| of every training row (float64)."""
-    squares = torch.cat([sum((block.double() ** 2).sum(dim=1) for block in blocks) for _, blocks in rows.chunks()])
-    return squares.sqrt().cpu().numpy()
-
-
-def checkpoint_gradients(run, model, transform, points, spread, device, progress):
-    """The gradients of every training row (sensitivity.checkpoint_gradients: held as far as the
+def audited_gradients(run, model, transform, points, spread, device, progress):
+    """The gradients of every training row (gradient_rows.checkpoint_gradients: held as far as the
     memory budget allows, the others recomputed on each pass) and the audited points.
 
     `points` (full-dataset indices), or None and `spread` points chosen by
     audit.spread_points from every training row's Δ* and correctness at this checkpoint.
     """
     query = np.asarray(points if points is not None else run.train_columns[:1])
-    rows, given = sensitivity.checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
-                                                   run.dataset.train_y[query], run.train_rows(query), transform,
-                                                   device, progress=progress)
+    rows, given = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
+                                       run.dataset.train_y[query], run.train_rows(query), transform, device,
+                                       progress=progress)
     if points is not None:
         return rows, AuditedPoints(query, given.rows, run.train_rows(query), given.predictions)
-    norms = np.minimum(row_norms(rows), transform.bound)
+    norms = np.minimum(rows.square_norms().sqrt().cpu().numpy(), transform.bound)
     chosen = audit.spread_points(norms, rows.predictions.correct, spread)
     return rows, AuditedPoints(run.train_columns[chosen], rows.take(chosen), chosen, rows.predictions.take(chosen))
-
-
-def column_sums(rows):
-    """Σ_i h_i over every training row (float64, length d)."""
-    return rows.column_sums().cpu().numpy()
 
 
 def top_components(rows, center, rank, seed):
     """Leading right singular vectors V (d × l) and singular values of H − 1·centerᵀ, H the
     training rows (center None: H itself), by randomised SVD with power iterations. Each product
-    is one pass over the rows' chunks (sensitivity._Rows.chunks)."""
+    is one pass over the rows."""
     dim, count = rows.dim, rows.num_rows
-    edges = [0, *np.cumsum([high - low for low, high in sensitivity.column_spans(dim)])]
     size = min(rank + WHITENING_OVERSAMPLE, count, dim)
     dtype, device = rows.dtype, rows.device
     shift = None if center is None else torch.as_tensor(center, dtype=dtype, device=device)
 
     def times(right):  # (H − 1cᵀ)·right: (count × size)
-        product = torch.cat([sum(block @ right[low:high] for block, low, high in zip(blocks, edges[:-1], edges[1:]))
-                             for _, blocks in rows.chunks()])
+        product = rows.products(right.T, dtype)
         return product if shift is None else product - (shift @ right)[None, :]
 
-    def transposed_times(left):  # (H − 1cᵀ)ᵀ·left: (dim × size), the chunks added in row order
-        product = None
-        for start, blocks in rows.chunks():
-            part = torch.cat([block.T @ left[start:start + len(block)] for block in blocks])
-            product = part if product is None else product.add_(part)
+    def transposed_times(left):  # (H − 1cᵀ)ᵀ·left: (dim × size)
+        product = rows.transposed_product(left)
         return product if shift is None else product - shift[:, None] * left.sum(dim=0)[None, :]
 
     def orthonormal(matrix):
@@ -160,7 +107,7 @@ def shift_targets(rows, audited, rule):
     own = audited.gradients.double().cpu().numpy()
     if rule == "sum":
         return own
-    total = column_sums(rows)
+    total = rows.column_sums().cpu().numpy()
     count = rows.num_rows
     inside = (audited.train_rows >= 0)[:, None]
     others_mean = (total[None, :] - inside * own) / (count - inside)
@@ -181,56 +128,18 @@ def directions(rows, audited, mechanism, statistic, seed):
         variances = mechanism.sample_rate * (1 - mechanism.sample_rate) * singular ** 2
     else:
         # The mean of a uniform k-subset has covariance Σ_X·(n−k)/(k(n−1)), at k = B_exp.
-        basis, singular = top_components(rows, column_sums(rows) / count, WHITENING_RANK, seed)
+        basis, singular = top_components(rows, rows.column_sums().cpu().numpy() / count, WHITENING_RANK, seed)
         size = min(mechanism.batch_size, count - 1)
         variances = singular ** 2 / count * (count - size) / (size * max(count - 1, 1))
     return audit.fisher_directions(targets, basis, variances, noise_var)
 
 
-# --- Poisson batches and the simulation ----------------------------------------------------------
-
-def poisson_batches(rng, count, size, sample_rate, width=None):
-    """`count` independent Poisson_q subsets of range(size), exactly: the gaps between
-    consecutive members of a Bernoulli(q) sequence are i.i.d. Geometric(q), so a batch costs
-    about q·size + 1 draws instead of `size`. Gaps by inversion, ⌈log(1 − U)/log(1 − q)⌉ with
-    U uniform on [0, 1) (twice as fast as numpy's geometric here), `width` per batch and round
-    (default: enough for all but a 1e-8 fraction of batches), rounds until every batch has
-    passed the end. Returns (members, sizes): the members of every batch in order,
-    concatenated, and each batch's size."""
-    if sample_rate <= 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(count, dtype=np.int64)
-    mean = size * sample_rate
-    width = width or max(8, int(mean + 6 * np.sqrt(mean) + 8))
-    scale = 1 / np.log1p(-sample_rate) if sample_rate < 1 else 0.0
-
-    def gaps():
-        uniform = rng.random((count, width))
-        np.log1p(-uniform, out=uniform)
-        uniform *= scale
-        return np.maximum(np.ceil(uniform), 1).astype(np.int64)
-
-    positions = np.cumsum(gaps(), axis=1) - 1
-    while np.any(positions[:, -1] < size):
-        positions = np.concatenate([positions, np.cumsum(gaps(), axis=1) + positions[:, -1:]], axis=1)
-    inside = positions < size
-    return positions[inside], inside.sum(axis=1)
-
+# --- the simulation ---------------------------------------------------------------------------------
 
 def projections_on(rows, unit):
     """a_i = ⟨h_i, e_p⟩ for every training row and direction (float32 products, float64 result)."""
     unit = torch.as_tensor(unit, dtype=rows.dtype, device=rows.device)
-    parts = [unit[:, low:high].T for low, high in sensitivity.column_spans(rows.dim)]
-    product = torch.cat([sum(block @ part for block, part in zip(blocks, parts)) for _, blocks in rows.chunks()])
-    return product.double().cpu().numpy()
-
-
-def bag_sums(matrix, members, sizes):
-    """Σ over each batch's members of `matrix`'s rows: (batches, columns) torch tensor."""
-    if len(members) == 0:
-        return matrix.new_zeros((len(sizes), matrix.shape[1]))
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return F.embedding_bag(torch.from_numpy(members).to(matrix.device), matrix,
-                           torch.from_numpy(offsets).to(matrix.device), mode="sum")
+    return rows.products(unit, rows.dtype).double().cpu().numpy()
 
 
 def memberships(members, sizes, own_rows):
@@ -246,7 +155,7 @@ def memberships(members, sizes, own_rows):
 
 
 def _chunk_rng(seed, step, *key):
-    return np.random.default_rng(np.random.SeedSequence([int(seed), AUDIT_STREAM, int(step), *map(int, key)]))
+    return sampling.stream_rng(seed, sampling.AUDIT_STREAM, step, *key)
 
 
 def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed, step, points, known_batch=False,
@@ -273,14 +182,14 @@ def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed
     scores_out = np.empty_like(scores_in)
     for chunk, start in enumerate(range(0, trials, CHUNK_TRIALS)):
         stop = min(start + CHUNK_TRIALS, trials)
-        members, sizes = poisson_batches(_chunk_rng(seed, step, TRIAL_KEY, chunk), stop - start, count,
-                                         mechanism.sample_rate)
+        members, sizes = sampling.poisson_members(_chunk_rng(seed, step, sampling.TRIAL_KEY, chunk), stop - start,
+                                                  count, mechanism.sample_rate)
         member = memberships(members, sizes, own_rows)
-        others_sum = (bag_sums(centred, members, sizes).double().numpy() + sizes[:, None] * center
+        others_sum = (Bags(members, sizes, centred.device).sums(centred).double().numpy() + sizes[:, None] * center
                       - member * own_in_rows)
         others_count = sizes[:, None] - member
         for column, point in enumerate(points):
-            rng = _chunk_rng(seed, step, TRIAL_KEY, chunk, point)
+            rng = _chunk_rng(seed, step, sampling.TRIAL_KEY, chunk, point)
             joined = rng.random(stop - start) < mechanism.sample_rate
             noise = rng.standard_normal((2, stop - start)) * mechanism.noise_std
             parts = others_sum[:, column], others_count[:, column]
@@ -296,33 +205,6 @@ def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed
 
 # --- the upper bounds the audit holds them against ------------------------------------------------
 
-def mean_rule_sensitivities(rows, audited, members, sizes):
-    """Δ_B = ||m(B ∪ {x*}) − m(B)|| (accounting.md §2) for each batch D (members, sizes over the
-    training rows) with B = D without x*: (P, batches) float64.
-
-    ||h* − s_B/k||² = ||h*||² − 2⟨h*, s_B⟩/k + ||s_B||²/k² with s_B = s_D − [x* ∈ D]·h*, so only
-    ||s_D||², ⟨s_D, h*⟩ and the memberships are needed; Δ_B = ||h*|| for an empty B.
-    """
-    own = audited.gradients
-    # ||s_D||² in passes of at most UPPER_PASS_BATCHES batches: recomputed rows hold every batch's
-    # sums of a pass at once. A batch's sum does not depend on the batches beside it.
-    mask = np.zeros((len(sizes), rows.num_rows), dtype=bool)
-    mask[np.repeat(np.arange(len(sizes)), sizes), members] = True
-    per_pass = min(UPPER_PASS_BATCHES, rows.pass_batches(len(audited.points)))
-    sum_squares = np.concatenate([
-        sum((block.double() ** 2).sum(dim=1) for block in rows.sum_blocks(mask[start:start + per_pass], rows.dtype))
-        .cpu().numpy() for start in range(0, len(sizes), per_pass)])
-    own_dots = bag_sums(rows.dots(own), members, sizes).cpu().numpy()
-    own_squares = (own.double() ** 2).sum(dim=1).cpu().numpy()
-    member = memberships(members, sizes, audited.train_rows)
-    dots = own_dots - member * own_squares
-    squares = sum_squares[:, None] - 2 * member * own_dots + member * own_squares
-    size = sizes[:, None] - member
-    safe = np.maximum(size, 1)
-    distance = np.sqrt(np.maximum(own_squares - 2 * dots / safe + squares / safe ** 2, 0.0))
-    return np.where(size > 0, distance / (size + 1), np.sqrt(own_squares)).T
-
-
 def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, clip_bound):
     """(eps_upper, sensitivity, kind) per point: the matching accountant's per-step ε at δ.
 
@@ -334,9 +216,11 @@ def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, cli
         norms = np.minimum(np.linalg.norm(audited.gradients.double().cpu().numpy(), axis=1), clip_bound)
         eps = accounting.per_step_eps(norms[:, None] / mechanism.noise_std, delta, mechanism.sample_rate)
         return eps, norms, "exact"
-    members, sizes = poisson_batches(_chunk_rng(seed, step, UPPER_KEY), upper_batches, rows.num_rows,
-                                     mechanism.sample_rate)
-    samples = mean_rule_sensitivities(rows, audited, members, sizes)
+    members, sizes = sampling.poisson_members(_chunk_rng(seed, step, sampling.UPPER_KEY), upper_batches,
+                                              rows.num_rows, mechanism.sample_rate)
+    samples = poisson_batches.batch_sensitivities(rows, audited.point_gradients(),
+                                                  sampling.members_mask(members, sizes, rows.num_rows),
+                                                  most_per_pass=UPPER_PASS_BATCHES)
     eps = accounting.per_step_eps(samples / mechanism.noise_std, delta, mechanism.sample_rate)
     return eps, samples.max(axis=1), "estimate"
 
@@ -346,6 +230,28 @@ def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, cli
 AUDIT_COLUMNS = ["point", "step", "rule", "label", "loss", "correct", "sensitivity", "eps_lower", "eps_upper",
                  "upper_kind", "ratio", "violated", "direction", "threshold", "tpr", "fpr", "trials", "delta",
                  "confidence", "statistic", "seed"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """audit.py's flags, typed: the run, the points (--points or --spread) and checkpoints, the
+    audit's settings (AuditRequest once the run is open) and where the results go."""
+
+    run: str
+    models_dir: str
+    data_root: str
+    points: tuple | None
+    spread: int | None
+    stages: list
+    rule: str | None
+    trials: int
+    delta: float
+    statistic: str
+    upper_batches: int
+    mc_seed: int | None
+    out: str | None
+    figure: str | None
+    device: str
 
 
 @dataclass(frozen=True)
@@ -369,10 +275,10 @@ def audit_checkpoint(run, step, request, device="cpu"):
     """
     mechanism = Mechanism.of_run(run.config, request.rule)
     model, _ = training.load_model(run.config, run.run_dir, step, device)
-    transform = sensitivity.Transform.of_run(run.config)
+    transform = Transform.of_run(run.config)
     with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
-        rows, audited = checkpoint_gradients(run, model, transform, request.points, request.spread, device, bar)
-    unit = directions(rows, audited, mechanism, request.statistic, _chunk_rng(request.seed, step, WHITENING_KEY)
+        rows, audited = audited_gradients(run, model, transform, request.points, request.spread, device, bar)
+    unit = directions(rows, audited, mechanism, request.statistic, _chunk_rng(request.seed, step, sampling.WHITENING_KEY)
                       .integers(2**62))
     projections = projections_on(rows, unit)
     own_values = np.einsum("pd,pd->p", audited.gradients.double().cpu().numpy(), unit)
@@ -482,103 +388,48 @@ def gap_summary(rows, mechanism, size_delta=None):
     return summary
 
 
-# --- membership inference (Yu et al., Appendix D) --------------------------------------------------
-
-@torch.no_grad()
-def losses_and_predictions(model, inputs, labels, device):
-    """Cross-entropy loss and predicted class of every example (float64, int64 arrays)."""
-    model.eval()
-    losses, predicted = [], []
-    for start in range(0, len(labels), LOSS_CHUNK):
-        logits = model(inputs[start:start + LOSS_CHUNK].to(device))
-        target = labels[start:start + LOSS_CHUNK].to(device)
-        losses.append(F.cross_entropy(logits, target, reduction="none").double().cpu())
-        predicted.append(logits.argmax(dim=1).cpu())
-    return torch.cat(losses).numpy(), torch.cat(predicted).numpy()
-
-
-def class_members(train_labels, test_labels, num_classes, seed):
-    """Per class c: as many training rows of class c as there are test points of class c
-    (all of them if fewer), drawn at random from (seed, c): the members the attack sees."""
-    chosen = {}
-    for label in range(num_classes):
-        candidates = np.flatnonzero(train_labels == label)
-        wanted = min(len(candidates), int(np.sum(test_labels == label)))
-        rng = np.random.default_rng(np.random.SeedSequence([int(seed), MEMBERSHIP_STREAM, label]))
-        chosen[label] = np.sort(rng.choice(candidates, size=wanted, replace=False))
-    return chosen
-
-
-def attack_by_class(run, step, members, splits, seed, device):
-    """Per class: the loss-threshold attack's balanced accuracy and advantage (members: the
-    class_members rows of the run's training set; non-members: the class's test points) and
-    the class's test accuracy. A DataFrame with one row per class."""
-    model, _ = training.load_model(run.config, run.run_dir, step, device)
-    train_losses, _ = losses_and_predictions(model, run.train_x, run.train_y, device)
-    test_y = run.dataset.test_y.numpy()
-    test_losses, test_predicted = losses_and_predictions(model, run.dataset.test_x, run.dataset.test_y, device)
-    rows = []
-    for label, member_rows in members.items():
-        nonmember = test_y == label
-        rng = np.random.default_rng(np.random.SeedSequence([int(seed), MEMBERSHIP_STREAM, label, 1]))
-        if len(member_rows) >= 2 and nonmember.sum() >= 2:
-            accuracy, advantage, spread = audit.loss_threshold_attack(train_losses[member_rows],
-                                                                      test_losses[nonmember], rng, splits)
-        else:
-            accuracy = advantage = spread = np.nan
-        rows.append({"class": label, "members": len(member_rows), "nonmembers": int(nonmember.sum()),
-                     "attack_accuracy": accuracy, "attack_advantage": advantage, "accuracy_std": spread,
-                     "test_accuracy": float(np.mean(test_predicted[nonmember] == label)) if nonmember.any()
-                     else np.nan})
-    return pd.DataFrame(rows)
+def report_lines(rows, out, gaps=None):
+    """What audit.py prints of its rows (written to `out`): the first rows, then per checkpoint the
+    summary of audit_summary, and for the mean rule the comparison of gap_summary (`gaps`)."""
+    shown = rows.head(TABLE_ROWS)
+    lines = [shown[["point", "step", "label", "correct", "loss", "sensitivity", "eps_lower", "eps_upper", "ratio",
+                    "violated", "direction"]].to_string(index=False, float_format=lambda value: f"{value:.4g}")]
+    if len(rows) > len(shown):
+        lines.append(f"... {len(rows) - len(shown)} more rows in {out}")
+    lines.append("")
+    for step, summary in audit_summary(rows).items():
+        lines.append(f"step {step}, {summary['rule']} rule, {summary['upper_kind']} upper bound, "
+                     f"{summary['trials']} trials per law, delta={summary['delta']:g}:")
+        for name, group in summary["groups"].items():
+            lines.append(f"  {name:>13}: {group['points']:3d} points, median eps_lower {group['median_lower']:.4g}, "
+                         f"eps_upper {group['median_upper']:.4g}, eps_lower/eps_upper {group['median_ratio']:.3g}")
+        lines.append(f"  violated (eps_lower > eps_upper): {summary['violated']} of {summary['points']}"
+                     + (" — these upper bounds are WRONG (or, for an estimate, too noisy)" if summary["violated"]
+                        else ""))
+        gap = (gaps or {}).get(step)
+        if gap is not None:
+            lines.append(f"  against the sum rule's accounting at the same sigma={gap['noise_multiplier']:g}, "
+                         f"q={gap['sample_rate']:.4g} (one step: eps {gap['sum_rule_eps']:.4g}, exact): eps_lower above "
+                         f"it for {gap['above_sum_rule']} of {gap['points']} points ({gap['above_sum_rule_jointly']} "
+                         "with all bounds holding together, Bonferroni)"
+                         + (" — the realised-size mean rule leaks more than the sum rule's accounting says"
+                            if gap["above_sum_rule"] else ""))
+            lines.append(f"  against the mean rule's own baseline (one step: eps {gap['mean_baseline_eps']:.4g}, "
+                         f"k_min={gap['k_min']}, delta_size={gap['delta_size']:.3g}): eps_lower above it for "
+                         f"{gap['above_baseline']} of {gap['points']} points"
+                         + (" — that baseline is WRONG" if gap["above_baseline"] else ""))
+    return lines
 
 
-def class_mean_eps(path, labels, total_steps, flag="--eps-csv"):
-    """Mean composed ε per class from a renyi_per_instance_sum_compo.py output (columns point,
-    eps, optionally steps and kind: then the certified rows, or the one kind that is not the
-    baseline); `labels` are the full dataset's training labels. A Series indexed by class."""
-    try:
-        frame = pd.read_csv(path)
-    except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
-        raise UsageError(flag, f"cannot read {path}: {str(error).splitlines()[0]}") from None
-    missing = [column for column in ("point", "eps") if column not in frame.columns]
-    if missing:
-        raise UsageError(flag, f"{path} is not a renyi_per_instance_sum_compo.py output (no column "
-                               f"{', '.join(missing)})")
-    if "kind" in frame.columns:
-        # One row per point and kind (certified, estimate, baseline): the point's own bound.
-        kinds = sorted(set(frame["kind"].astype(str)) - {"baseline"})
-        chosen = "certified" if "certified" in kinds else (kinds[0] if len(kinds) == 1 else None)
-        if chosen is None:
-            raise UsageError(flag, f"{path} has no per-point kind to take (kinds: {', '.join(kinds) or 'baseline'})")
-        frame = frame[frame["kind"].astype(str) == chosen].reset_index(drop=True)
-    if frame["point"].duplicated().any():
-        raise UsageError(flag, f"{path} has point {frame['point'][frame['point'].duplicated()].iloc[0]} twice")
-    points = pd.to_numeric(frame["point"], errors="coerce").to_numpy()
-    eps = pd.to_numeric(frame["eps"], errors="coerce").to_numpy()
-    bad = ~np.isfinite(points) | (points < 0) | (points >= len(labels)) | (points != np.round(points)) | ~(eps >= 0)
-    if bad.any():
-        line = int(np.argmax(bad)) + 2
-        raise UsageError(flag, f"{path} line {line}: point {frame['point'].iloc[line - 2]!r}, eps "
-                               f"{frame['eps'].iloc[line - 2]!r} is not a point of this dataset with an ε >= 0")
-    if "steps" in frame.columns and (frame["steps"] != total_steps).any():
-        raise UsageError(flag, f"{path} composes {sorted(set(frame['steps']))} steps, the run has {total_steps}; "
-                               "give the composition of this run")
-    means = pd.Series(eps).groupby(labels[points.astype(np.int64)]).mean()
-    missing = sorted(set(np.unique(labels).tolist()) - set(means.index.tolist()))
-    if missing:
-        raise UsageError(flag, f"{path} has no point of class {missing[0]}: give the ε of every training point "
-                               "(compute_sensitivity.py --points all)")
-    return means
-
-
-def membership_summary(rows):
-    """Per model: classes, mean attack accuracy, and the Pearson r across classes of the attack
-    accuracy and of the test accuracy with the class's mean composed ε."""
-    summary = {}
-    for model, group in rows.groupby("model", sort=False):
-        valid = group.dropna(subset=["attack_accuracy", "mean_eps"])
-        summary[model] = {"classes": len(valid), "mean_attack_accuracy": float(valid["attack_accuracy"].mean()),
-                          "pearson_attack": audit.pearson(valid["mean_eps"], valid["attack_accuracy"]),
-                          "pearson_test": audit.pearson(valid["mean_eps"], valid["test_accuracy"])}
-    return summary
+def output_paths(out, figure, run_name, rule):
+    """audit.py's --out and --figure (default res/<run>_audit_<rule>.csv, figures/<run>_audit_<rule>.png),
+    refused when a folder stands where the file goes or a file where its folder goes."""
+    out = out or os.path.join("res", f"{run_name}_audit_{rule}.csv")
+    figure = figure or os.path.join("figures", f"{run_name}_audit_{rule}.png")
+    for flag, path in (("--out", out), ("--figure", figure)):
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise UsageError(flag, f"{folder} is a file, not a folder")
+        if os.path.isdir(path):
+            raise UsageError(flag, f"{path} is a folder; give a file name")
+    return out, figure

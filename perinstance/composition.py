@@ -1,0 +1,136 @@
+"""Per-instance privacy over a whole training run, both update rules (docs/accounting.md §4).
+
+The composition itself works on arrays, so that another accountant can take the same inputs:
+compose_sum_rule takes Δ*/Γ per run, checkpoint and point; compose_mean_rule the per-step ρ
+per checkpoint and point (perinstance/mean_rule.py checkpoint_rdp). sum_rule and mean_rule turn
+the rows of a result file into those inputs and the composed ε into the output rows of
+renyi_per_instance_sum_compo.py.
+"""
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from perinstance import accounting, mean_rule
+from perinstance.accountants import check_unique, checkpoint_ratios, parse_holder, run_key
+from perinstance.console import warn
+from perinstance.errors import UsageError
+from perinstance.guarantees import Kind
+
+# Orders above this (from a small Hölder exponent b) make the bound meaningless.
+LARGEST_ORDER = 1e6
+
+# The sum rule's Δ*/Γ is rounded up to multiples of this before the RDP lookup (--rounding's default): an
+# upper bound, ~1% above the exact Δ* at most, and a table of at most ~100 levels.
+SUM_RULE_ROUNDING = 0.01
+
+
+def compose_sum_rule(ratios, steps, mechanism, *, orders, delta, holder_b=math.inf, rounding=0.0, horizons=None):
+    """§4 for the sum rule: ε after each of `horizons` steps (default: T) at δ, and the order that gives it.
+
+    ratios: Δ*/Γ as an (R, C, P) array over runs, checkpoint `steps` and points (accounting.carry_forward);
+    mechanism: its sample_rate, noise_multiplier and total_steps; orders: the Rényi orders converted
+    from; holder_b: the Hölder exponent of the composition (inf: plain composition along the
+    observed trajectory); rounding: Δ*/Γ rounded up to multiples of it (0: exact). Returns two
+    (horizons, P) arrays.
+    """
+    horizons = [mechanism.total_steps] if horizons is None else list(horizons)
+    levels = accounting.sensitivity_levels(rounding, ratios)
+    table = accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier,
+                                accounting.composition_orders(orders, max(horizons), holder_b), levels)
+    converted = [accounting.rdp_to_eps(orders, accounting.compose_rdp(table, ratios, steps, horizon, orders, holder_b),
+                                       delta) for horizon in horizons]
+    return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
+
+
+def compose_mean_rule(checkpoint_rdp, checkpoints, baseline_rdp, total_steps):
+    """§4 for the mean rule (b = inf): the RDP of T steps, each step t using the per-step ρ of the
+    latest checkpoint ≤ t−1 (the baseline's before the first). checkpoint_rdp: (C, P, orders) per
+    checkpoint step of `checkpoints`; baseline_rdp: (orders,). Returns (P, orders)."""
+    total = np.zeros(checkpoint_rdp.shape[1:])
+    for first, last, checkpoint in accounting.step_segments(checkpoints, total_steps):
+        total += (last - first + 1) * (baseline_rdp if checkpoint is None else checkpoint_rdp[checkpoint])
+    return total
+
+
+def holder_exponent(text, orders, total_steps):
+    """--holder-b: a number, inf or a multiple of T, refused where it inflates the largest order
+    beyond LARGEST_ORDER over the run (λ_k = 1 + (λ−1)(b/(b−1))^k)."""
+    holder_b = parse_holder(text, total_steps, flag="--holder-b")
+    largest = accounting.holder_orders(orders[-1], total_steps, holder_b)[-1]
+    if not largest <= LARGEST_ORDER:
+        raise UsageError("--holder-b", f"b={holder_b:g} inflates order {orders[-1]:g} to {largest:.3g} over "
+                         f"{total_steps} steps (λ_k = 1 + (λ-1)(b/(b-1))^k); use a larger b such as 3T")
+    return holder_b
+
+
+def warn_edge(best_order, orders):
+    at_edge = np.isin(best_order, [orders[0], orders[-1]]).sum()
+    if at_edge:
+        warn(f"{at_edge} points have their best order at an end of --alpha ({orders[0]:g}..{orders[-1]:g}); a wider "
+             "grid may lower their eps")
+
+
+def sum_rule(loaded, *, delta, orders, holder_b=None, rounding=SUM_RULE_ROUNDING):
+    """renyi_per_instance_sum_compo.py's sum rule: (rows, description). The per-step Rényi DP of the
+    grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with
+    the Hölder bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline."""
+    check_unique(loaded, ["run", "seed", "step", "point"])
+    mechanism = loaded.mechanism
+    holder_b = holder_exponent(holder_b or "3T", orders, mechanism.total_steps)
+    ratios, steps, points = checkpoint_ratios(loaded)
+    eps, best_order = (values[0] for values in compose_sum_rule(ratios, steps, mechanism, orders=orders, delta=delta,
+                                                                holder_b=holder_b, rounding=rounding))
+    baseline_eps, baseline_order = mechanism.baseline_eps(delta, orders=orders)
+    runs = ratios.shape[0]
+    if runs == 1 and np.isfinite(holder_b):
+        warn("with one run, --holder-b inf (plain composition along the observed trajectory) is never larger than "
+             "a finite b")
+    warn_edge(best_order, orders)
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
+    return pd.concat([pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, "eps": eps, "alpha": best_order,
+                                    **common}),
+                      pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
+                                    "alpha": float(baseline_order), **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
+        f"{runs} run(s), {len(steps)} checkpoints, sigma={mechanism.noise_multiplier:g}, "
+        f"q={mechanism.sample_rate:.4g}, Hölder b={holder_b:g}, Δ rounded up to {rounding:g}·Γ, delta={delta:g}")
+
+
+def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=None, failure=None):
+    """renyi_per_instance_sum_compo.py's mean rule: (rows, description). The per-step ρ of `kind`
+    (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
+    (§3.4), next to the mean rule's own composed baseline."""
+    mechanism = loaded.mechanism
+    total_steps = mechanism.total_steps
+    if holder_exponent(holder_b or "inf", orders, total_steps) != math.inf:
+        raise UsageError("--holder-b", "the mean rule is composed with b = inf only (allowed here: inf)")
+    runs = run_key(loaded.rows).unique()
+    if len(runs) > 1:
+        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
+                         "keep one with --filter run=...")
+    sizes = mean_rule.size_model(loaded, failure)
+    fail = sizes.delta_fail(kind)
+    budget = delta - total_steps * fail
+    if budget <= 0:
+        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
+                         "with a smaller --size-delta or report a larger --delta")
+    checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
+    total = compose_mean_rule(checkpoint_rdp, checkpoints, baseline_step, total_steps)
+    if checkpoints[0] > 0:
+        warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
+    eps, best_order = accounting.rdp_to_eps(orders, total, budget)
+    baseline_fail = sizes.delta_fail(Kind.BASELINE)
+    baseline_eps, baseline_order = accounting.rdp_to_eps(orders, total_steps * baseline_step,
+                                                         delta - total_steps * baseline_fail)
+    warn_edge(best_order, orders)
+    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind(kind).value, "eps": eps, "alpha": best_order, "delta_fail": fail,
+                      **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
+                      "alpha": float(baseline_order), "delta_fail": baseline_fail, **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
+        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
+        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = {budget:.4g}")
