@@ -28,15 +28,18 @@ from perinstance import accounting
 # discretisation about linearly with it (README: its effect on ε at the quick run's mechanism).
 DEFAULT_INTERVAL = 1e-3
 DIRECTIONS = ("remove", "add")
-# Mass that a Chernoff bound allows above (added to +∞) and below (folded upward) the window.
-TAIL_MASS = 1e-15
+# Mass, as a fraction of δ, that a Chernoff bound allows above (added to +∞) and below (folded
+# upward) the window.
+TAIL_SHARE = 1e-7
 # Orders t of the Chernoff bounds P(L ≥ x) ≤ E[e^{tL}]·e^{−tx}, in units of 1/loss, both signs.
-CHERNOFF_ORDERS = np.concatenate([-(2.0 ** np.arange(6, -7, -1)), 2.0 ** np.arange(-6, 7)])
+CHERNOFF_ORDERS = np.concatenate([-(2.0 ** np.arange(6, -6.1, -0.25)), 2.0 ** np.arange(-6, 6.1, 0.25)])
 # Complex spectrum entries held at once (points × frequencies); 2^22 is 64 MiB per array.
 CHUNK_ENTRIES = 2**22
 # The FFT's rounding, allowed for by ROUNDING·sqrt(length)·steps at +∞ (§8.3: well above the
 # measured Σ_bins |error|, which bounds the error of every δ(ε)).
 ROUNDING = 2.0**-50
+# Losses per block when ε is read off a composed PMF (epsilon_for_delta).
+READ_BLOCK = 256
 # A spectrum entry below this modulus is a zero (its logarithm would be −inf, and 0·(−inf) NaN).
 SPECTRUM_FLOOR = 1e-300
 
@@ -134,37 +137,58 @@ def epsilon_for_delta(probs, first, interval, infinity_mass, delta):
     probs (n, m): masses at the losses ℓ_i = (first + i)·interval, first ≥ 0 (masses below loss 0
     never count for ε ≥ 0); infinity_mass (n,). Negative masses (FFT rounding) count as 0.
     Returns (n,): ε, inf where m_∞ > δ.
+
+    δ(ℓ_i) = m_∞ + A_i − e^{ℓ_i}·W_i with A_i = Σ_{j>i} p_j and W_i = Σ_{j>i} p_j·e^{−ℓ_j} is
+    nonincreasing in i. It is first evaluated at the starts of blocks of READ_BLOCK losses, then
+    in full inside the one block where it crosses δ; between ℓ_{i−1} and ℓ_i it is linear in e^ε.
     """
     probs = np.maximum(np.asarray(probs, dtype=float), 0.0)
-    if first > 0:
-        probs = np.concatenate([np.zeros((len(probs), first)), probs], axis=1)
+    rows, columns = probs.shape
+    blocks = -(-(first + columns) // READ_BLOCK)
+    masses = np.zeros((rows, blocks * READ_BLOCK))
+    masses[:, first:first + columns] = probs
+    masses = masses.reshape(rows, blocks, READ_BLOCK)
     infinity_mass = np.asarray(infinity_mass, dtype=float)
-    decay = math.exp(-interval)
-    reversed_probs = probs[:, ::-1]
-    # above[i] = m_∞ + Σ_{j>i} p_j; discounted[i] = Σ_{j>i} p_j·e^{−(ℓ_j − ℓ_i)} (a stable recursion).
-    above = infinity_mass[:, None] + (np.cumsum(reversed_probs, axis=1) - reversed_probs)[:, ::-1]
-    discounted = signal.lfilter([0.0, decay], [1.0, -decay], reversed_probs, axis=1)[:, ::-1]
-    at_grid = above - discounted  # δ(ℓ_i)
-    met = at_grid <= delta
-    first_met = np.argmax(met, axis=1)
-    rows = np.arange(len(probs))
-    previous = np.maximum(first_met - 1, 0)
+    # Within a block: e^{−(ℓ_j − ℓ_start)}; across blocks: e^{−READ_BLOCK·interval}.
+    within = np.exp(-interval * np.arange(READ_BLOCK))
+    across = math.exp(-interval * READ_BLOCK)
+    block_mass = masses.sum(axis=2)
+    block_discounted = masses @ within
+    # Tails from the next block's start on: mass, and discounted to that start.
+    mass_after = (np.cumsum(block_mass[:, ::-1], axis=1) - block_mass[:, ::-1])[:, ::-1]
+    discounted_after = signal.lfilter([0.0, 1.0], [1.0, -across], block_discounted[:, ::-1], axis=1)[:, ::-1]
+    at_starts = (infinity_mass[:, None] + mass_after + block_mass - masses[:, :, 0]
+                 - (block_discounted - masses[:, :, 0] + across * discounted_after))
+    crossing = np.maximum((at_starts > delta).sum(axis=1) - 1, 0)  # the last block starting above δ
+    index = np.arange(rows)
+    inside = masses[index, crossing]
+    # Inside that block, for each loss: the masses above it in the block, then the block's tail.
+    inside_above = np.cumsum(inside[:, ::-1], axis=1)[:, ::-1] - inside
+    inside_discounted = signal.lfilter([0.0, math.exp(-interval)], [1.0, -math.exp(-interval)], inside[:, ::-1],
+                                       axis=1)[:, ::-1]
+    above = infinity_mass[:, None] + mass_after[index, crossing][:, None] + inside_above
+    discounted = inside_discounted + (np.exp(-interval * (READ_BLOCK - np.arange(READ_BLOCK)))[None, :]
+                                      * discounted_after[index, crossing][:, None])
+    met = above - discounted <= delta
+    offset = np.where(met.any(axis=1), np.argmax(met, axis=1), READ_BLOCK)
+    grid_index = crossing * READ_BLOCK + offset  # the smallest grid loss with δ(ℓ) ≤ δ
+    previous = np.maximum(offset - 1, 0)
     with np.errstate(divide="ignore", invalid="ignore"):
-        between = previous * interval + np.log((above[rows, previous] - delta)
-                                               / np.maximum(discounted[rows, previous], 1e-300))
-    eps = np.clip(between, previous * interval, first_met * interval)
-    eps = np.where(first_met == 0, 0.0, eps)
-    return np.where(met.any(axis=1) & (infinity_mass <= delta), eps, np.inf)
+        between = (crossing * READ_BLOCK + previous) * interval + np.log(
+            (above[index, previous] - delta) / np.maximum(discounted[index, previous], 1e-300))
+    eps = np.clip(between, (grid_index - 1) * interval, grid_index * interval)
+    eps = np.where((grid_index == 0) | (at_starts[:, 0] <= delta), 0.0, eps)
+    return np.where(infinity_mass <= delta, eps, np.inf)
 
 
 # --- windows (§8.3) ----------------------------------------------------------------------------
 
-def _window_bounds(log_mgf, hard_lower, hard_upper, interval):
+def _window_bounds(log_mgf, hard_lower, hard_upper, interval, tail_mass):
     """Per point, loss indices [lower, upper] outside which the composed finite mass is at most
-    TAIL_MASS on each side, from log E[e^{tS}] at CHERNOFF_ORDERS (n, orders), within the hard
+    tail_mass on each side, from log E[e^{tS}] at CHERNOFF_ORDERS (n, orders), within the hard
     support [hard_lower, hard_upper]."""
     with np.errstate(over="ignore", invalid="ignore"):
-        bound = (log_mgf + math.log(1 / TAIL_MASS)) / CHERNOFF_ORDERS / interval
+        bound = (log_mgf + math.log(1 / tail_mass)) / CHERNOFF_ORDERS / interval
     positive = CHERNOFF_ORDERS > 0
     upper = np.nanmin(np.where(np.isfinite(bound[:, positive]), bound[:, positive], np.inf), axis=1)
     lower = np.nanmax(np.where(np.isfinite(bound[:, ~positive]), bound[:, ~positive], -np.inf), axis=1)
@@ -203,9 +227,13 @@ def _chunks(lower, upper):
 def _read_window(composed, window_lower, interval, infinity_mass, delta):
     """ε per row of circular composed PMFs (loss index s at s mod length), whose window starts at
     loss index window_lower."""
+    length = composed.shape[1]
     first = max(window_lower, 0)
-    positions = np.arange(first, window_lower + composed.shape[1]) % composed.shape[1]
-    return epsilon_for_delta(composed[:, positions], first, interval, infinity_mass, delta)
+    start = first % length
+    stop = start + window_lower + length - first  # the window's top, one circle later at most
+    window = composed[:, start:stop] if stop <= length else np.concatenate(
+        [composed[:, start:], composed[:, :stop - length]], axis=1)
+    return epsilon_for_delta(window, first, interval, infinity_mass, delta)
 
 
 def _level_spectra(pmfs, used, length):
@@ -219,6 +247,17 @@ def _log_spectra(spectra):
     return np.log(np.maximum(np.abs(spectra), SPECTRUM_FLOOR)), np.angle(spectra)
 
 
+def _exp_spectrum(log_modulus, phase):
+    """exp(log_modulus + i·phase), 0 where the modulus is below e^{−700} (0 for every purpose; most
+    of a composed spectrum is, and exp is slow on the way to underflow)."""
+    spectrum = np.zeros(log_modulus.shape, dtype=complex)
+    alive = log_modulus > -700.0
+    modulus = np.exp(log_modulus[alive])
+    angle = phase[alive]
+    spectrum[alive] = modulus * np.cos(angle) + 1j * (modulus * np.sin(angle))
+    return spectrum
+
+
 def _compose_counts(pmfs, counts, interval, delta):
     """ε of one direction for points whose composition charges counts[p, ℓ] steps to level ℓ
     (§8.3): S = Σ_ℓ counts·L_ℓ, spectrum exp(counts @ log F_ℓ)."""
@@ -229,14 +268,14 @@ def _compose_counts(pmfs, counts, interval, delta):
     counts = np.asarray(counts, dtype=float)
     log_mgf = counts @ orders_mgf
     hard_lower, hard_upper = counts @ lowers, counts @ uppers
-    lower, upper = _window_bounds(log_mgf, hard_lower, hard_upper, interval)
+    lower, upper = _window_bounds(log_mgf, hard_lower, hard_upper, interval, TAIL_SHARE * delta)
     eps = np.empty(len(counts))
     for members, window_lower, window_upper in _chunks(lower, upper):
         length = fft.next_fast_len(int(window_upper - window_lower + 1), real=True)
         used = np.flatnonzero(counts[members].any(axis=0))
         modulus, phase = _log_spectra(_level_spectra(pmfs, used, length))
         chunk_counts = counts[members][:, used]
-        composed = fft.irfft(np.exp(chunk_counts @ modulus + 1j * (chunk_counts @ phase)), n=length, axis=1)
+        composed = fft.irfft(_exp_spectrum(chunk_counts @ modulus, chunk_counts @ phase), n=length, axis=1)
         infinity_mass = (-np.expm1(chunk_counts @ log_finite[used]) + ROUNDING * math.sqrt(length) * counts[members].sum(axis=1)
                          + _mass_above(log_mgf[members], hard_upper[members], window_upper, interval))
         eps[members] = _read_window(composed, window_lower, interval, infinity_mass, delta)
@@ -452,7 +491,7 @@ def _compose_mixtures(pmfs, level, mixture, steps, interval, delta):
     hard_upper = (steps * np.where(used_component, uppers[level], np.iinfo(np.int64).min).max(axis=2)).sum(axis=1)
     hard_lower = (steps * np.where(used_component, lowers[level], np.iinfo(np.int64).max).min(axis=2)).sum(axis=1)
     log_finite = (steps * np.log1p(-(mixture * infinity[level]).sum(axis=2))).sum(axis=1)
-    lower, upper = _window_bounds(log_mgf, hard_lower, hard_upper, interval)
+    lower, upper = _window_bounds(log_mgf, hard_lower, hard_upper, interval, TAIL_SHARE * delta)
     eps = np.empty(points)
     for members, window_lower, window_upper in _chunks(lower, upper):
         length = fft.next_fast_len(int(window_upper - window_lower + 1), real=True)

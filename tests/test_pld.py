@@ -200,15 +200,21 @@ def test_mean_rule_fast_path_bounds_direct_composition():
             assert theirs - 1e-9 <= mine <= theirs + 1e-6
 
 
-def test_epsilon_for_delta_is_dp_accountings():
-    rng = np.random.default_rng(5)
-    probs = rng.dirichlet(np.full(300, 0.3), size=3) * (1 - 1e-6)
-    lower = -40
-    eps = pld.epsilon_for_delta(probs[:, -lower:], 0, 1e-2, np.full(3, 1e-6), 1e-3)
-    for row in range(3):
-        theirs = privacy_loss_distribution.pld_pmf.DensePLDPmf(1e-2, lower, probs[row], 1e-6, True)
-        assert eps[row] == pytest.approx(theirs.get_epsilon_for_delta(1e-3), rel=1e-9, abs=1e-12)
-    assert pld.epsilon_for_delta(probs[:, -lower:], 0, 1e-2, np.full(3, 2e-3), 1e-3)[0] == math.inf
+@pytest.mark.parametrize("length, first", [(1, 0), (5, 3), (255, 0), (256, 0), (257, 300), (3000, 0), (3000, 7)])
+def test_epsilon_for_delta_is_dp_accountings(length, first):
+    rng = np.random.default_rng(length + first)
+    interval = 1e-2
+    for delta in (0.3, 1e-3, 1e-6):
+        infinity = np.array([0.0, 1e-7, 1e-4])
+        probs = rng.dirichlet(np.full(length, 0.3), size=3) * (1 - infinity[:, None]) * rng.uniform(0.2, 1)
+        eps = pld.epsilon_for_delta(probs, first, interval, infinity, delta)
+        for row in range(3):
+            theirs = privacy_loss_distribution.pld_pmf.DensePLDPmf(interval, first, probs[row], infinity[row], True)
+            expected = theirs.get_epsilon_for_delta(delta)
+            if math.isinf(expected):
+                assert math.isinf(eps[row])
+            else:
+                assert eps[row] == pytest.approx(expected, rel=1e-9, abs=1e-12), (row, delta)
 
 
 # --- rounding, monotonicity, edges -----------------------------------------------------------
