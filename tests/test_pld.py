@@ -6,13 +6,17 @@ one-dimensional toys.
 """
 
 import math
+import os
 
 import dp_accounting
 import numpy as np
+import pandas as pd
 import pytest
+from conftest import assert_usage_error
 from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 from scipy.special import logsumexp
-from test_mean_rule import Pair, batch_sensitivities, toys
+from test_accountant_scripts import RATE, SIGMA, STEPS, grad_norm_rows
+from test_mean_rule import Pair, accountant_output, batch_sensitivities, coupling_rows, scaled_rows, toys
 
 from perinstance import accounting, pld
 
@@ -276,3 +280,59 @@ def test_level_pmfs_are_dp_accountings(noise_multiplier, sample_rate, interval):
         assert (own.lower, len(own.probs)) == (dense._lower_loss, len(dense._probs))
         assert np.abs(own.probs - dense._probs).max() < 1e-10
         assert own.infinity_mass == pytest.approx(dense._infinity_mass, rel=1e-9, abs=1e-300)
+
+
+# --- renyi_per_instance_sum_compo.py --accountant pld ------------------------------------------
+
+def test_script_sum_rule(tmp_path, run):
+    pld_out, result = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", pd.DataFrame(grad_norm_rows()),
+                                        "--accountant", "pld")
+    assert "discretisation 0.001" in result.stdout
+    assert set(pld_out["accountant"]) == {"pld"} and set(pld_out["discretization"]) == {pld.DEFAULT_INTERVAL}
+    assert pld_out["alpha"].isna().all()
+    np.testing.assert_array_equal(pld_out["eps"], np.maximum(pld_out["eps_remove"], pld_out["eps_add"]))
+    rdp_out, _ = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", pd.DataFrame(grad_norm_rows()),
+                                   "--holder-b", "inf")
+    assert set(rdp_out["accountant"]) == {"rdp"} and rdp_out["eps_remove"].isna().all()
+    certified = pld_out[pld_out["kind"] == "certified"].set_index("point")["eps"]
+    assert np.all(certified < rdp_out[rdp_out["kind"] == "certified"].set_index("point")["eps"])
+    # Point 0 is at Γ throughout: the baseline, dp_accounting's accountant for T steps; point 1 is at 0.
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=pld.DEFAULT_INTERVAL)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(RATE, dp_accounting.GaussianDpEvent(SIGMA)), STEPS)
+    assert certified[0] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+    assert set(pld_out.loc[pld_out["kind"] == "baseline", "eps"]) == {certified[0]}
+    assert certified[1] == 0
+
+
+def test_script_sum_rule_takes_the_largest_sensitivity_of_several_runs(tmp_path, run):
+    two = pd.DataFrame(grad_norm_rows(run="a") + grad_norm_rows(run="bb"))
+    largest = two.assign(value=two.groupby(["step", "point"])["value"].transform("max"))
+    several, _ = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", two, "--accountant", "pld")
+    one, _ = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", largest[largest["run"] == "a"],
+                               "--accountant", "pld")
+    pd.testing.assert_frame_equal(several, one)
+
+
+@pytest.mark.parametrize("flags, flag", [(["--holder-b", "3T"], "--holder-b"), (["--pld-interval", "0"], "--pld-interval"),
+                                         (["--accountant", "prv"], "--accountant")])
+def test_script_refuses(tmp_path, run, flags, flag):
+    os.makedirs(tmp_path / "res")
+    pd.DataFrame(grad_norm_rows()).to_csv(tmp_path / "res" / "toy.csv", index=False)
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "toy", "--accountant", "pld", *flags), flag)
+
+
+def test_script_mean_rule(tmp_path, run):
+    rows = pd.concat([coupling_rows(scaled_rows(1000, 4), [0, 1, 2], 200, 1.0, 1.0, 1e-8, permutations=3,
+                                    max_sizes=64).assign(step=step) for step in (0, 50)], ignore_index=True)
+    script = "renyi_per_instance_sum_compo.py"
+    by_kind = {}
+    for kind in ("certified", "estimate"):
+        for accountant in ("rdp", "pld"):
+            frame, _ = accountant_output(tmp_path, run, script, rows, "--kind", kind, "--accountant", accountant)
+            by_kind[kind, accountant] = frame.set_index(["kind", "point"])
+    for kind in ("certified", "estimate"):
+        pld_out, rdp_out = by_kind[kind, "pld"], by_kind[kind, "rdp"]
+        assert np.all(pld_out["eps"] < rdp_out["eps"])  # the kind's rows and the baseline's
+        np.testing.assert_array_equal(pld_out["delta_fail"], rdp_out["delta_fail"])
+        assert np.all(pld_out.loc[kind, "eps"] < pld_out.loc["baseline", "eps"])
+    assert np.all(by_kind["estimate", "pld"].loc["estimate", "eps"] <= by_kind["certified", "pld"].loc["certified", "eps"])
