@@ -336,3 +336,13 @@ def test_script_mean_rule(tmp_path, run):
         np.testing.assert_array_equal(pld_out["delta_fail"], rdp_out["delta_fail"])
         assert np.all(pld_out.loc[kind, "eps"] < pld_out.loc["baseline", "eps"])
     assert np.all(by_kind["estimate", "pld"].loc["estimate", "eps"] <= by_kind["certified", "pld"].loc["certified", "eps"])
+
+
+def test_blocked_moment_generating_function():
+    for interval in (1e-3, 1e-2):
+        pmfs = pld.subsampled_gaussian_pmfs([0.3, 5.0], 0.05, interval)
+        for pmf in pmfs["remove"] + pmfs["add"]:
+            losses = (pmf.lower + np.arange(len(pmf.probs))) * interval
+            with np.errstate(divide="ignore"):
+                direct = logsumexp(pld.CHERNOFF_ORDERS[:, None] * losses + np.log(pmf.probs), axis=1)
+            np.testing.assert_allclose(pmf.log_mgf(pld.CHERNOFF_ORDERS, interval), direct, rtol=1e-12, atol=1e-12)
