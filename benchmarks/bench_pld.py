@@ -10,7 +10,12 @@ directions, as --accountant pld. Both round Δ*/Γ up to multiples of --rounding
 Synthetic Δ*/Γ: every point at Γ at step 0 and decaying towards its own level (Beta(2, 5)) by the
 last checkpoints, with noise; 8% of the points stay at Γ throughout (the clipped ones).
 
-    python benchmarks/bench_pld.py [--points 8000]
+Then the mean rule's certified bound (§3.2, §8.4) for --mean-points points, both ways: RDP as the
+script computes it (accountants.mean_rule_table + mixture_rdp_by_point, composed with b = inf) and
+PLD (pld.step_law + pld.mean_rule_eps). Synthetic statistics: d* ~ U(0.05, 1.5)·Γ, v_X = 0.3·Γ²,
+b_X = 1.5·Γ at every checkpoint; k_min from δ/(10·T), β = δ_size.
+
+    python benchmarks/bench_pld.py [--points 8000] [--mean-points 500]
     python benchmarks/bench_pld.py --smoke     # seconds: 400 points x 12 steps, same code paths
 """
 
@@ -25,12 +30,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, pld  # noqa: E402
+from perinstance import accountants, accounting, pld  # noqa: E402
+from perinstance.mechanism import Mechanism  # noqa: E402
 
 TARGET_EPS, DELTA = 10.0, 1e-5
 ORDERS = np.array(accounting.COMPOSITION_ORDERS)
 CLIPPED_SHARE = 0.08
-SMOKE_SIZES = {"points": 400, "batch_size": 32, "epochs": 1.0, "every": 4, "check_points": 2}
+SMOKE_SIZES = {"points": 400, "batch_size": 32, "epochs": 1.0, "every": 4, "check_points": 2, "mean_points": 2}
 
 
 def sensitivity_ratios(points, checkpoints, rng):
@@ -65,6 +71,34 @@ def rdp_eps(ratios, checkpoints, steps, sample_rate, sigma, rounding):
     return accounting.rdp_to_eps(ORDERS, rdp, DELTA)[0]
 
 
+def mean_rule_case(mechanism, checkpoints, count, rng):
+    """Seconds and ε of the mean rule's certified bound by RDP and by PLD for `count` points."""
+    n, rate, steps = mechanism.dataset_size - 1, mechanism.sample_rate, mechanism.total_steps
+    k_min = accounting.size_threshold(n, rate, DELTA / (10 * steps))
+    delta_size = accounting.size_failure(n, rate, k_min)
+    fail = 2 * delta_size  # β = δ_size
+    sizes = accounting.size_grid(n, rate, k_min, accountants.CERTIFIED_SIZES)
+    log_weights = accounting.lumped_size_log_weights(sizes, n, rate)
+    distance = rng.uniform(0.05, 1.5, size=count * len(checkpoints))
+    bound = accounting.certified_sensitivity(distance, np.full(distance.shape, 0.3), np.full(distance.shape, 1.5),
+                                             1.0, sizes, delta_size)
+    charged, _ = pld.segment_counts(checkpoints, steps)
+
+    def by_rdp():
+        table = accountants.mean_rule_table(mechanism, ORDERS, [bound], 1e-2)
+        per_step = accountants.mixture_rdp_by_point(table, bound, log_weights, math.log(1 - fail), mechanism)
+        total = np.einsum("c,pco->po", charged, per_step.reshape(count, len(checkpoints), -1))
+        return accounting.rdp_to_eps(ORDERS, total, DELTA - steps * fail)[0]
+
+    def by_pld():
+        shaped = bound.reshape(count, len(checkpoints), -1)
+        law = pld.step_law(shaped, log_weights, math.log(1 - fail), dominate=True)
+        return pld.mean_rule_eps(shaped, law, checkpoints, steps, sample_rate=rate, noise_std=mechanism.noise_std,
+                                 delta=DELTA, delta_fail=fail).max
+
+    return timed(by_rdp), timed(by_pld), k_min
+
+
 def describe(name, eps, worst):
     low, median, high = np.quantile(eps, [0.1, 0.5, 0.9])
     return (f"{name}: median {median:.3f} (10-90%: {low:.3f}-{high:.3f}), worst case {worst:.3f}, "
@@ -81,6 +115,7 @@ def main():
     parser.add_argument("--interval", type=float, default=pld.DEFAULT_INTERVAL, help="PLD discretisation")
     parser.add_argument("--check-points", type=int, default=10,
                         help="points recomputed at a 10x finer discretisation (its effect on ε)")
+    parser.add_argument("--mean-points", type=int, default=500, help="points of the mean rule's certified case")
     parser.add_argument("--smoke", action="store_true", help=f"tiny sizes {SMOKE_SIZES}, for CI")
     args = parser.parse_args()
     if args.smoke:
@@ -112,6 +147,14 @@ def main():
     raised = by_pld[:args.check_points] - finer
     print(f"discretisation {args.interval:g} against {args.interval / 10:g} on {args.check_points} points: eps higher "
           f"by {raised.max():.2g} at most ({100 * np.max(raised / finer):.2g}% relatively)")
+    mechanism = Mechanism(noise_multiplier=sigma, clip_bound=1.0, sample_rate=sample_rate, batch_size=args.batch_size,
+                          dataset_size=args.points, total_steps=steps, rule="mean")
+    (by_rdp, rdp_wall, rdp_cpu), (by_pld, pld_wall, pld_cpu), k_min = mean_rule_case(
+        mechanism, checkpoints, args.mean_points, np.random.default_rng(1))
+    print(f"mean rule, certified, {args.mean_points} points (k_min={k_min}): RDP {rdp_wall:.1f} s wall "
+          f"({rdp_cpu:.1f} s CPU), PLD {pld_wall:.1f} s wall ({pld_cpu:.1f} s CPU), PLD/RDP time {pld_wall / rdp_wall:.2f}x; "
+          f"median eps {np.median(by_rdp):.3f} by RDP, {np.median(by_pld):.3f} by PLD; points with PLD above RDP: "
+          f"{int(np.sum(by_pld > by_rdp))}")
 
 
 if __name__ == "__main__":
