@@ -3,6 +3,7 @@
     python renyi_per_instance_sum_compo.py --res-name lenet_sum --holder-b inf
     python renyi_per_instance_sum_compo.py --res-name lenet_mean                  # mean rule, certified
     python renyi_per_instance_sum_compo.py --res-name lenet_mean --kind estimate
+    python renyi_per_instance_sum_compo.py --res-name lenet_sum --accountant pld   # either rule
 
 The name is the paper repository's; it composes both rules. Sum rule (`grad_norm` rows: Δ* per
 point at several checkpoints, or at every step, of one or more runs told apart by `run` and `seed`):
@@ -11,18 +12,18 @@ composition along the observed trajectory), converted to (ε, δ), next to Opacu
 Mean rule (rows of compute_sensitivity.py --reduction mean at several checkpoints of one run):
 the per-step coupling ρ of §3.2 (certified by default, or the Monte-Carlo estimate) composed with
 b = inf, converted at δ − T·delta_fail (§3.4), next to the mean rule's own composed baseline.
+--accountant pld composes the same per-step pairs by privacy loss distributions instead (§8, b = inf,
+both directions: eps is the larger of eps_remove and eps_add).
 """
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance import accountants, accounting, composition, report, results
+from perinstance import accountants, accounting, composition, pld, report, results
 from perinstance.errors import UsageError, run_main
 from perinstance.guarantees import Kind
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float
-
-COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
+from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class Request:
     rounding: float
     kind: Kind
     failure: float | None
+    accountant: str
+    pld_interval: float
 
 
 def build_parser():
@@ -46,11 +49,17 @@ def build_parser():
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
                              "number of steps T such as 3T (default 3T for the sum rule; the mean rule takes inf only)")
     parser.add_argument("--rounding", type=non_negative_float, default=composition.SUM_RULE_ROUNDING,
-                        help="sum rule: round Δ* up to multiples of ROUNDING·Γ before the RDP lookup (default 0.01; "
-                             "0: exact)")
+                        help="sum rule: round Δ* up to multiples of ROUNDING·Γ before the RDP or PLD lookup "
+                             f"(default {composition.SUM_RULE_ROUNDING:g}; 0: exact)")
     parser.add_argument("--kind", choices=[Kind.CERTIFIED.value, Kind.ESTIMATE.value], default=Kind.CERTIFIED.value,
                         help="mean rule: compose the certified per-step bound (default) or the Monte-Carlo estimate")
     accountants.add_failure_argument(parser)
+    parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
+                        help="compose by Rényi DP (§4, default) or by privacy loss distributions (§8: dp_accounting, "
+                             "pessimistic, both directions, b = inf)")
+    parser.add_argument("--pld-interval", type=positive_float, default=pld.DEFAULT_INTERVAL,
+                        help=f"--accountant pld: discretisation of the privacy loss (dp_accounting's "
+                             f"value_discretization_interval; default {pld.DEFAULT_INTERVAL:g})")
     return parser
 
 
@@ -61,7 +70,8 @@ def parse_args(argv):
     if not 0 <= args.rounding <= 1:
         raise UsageError("--rounding", f"must be in [0, 1] (a fraction of the clip bound), not {args.rounding:g}")
     return Request(source=accountants.Source.from_flags(vars(args)), delta=args.delta, orders=orders,
-                   holder_b=args.holder_b, rounding=args.rounding, kind=Kind(args.kind), failure=args.failure)
+                   holder_b=args.holder_b, rounding=args.rounding, kind=Kind(args.kind), failure=args.failure,
+                   accountant=args.accountant, pld_interval=args.pld_interval)
 
 
 def main(argv=None):
@@ -74,15 +84,22 @@ def main(argv=None):
                          f"trained with the {'/'.join(sorted(trained))} rule; composing over a run needs the rule it "
                          "was trained with (per-step analyses may differ)")
     output = report.output_path(request.source, "renyi_per_instance_sum_compo")
-    if loaded.mechanism.rule == "sum":
+    if loaded.mechanism.rule == "sum" and request.accountant == "pld":
+        result, description = composition.sum_rule_pld(loaded, delta=request.delta, holder_b=request.holder_b,
+                                                        rounding=request.rounding, interval=request.pld_interval)
+    elif loaded.mechanism.rule == "sum":
         result, description = composition.sum_rule(loaded, delta=request.delta, orders=request.orders,
                                                     holder_b=request.holder_b, rounding=request.rounding)
+    elif request.accountant == "pld":
+        result, description = composition.mean_rule_pld(loaded, delta=request.delta, kind=request.kind,
+                                                         holder_b=request.holder_b, failure=request.failure,
+                                                         interval=request.pld_interval)
     else:
         result, description = composition.mean_rule_composed(loaded, delta=request.delta, orders=request.orders,
                                                              kind=request.kind, holder_b=request.holder_b,
                                                              failure=request.failure)
     print(description)
-    result = result.sort_values(["point", "kind"], kind="mergesort")[COLUMNS]
+    result = result.sort_values(["point", "kind"], kind="mergesort")[composition.COLUMNS]
     report.report(output, result, "eps", ["point"], [], report.correct_at_end(loaded.rows))
 
 

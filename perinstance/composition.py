@@ -2,17 +2,19 @@
 
 The composition itself works on arrays, so that another accountant can take the same inputs:
 compose_sum_rule takes Δ*/Γ per run, checkpoint and point; compose_mean_rule the per-step ρ
-per checkpoint and point (perinstance/mean_rule.py checkpoint_rdp). sum_rule and mean_rule turn
-the rows of a result file into those inputs and the composed ε into the output rows of
-renyi_per_instance_sum_compo.py.
+per checkpoint and point (perinstance/mean_rule.py checkpoint_rdp); perinstance/pld.py composes the
+same per-step pairs by privacy loss distributions (§8). sum_rule, mean_rule_composed, sum_rule_pld and
+mean_rule_pld turn the rows of a result file into those inputs and the composed ε into the output rows
+of renyi_per_instance_sum_compo.py.
 """
 
 import math
 
 import numpy as np
 import pandas as pd
+from scipy.special import logsumexp
 
-from perinstance import accounting, mean_rule
+from perinstance import accounting, mean_rule, pld
 from perinstance.accountants import check_unique, checkpoint_ratios, parse_holder, run_key
 from perinstance.console import warn
 from perinstance.errors import UsageError
@@ -20,6 +22,11 @@ from perinstance.guarantees import Kind
 
 # Orders above this (from a small Hölder exponent b) make the bound meaningless.
 LARGEST_ORDER = 1e6
+# The columns of renyi_per_instance_sum_compo.py's output: eps is the larger direction's where the accountant
+# gives both (PLD); RDP's bound holds for both directions at once.
+COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction", "eps_remove",
+           "eps_add", "accountant", "discretization"]
+RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", discretization=math.nan)
 
 # The sum rule's Δ*/Γ is rounded up to multiples of this before the RDP lookup (--rounding's default): an
 # upper bound, ~1% above the exact Δ* at most, and a table of at most ~100 levels.
@@ -88,7 +95,8 @@ def sum_rule(loaded, *, delta, orders, holder_b=None, rounding=SUM_RULE_ROUNDING
         warn("with one run, --holder-b inf (plain composition along the observed trajectory) is never larger than "
              "a finite b")
     warn_edge(best_order, orders)
-    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum",
+                  **RDP_COLUMNS)
     return pd.concat([pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, "eps": eps, "alpha": best_order,
                                     **common}),
                       pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
@@ -125,7 +133,7 @@ def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=N
     baseline_eps, baseline_order = accounting.rdp_to_eps(orders, total_steps * baseline_step,
                                                          delta - total_steps * baseline_fail)
     warn_edge(best_order, orders)
-    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
+    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean", **RDP_COLUMNS)
     return pd.concat([
         pd.DataFrame({"point": points, "kind": Kind(kind).value, "eps": eps, "alpha": best_order, "delta_fail": fail,
                       **common}),
@@ -134,3 +142,101 @@ def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=N
         f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
         f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
         f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = {budget:.4g}")
+
+
+# --- the same compositions by privacy loss distributions (§8) --------------------------------------
+
+def _pld_columns(eps, interval):
+    """The output columns of a PLD result (§8): eps is the larger direction. A result of one row (the
+    baseline) gives numbers, for every point."""
+    values = dict(eps=eps.max, eps_remove=eps.remove, eps_add=eps.add)
+    if len(eps.max) == 1:
+        values = {name: float(value[0]) for name, value in values.items()}
+    return dict(values, alpha=math.nan, accountant="pld", discretization=interval)
+
+
+def _check_pld_holder(holder_b):
+    if holder_b is not None and parse_holder(holder_b, 1, flag="--holder-b") != math.inf:
+        raise UsageError("--holder-b", "--accountant pld composes along the observed trajectory only (allowed: inf)")
+
+
+def sum_rule_pld(loaded, *, delta, holder_b=None, rounding=SUM_RULE_ROUNDING, interval=pld.DEFAULT_INTERVAL):
+    """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description). Every point's composition
+    along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf)."""
+    _check_pld_holder(holder_b)
+    check_unique(loaded, ["run", "seed", "step", "point"])
+    mechanism = loaded.mechanism
+    ratios, steps, points = checkpoint_ratios(loaded)
+    common = dict(sample_rate=mechanism.sample_rate, noise_multiplier=mechanism.noise_multiplier, delta=delta,
+                  rounding=rounding, interval=interval)
+    eps = pld.sum_rule_eps(ratios.max(axis=0).T, steps, mechanism.total_steps, **common)
+    baseline = pld.sum_rule_eps(np.ones((1, len(steps))), steps, mechanism.total_steps, **common)
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, **_pld_columns(eps, interval), **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval), **common})],
+        ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
+        f"{ratios.shape[0]} run(s) (the largest Δ* per step), {len(steps)} checkpoints, "
+        f"sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, Δ rounded up to {rounding:g}·Γ, "
+        f"delta={delta:g}; composed by PLD (dp_accounting, pessimistic, discretisation {interval:g}), "
+        "eps = max(remove, add)")
+
+
+def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=None, interval=pld.DEFAULT_INTERVAL):
+    """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description). Every point's
+    composition of the per-step revealed-size mixture of `kind` (certified or estimate), next to the
+    baseline's, converted at δ − T·delta_fail."""
+    _check_pld_holder(holder_b)
+    mechanism = loaded.mechanism
+    total_steps = mechanism.total_steps
+    runs = run_key(loaded.rows).unique()
+    if len(runs) > 1:
+        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
+                         "keep one with --filter run=...")
+    sizes = mean_rule.size_model(loaded, failure)
+    fail = sizes.delta_fail(kind)
+    if delta - total_steps * fail <= 0:
+        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
+                         "with a smaller --size-delta or report a larger --delta")
+    if kind == Kind.CERTIFIED:
+        statistics = mean_rule.require(mean_rule.statistics_of(loaded), kind, loaded)
+        index, values = statistics.index, mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        row_log_weights, log_mass = sizes.log_weights, sizes.log_mass(kind)
+    else:
+        samples = mean_rule.require(mean_rule.samples_of(loaded, sizes), kind, loaded)
+        index, values = samples.index, samples.values
+        sample_weights = samples.log_weights(sizes)
+        row_log_weights = pld.estimate_log_weights(samples.batch_sizes, samples.grid, sample_weights)
+        # P(k ≥ k_min) when the samples start at k_min (as measured); else the law of the sizes sampled.
+        log_mass = float(logsumexp(sample_weights))
+    points = index.get_level_values("point").unique().to_numpy()
+    checkpoints = index.get_level_values("step").unique().sort_values().to_numpy()
+    if len(index) != len(points) * len(checkpoints):
+        raise UsageError(loaded.flag, f"{loaded.path}: every point needs a value at every checkpoint (steps "
+                         f"{', '.join(map(str, checkpoints))})")
+    shape = (len(points), len(checkpoints), -1)
+    law = pld.step_law(values.reshape(shape), np.broadcast_to(row_log_weights, values.shape).reshape(shape), log_mass,
+                       dominate=kind == Kind.CERTIFIED)
+    worst = mean_rule.baseline_sensitivities(mechanism.clip_bound, sizes)[0]
+    worst_law = pld.step_law(worst, sizes.log_weights, sizes.log_mass(Kind.BASELINE), dominate=False)
+    common = dict(sample_rate=mechanism.sample_rate, noise_std=mechanism.noise_std, delta=delta,
+                  relative_step=mean_rule.COMPOSITION_LEVEL_STEP, interval=interval)
+    eps = pld.mean_rule_eps(values.reshape(shape), law, checkpoints, total_steps, delta_fail=fail,
+                            before_first=(worst, worst_law), **common)
+    baseline_fail = sizes.delta_fail(Kind.BASELINE)
+    baseline = pld.mean_rule_eps(worst[None, None], worst_law[None, None], [0], total_steps, delta_fail=baseline_fail,
+                                 **common)
+    if checkpoints[0] > 0:
+        warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
+    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind(kind).value, **_pld_columns(eps, interval), "delta_fail": fail,
+                      **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval),
+                      "delta_fail": baseline_fail, **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
+        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
+        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = "
+        f"{delta - total_steps * fail:.4g}; composed by PLD (dp_accounting, pessimistic, discretisation "
+        f"{interval:g}), eps = max(remove, add)")

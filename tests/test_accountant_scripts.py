@@ -511,7 +511,8 @@ def test_renyi_mean_rule_jensen_one_direction(tmp_path, run, results):
 
 # --- composition over a run: sum rule -------------------------------------------------------
 
-COMPO_COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction"]
+COMPO_COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction", "eps_remove",
+                 "eps_add", "accountant", "discretization"]
 ORDERS = [2, 4, 8, 16, 32]
 
 
