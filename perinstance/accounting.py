@@ -247,7 +247,8 @@ def delta_remove(eps, mu, sample_rate):
     _check_sample_rate(sample_rate)
     if sample_rate == 0:
         return np.zeros(eps.shape)
-    log_factor = np.log(np.expm1(eps) + sample_rate)
+    # log(e^ε − 1 + q) = ε + log(1 − (1−q)·e^{−ε}): finite for every ε ≥ 0 (expm1 overflows above ~709).
+    log_factor = eps + np.log1p(-(1 - sample_rate) * np.exp(-eps))
     moving = mu > 0
     safe_mu = np.where(moving, mu, 1.0)
     threshold = (log_factor - math.log(sample_rate)) / safe_mu + safe_mu / 2
@@ -264,10 +265,10 @@ def delta_add(eps, mu, sample_rate):
     _check_sample_rate(sample_rate)
     if sample_rate == 0:
         return np.zeros(eps.shape)
+    log_keep = math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
     with np.errstate(divide="ignore", invalid="ignore"):
-        # log c = log(1 − e^{ε + log(1−q)}); −inf or NaN where c ≤ 0.
-        log_c = np.log(-np.expm1(np.minimum(eps + math.log1p(-sample_rate), 0.0))) if sample_rate < 1 \
-            else np.full(eps.shape, -np.inf)
+        # log c = log(1 − e^{ε + log(1−q)}); −inf where c ≤ 0; 0 at q = 1 (the Gaussian mechanism).
+        log_c = np.log(-np.expm1(np.minimum(eps + log_keep, 0.0)))
     live = (mu > 0) & np.isfinite(log_c)
     safe_mu = np.where(live, mu, 1.0)
     safe_log_c = np.where(live, log_c, 0.0)
@@ -317,26 +318,46 @@ def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction
     if budget <= 0:
         return np.full(shape, np.inf)
     chosen = ("remove", "add") if direction == "max" else (direction,)
+    rows, components = mu.reshape(-1, mu.shape[-1]), weights.reshape(-1, mu.shape[-1])
+    step = max(1, EPS_CHUNK_ELEMENTS // max(mu.shape[-1], 1))
+    eps = [_smallest_eps(rows[start:start + step], components[start:start + step], budget, sample_rate, chosen)
+           for start in range(0, len(rows), step)]
+    return np.concatenate(eps).reshape(shape) if eps else np.zeros(shape)
 
-    def excess(eps):
-        return np.max([mixture_delta(eps, mu, weights, sample_rate, name) for name in chosen], axis=0) - budget
 
-    needs = excess(np.zeros(shape)) > 0
+# per_step_eps works on blocks of about this many (row, component) values at a time: its memory
+# stays near a hundred MiB whatever the number of points and mixture components.
+EPS_CHUNK_ELEMENTS = 1 << 20
+
+
+def _smallest_eps(mu, weights, budget, sample_rate, directions):
+    """per_step_eps on (R, S) rows: bisection for the smallest ε with Σ_j w_j·δ(ε; μ_j) ≤ budget.
+
+    A δ that cannot be evaluated (NaN) counts as above the budget, and a row whose δ stays above it
+    up to ε = 2^64 gets ε = inf: only an ε whose δ was seen below the budget is returned.
+    """
+    def above(eps):
+        excess = np.max([mixture_delta(eps, mu, weights, sample_rate, name) for name in directions], axis=0) - budget
+        return ~(excess <= 0)
+
+    shape = mu.shape[:-1]
+    needs = above(np.zeros(shape))
     high = np.ones(shape)
     for _ in range(64):
-        still = needs & (excess(high) > 0)
+        still = needs & above(high)
         if not still.any():
             break
         high = np.where(still, 2 * high, high)
+    unresolved = needs & above(high)
     low = np.zeros(shape)
     for _ in range(60):
         middle = (low + high) / 2
-        too_small = excess(middle) > 0
+        too_small = above(middle)
         low = np.where(too_small, middle, low)
         high = np.where(too_small, high, middle)
         if np.all(high - low <= 1e-9 * np.maximum(high, 1e-3)):
             break
-    return np.where(needs, high, 0.0)
+    return np.where(unresolved, np.inf, np.where(needs, high, 0.0))
 
 
 # --- §3.4: batch sizes of the mean rule ------------------------------------------------------
@@ -435,9 +456,11 @@ def mixture_rdp(log_moments, log_weights, log_mass, alpha):
 
     log_moments (..., K), log_weights broadcastable to it, log_mass the log of the probability the
     weights are normalised by (P(k ≥ k_min) for the estimate, P(k ≥ k_min) − β certified).
+    Floored at 0: every M_k ≥ 0 and the weights sum to at least the mass, so the exact value is ≥ 0
+    (and a Rényi divergence is), while rounding can leave the difference of logs a few ulps below.
     """
     _check_orders([alpha])
-    return (logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1)
+    return np.maximum((logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1), 0.0)
 
 
 def stratified_log_means(log_moments, sizes, grid_sizes):

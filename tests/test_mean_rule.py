@@ -416,3 +416,19 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
         radius = math.sqrt(spread / k) + largest * math.sqrt(2 * math.log(1 / failure) / k)
         assert np.sum(distances > radius) <= stats.binom.ppf(0.999, trials, failure)
         assert np.mean(distances > 0.5 * math.sqrt(spread / k)) > 0.5
+
+
+def test_composition_of_a_point_that_changes_nothing(tmp_path, run):
+    """Identical gradients and k_min > 0: every Δ_B is 0, the estimate's per-step ρ is exactly 0 (not a
+    rounding below it) and the composition finishes with the ε of a zero RDP curve."""
+    gradients = np.tile(scaled_rows(1, 0), (N, 1))
+    rows = pd.concat([coupling_rows(gradients, [0, 1], BATCH, SIGMA, CLIP, 1e-8, permutations=3).assign(step=step)
+                      for step in (0, 50)], ignore_index=True)
+    assert rows["k_min"].iloc[0] > 0
+    output, result = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", rows, "--kind", "estimate",
+                                       "--alpha", "2", "8")
+    assert "Traceback" not in result.stderr
+    estimate = output[output["kind"] == "estimate"]
+    budget = 1e-5 - estimate["steps"].iloc[0] * estimate["delta_fail"].iloc[0]
+    nothing, _ = accounting.rdp_to_eps([2.0, 8.0], np.zeros(2), budget)
+    assert len(estimate) == 2 and np.allclose(estimate["eps"], float(nothing), rtol=1e-9)
