@@ -117,10 +117,11 @@ def mean_rule(loaded, args):
     frames = []
     if statistics is not None:
         index = statistics.index
-        bound = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                 statistics["max_deviation"], mechanism.clip_bound, grid, sizes.failure)
+        bound, certified_log_weights, _ = accounting.certified_mixture(
+            statistics["center_distance"], statistics["spread"], statistics["max_deviation"], mechanism.clip_bound,
+            grid, log_weights, sizes.failure)
         fail = sizes.delta_fail("certified")
-        eps = exact(bound / mechanism.noise_std, args.delta, mechanism.sample_rate, weights, fail)
+        eps = exact(bound / mechanism.noise_std, args.delta, mechanism.sample_rate, np.exp(certified_log_weights), fail)
         frames.append(rows_for(index, "certified", eps, args.delta, delta_fail=fail, samples=0, eps_min=math.nan,
                                eps_max=math.nan, **common))
         baseline_index = index

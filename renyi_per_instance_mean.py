@@ -62,9 +62,9 @@ def coupling(loaded, args):
     grid, log_weights = sizes.grid()
     needed = [accounting.baseline_mean_sensitivity(mechanism.clip_bound, grid)]
     if statistics is not None:
-        certified = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                     statistics["max_deviation"], mechanism.clip_bound, grid,
-                                                     sizes.failure)
+        certified, certified_log_weights, certified_sizes = accounting.certified_mixture(
+            statistics["center_distance"], statistics["spread"], statistics["max_deviation"], mechanism.clip_bound,
+            grid, log_weights, sizes.failure)
         needed.append(certified)
     if samples is not None:
         index, values, batch_sizes, blocks = samples
@@ -83,11 +83,12 @@ def coupling(loaded, args):
     for column, alpha in enumerate(table.orders):
         if statistics is not None:
             fail = sizes.delta_fail("certified")
-            log_terms = certified_moments[..., column] + log_weights
-            rdp = accounting.mixture_rdp(certified_moments[..., column], log_weights, math.log(1 - fail), alpha)
+            log_terms = certified_moments[..., column] + certified_log_weights
+            rdp = accounting.mixture_rdp(certified_moments[..., column], certified_log_weights, math.log(1 - fail),
+                                         alpha)
             frames.append(statistics.index.to_frame(index=False).assign(
                 alpha=alpha, kind="certified", rdp=rdp, rdp_min=math.nan, rdp_max=math.nan, samples=0,
-                k_star=grid[np.argmax(log_terms, axis=1)], delta_fail=fail, **common))
+                k_star=accounting.dominant_size(log_terms, certified_sizes), delta_fail=fail, **common))
             point_index = statistics.index
         if samples is not None:
             frames.append(estimate(index, values, batch_sizes, blocks, sample_moments[..., column], sizes, alpha,

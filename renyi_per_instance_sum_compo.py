@@ -154,10 +154,11 @@ def per_checkpoint_rdp(loaded, args, sizes, grid, log_weights, kind):
         if statistics is None:
             raise UsageError(loaded.flag, f"{loaded.path} has no mean-rule statistics (center_distance, spread, "
                              "max_deviation) to certify; measure with compute_sensitivity.py --reduction mean")
-        bound = accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                                 statistics["max_deviation"], mechanism.clip_bound, grid, sizes.failure)
+        bound, certified_log_weights, _ = accounting.certified_mixture(
+            statistics["center_distance"], statistics["spread"], statistics["max_deviation"], mechanism.clip_bound,
+            grid, log_weights, sizes.failure)
         table = accountants.mean_rule_table(mechanism, args.alpha, [bound], COMPOSITION_LEVEL_STEP)
-        rdp = accountants.mixture_rdp_by_point(table, bound, log_weights,
+        rdp = accountants.mixture_rdp_by_point(table, bound, certified_log_weights,
                                                math.log(1 - sizes.delta_fail("certified")), mechanism)
         return by_checkpoint(statistics.index, rdp)
     samples = accountants.mean_samples(loaded)
