@@ -290,7 +290,7 @@ def mixture_delta(eps, mu, weights, sample_rate, direction):
 
 
 def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction="max"):
-    """§3.3: the smallest ε ≥ 0 with δ(ε) ≤ δ, by bisection (δ(ε) is nonincreasing).
+    """§3.3, §7.6: the smallest ε ≥ 0 with δ(ε) ≤ δ, by a bracketing search (δ(ε) is nonincreasing).
 
     δ(ε) = Σ_j w_j·δ_dir(ε; μ_j) + δ_fail for direction "remove" or "add"; "max" takes the larger
     of the two sums. mu: (..., S) values Δ/s of the one-dimensional pair for each batch (mixture
