@@ -289,6 +289,11 @@ def mixture_delta(eps, mu, weights, sample_rate, direction):
     return np.sum(np.where(present, weights * terms, 0.0), axis=-1)
 
 
+# per_step_eps works on blocks of about this many (row, component) values at a time: its memory
+# stays near a hundred MiB whatever the number of points and mixture components.
+EPS_CHUNK_ELEMENTS = 1 << 20
+
+
 def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction="max"):
     """§3.3, §7.6: the smallest ε ≥ 0 with δ(ε) ≤ δ, by a bracketing search (δ(ε) is nonincreasing).
 
@@ -323,11 +328,6 @@ def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction
     eps = [_smallest_eps(rows[start:start + step], components[start:start + step], budget, sample_rate, chosen)
            for start in range(0, len(rows), step)]
     return np.concatenate(eps).reshape(shape) if eps else np.zeros(shape)
-
-
-# per_step_eps works on blocks of about this many (row, component) values at a time: its memory
-# stays near a hundred MiB whatever the number of points and mixture components.
-EPS_CHUNK_ELEMENTS = 1 << 20
 
 
 def _smallest_eps(mu, weights, budget, sample_rate, directions):

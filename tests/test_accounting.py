@@ -8,6 +8,7 @@ import dp_accounting
 import mpmath
 import numpy as np
 import pytest
+from scipy.optimize import brentq
 from scipy.special import logsumexp
 
 from perinstance import accounting
@@ -501,3 +502,21 @@ def test_add_direction_at_full_sampling_is_the_gaussian_mechanism(eps, mu):
     assert gaussian > 0
     add = accounting.per_step_eps([[mu]], 1e-6, 1.0, direction="add")[0]
     assert add == pytest.approx(accounting.gaussian_eps(mu, 1.0, 1e-6)[()], rel=1e-6)
+
+
+def test_per_step_eps_in_blocks_is_the_same(monkeypatch):
+    """Rows are solved in blocks of EPS_CHUNK_ELEMENTS values: any block size gives the same ε, and each ε is
+    within 1e-9 of the root of δ(ε) = δ (brentq on the same δ)."""
+    rng = np.random.default_rng(4)
+    mu = rng.uniform(0, 4, (7, 3, 40))
+    weights = rng.dirichlet(np.ones(40), (7, 3)) * 0.999
+    whole = accounting.per_step_eps(mu, 1e-5, 0.05, weights, 1e-7)
+    monkeypatch.setattr(accounting, "EPS_CHUNK_ELEMENTS", 50)
+    np.testing.assert_array_equal(accounting.per_step_eps(mu, 1e-5, 0.05, weights, 1e-7), whole)
+
+    def excess(eps, row, column):
+        return max(float(accounting.mixture_delta(eps, mu[row, column], weights[row, column], 0.05, name))
+                   for name in ("remove", "add")) + 1e-7 - 1e-5
+    for row, column in ((0, 0), (3, 2), (6, 1)):
+        root = brentq(excess, 0.0, 200.0, args=(row, column), xtol=1e-14, rtol=1e-13)
+        assert root <= whole[row, column] <= root * (1 + 1e-9) + 1e-12

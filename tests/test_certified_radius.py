@@ -88,6 +88,11 @@ def test_radius_is_monotone():
     spreads = np.linspace(1e-4, 1.0, 50)
     radius = accounting.concentration_radius(spreads, np.ones(50), 40, 1e-6)
     assert np.all(np.diff(radius) >= -1e-15)
+    # An upper bound on b_X (what compute_sensitivity.py records) gives a larger radius: still a bound.
+    deviations = np.linspace(0.6, 3.0, 50)
+    for size, failure in ((1, 0.5), (40, 1e-6), (2000, 1e-12)):
+        radius = accounting.concentration_radius(np.full(50, 0.3), deviations, size, failure)
+        assert np.all(np.diff(radius) >= -1e-15)
     assert float(accounting.concentration_radius([0.0], [0.0], 10, 1e-6)[0]) == 0
 
 
