@@ -247,7 +247,8 @@ def delta_remove(eps, mu, sample_rate):
     _check_sample_rate(sample_rate)
     if sample_rate == 0:
         return np.zeros(eps.shape)
-    log_factor = np.log(np.expm1(eps) + sample_rate)
+    # log(e^ε − 1 + q) = ε + log(1 − (1−q)·e^{−ε}): finite for every ε ≥ 0 (expm1 overflows above ~709).
+    log_factor = eps + np.log1p(-(1 - sample_rate) * np.exp(-eps))
     moving = mu > 0
     safe_mu = np.where(moving, mu, 1.0)
     threshold = (log_factor - math.log(sample_rate)) / safe_mu + safe_mu / 2
@@ -264,10 +265,10 @@ def delta_add(eps, mu, sample_rate):
     _check_sample_rate(sample_rate)
     if sample_rate == 0:
         return np.zeros(eps.shape)
+    log_keep = math.log1p(-sample_rate) if sample_rate < 1 else -math.inf
     with np.errstate(divide="ignore", invalid="ignore"):
-        # log c = log(1 − e^{ε + log(1−q)}); −inf or NaN where c ≤ 0.
-        log_c = np.log(-np.expm1(np.minimum(eps + math.log1p(-sample_rate), 0.0))) if sample_rate < 1 \
-            else np.full(eps.shape, -np.inf)
+        # log c = log(1 − e^{ε + log(1−q)}); −inf where c ≤ 0; 0 at q = 1 (the Gaussian mechanism).
+        log_c = np.log(-np.expm1(np.minimum(eps + log_keep, 0.0)))
     live = (mu > 0) & np.isfinite(log_c)
     safe_mu = np.where(live, mu, 1.0)
     safe_log_c = np.where(live, log_c, 0.0)
@@ -288,8 +289,13 @@ def mixture_delta(eps, mu, weights, sample_rate, direction):
     return np.sum(np.where(present, weights * terms, 0.0), axis=-1)
 
 
+# per_step_eps works on blocks of about this many (row, component) values at a time: its memory
+# stays near a hundred MiB whatever the number of points and mixture components.
+EPS_CHUNK_ELEMENTS = 1 << 20
+
+
 def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction="max"):
-    """§3.3: the smallest ε ≥ 0 with δ(ε) ≤ δ, by bisection (δ(ε) is nonincreasing).
+    """§3.3, §7.6: the smallest ε ≥ 0 with δ(ε) ≤ δ, by a bracketing search (δ(ε) is nonincreasing).
 
     δ(ε) = Σ_j w_j·δ_dir(ε; μ_j) + δ_fail for direction "remove" or "add"; "max" takes the larger
     of the two sums. mu: (..., S) values Δ/s of the one-dimensional pair for each batch (mixture
@@ -317,26 +323,68 @@ def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction
     if budget <= 0:
         return np.full(shape, np.inf)
     chosen = ("remove", "add") if direction == "max" else (direction,)
+    rows, components = mu.reshape(-1, mu.shape[-1]), weights.reshape(-1, mu.shape[-1])
+    step = max(1, EPS_CHUNK_ELEMENTS // max(mu.shape[-1], 1))
+    eps = [_smallest_eps(rows[start:start + step], components[start:start + step], budget, sample_rate, chosen)
+           for start in range(0, len(rows), step)]
+    return np.concatenate(eps).reshape(shape) if eps else np.zeros(shape)
 
-    def excess(eps):
-        return np.max([mixture_delta(eps, mu, weights, sample_rate, name) for name in chosen], axis=0) - budget
 
-    needs = excess(np.zeros(shape)) > 0
-    high = np.ones(shape)
+def _smallest_eps(mu, weights, budget, sample_rate, directions):
+    """per_step_eps on (R, S) rows: the smallest ε with Σ_j w_j·δ(ε; μ_j) <= budget, to 1e-9 relatively.
+
+    A bracket [low, high] with δ(low) above the budget and δ(high) at or below it shrinks by the Illinois
+    variant of regula falsi on log δ(ε) − log budget (close to linear in ε), bisecting where the secant
+    falls outside the bracket; only `high` is returned, an ε whose δ was seen at or below the budget.
+    A δ that cannot be evaluated (NaN) counts as above the budget, and a row whose δ stays above it up
+    to ε = 2^64 gets ε = inf.
+    """
+    log_budget = math.log(budget)
+
+    def log_excess(eps, rows):
+        with np.errstate(divide="ignore"):
+            delta = np.max([mixture_delta(eps, mu[rows], weights[rows], sample_rate, name) for name in directions],
+                           axis=0)
+            excess = np.log(delta) - log_budget
+        return np.where(np.isnan(excess), np.inf, excess)
+
+    every = np.arange(len(mu))
+    needs = log_excess(np.zeros(len(mu)), every) > 0
+    rows = every[needs]
+    low, high = np.zeros(len(rows)), np.ones(len(rows))
+    low_excess, high_excess = log_excess(low, rows), log_excess(high, rows)
     for _ in range(64):
-        still = needs & (excess(high) > 0)
-        if not still.any():
+        above = high_excess > 0
+        if not above.any():
             break
-        high = np.where(still, 2 * high, high)
-    low = np.zeros(shape)
-    for _ in range(60):
-        middle = (low + high) / 2
-        too_small = excess(middle) > 0
-        low = np.where(too_small, middle, low)
-        high = np.where(too_small, high, middle)
-        if np.all(high - low <= 1e-9 * np.maximum(high, 1e-3)):
+        low, low_excess = np.where(above, high, low), np.where(above, high_excess, low_excess)
+        high = np.where(above, 2 * high, high)
+        high_excess[above] = log_excess(high[above], rows[above])
+    unresolved = high_excess > 0
+    last_moved = np.zeros(len(rows), dtype=int)  # −1: low moved last, +1: high did
+    for _ in range(200):
+        active = np.flatnonzero(~unresolved & (high - low > 1e-9 * np.maximum(high, 1e-3)))
+        if not len(active):
             break
-    return np.where(needs, high, 0.0)
+        lower, upper = low[active], high[active]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            secant = lower + (upper - lower) * low_excess[active] / (low_excess[active] - high_excess[active])
+        trial = np.where((secant > lower) & (secant < upper), secant, (lower + upper) / 2)
+        excess = log_excess(trial, rows[active])
+        raise_low = excess > 0
+        # Illinois: an end that stays put twice in a row has its value halved, so the next secant crosses over.
+        high_excess[active] = np.where(raise_low & (last_moved[active] == -1), high_excess[active] / 2,
+                                       high_excess[active])
+        low_excess[active] = np.where(~raise_low & (last_moved[active] == 1), low_excess[active] / 2,
+                                      low_excess[active])
+        low[active] = np.where(raise_low, trial, lower)
+        low_excess[active] = np.where(raise_low, excess, low_excess[active])
+        high[active] = np.where(raise_low, upper, trial)
+        high_excess[active] = np.where(raise_low, high_excess[active], excess)
+        last_moved[active] = np.where(raise_low, -1, 1)
+    eps = np.zeros(len(mu))
+    eps[rows] = np.where(unresolved, np.inf, high)
+    return eps
 
 
 # --- §3.4: batch sizes of the mean rule ------------------------------------------------------
@@ -400,27 +448,151 @@ def lumped_size_log_weights(grid_sizes, n, sample_rate):
     return _log_sub(below_next, below_this)
 
 
-# --- §3.2: the mean rule's coupling bound ----------------------------------------------------
+# --- §3.2, §7: the mean rule's certified bound -----------------------------------------------
+
+# §7.2: the Pinelis radius is a minimum over λ of a closed form: λ·b_X runs over this grid, then a
+# golden-section search between the best point's neighbours (every λ gives a valid radius; the search
+# brings it to the minimum up to rounding).
+RADIUS_LAMBDAS = np.geomspace(1e-4, 64.0, 128)
+RADIUS_SEARCH_STEPS = 32
+# §7.2: v_X/b_X² is rounded up onto a geometric grid with this relative step before the radius is
+# computed (the radius grows with it, so the result stays a bound): a few radius tables serve every point.
+RADIUS_RATIO_STEP = 1e-4
+# §7.3: tail levels per grid size in the certified mixture.
+CERTIFIED_LEVELS = 16
+# §7.4: the largest failure probability one grid size is given.
+SIZE_FAILURE_CAP = 0.5
+
+
+def _pinelis_length(ratio, sizes, log_inverse, scaled_lambda):
+    """§7.2 at one λ (scaled_lambda = λ·b): t/b with (1 + c·(e^{λb} − 1 − λb))^k / cosh(λt) = β."""
+    growth = np.expm1(scaled_lambda) - scaled_lambda
+    exponent = sizes * np.log1p(ratio * growth) + log_inverse
+    # arccosh(e^x) = x + log(1 + sqrt(1 − e^{−2x})), accurate for every x >= 0.
+    return (exponent + np.log1p(np.sqrt(-np.expm1(-2 * exponent)))) / scaled_lambda
+
+
+def _unit_radius(variance_ratio, sizes, failure):
+    """§7.2 r/b_X for a population with ||Y_i|| <= 1 and mean ||Y_i||² = c, at size k >= 1 and failure
+    β: the smaller of McDiarmid's sqrt(c/k) + sqrt(2·log(1/β)/k) and Pinelis's radius, at most 1."""
+    ratio, sizes, failure = (np.asarray(value, dtype=float) for value in
+                             np.broadcast_arrays(variance_ratio, sizes, failure))
+    log_inverse = -np.log(failure)
+    mcdiarmid = np.sqrt(ratio / sizes) + np.sqrt(2 * log_inverse / sizes)
+    on_grid = _pinelis_length(ratio[..., None], sizes[..., None], log_inverse[..., None], RADIUS_LAMBDAS)
+    best = np.argmin(on_grid, axis=-1)
+    length = np.min(on_grid, axis=-1)
+    low = np.log(RADIUS_LAMBDAS[np.maximum(best - 1, 0)])
+    high = np.log(RADIUS_LAMBDAS[np.minimum(best + 1, len(RADIUS_LAMBDAS) - 1)])
+    ratio_golden = (math.sqrt(5) - 1) / 2
+    for _ in range(RADIUS_SEARCH_STEPS):
+        left, right = high - ratio_golden * (high - low), low + ratio_golden * (high - low)
+        at_left = _pinelis_length(ratio, sizes, log_inverse, np.exp(left))
+        at_right = _pinelis_length(ratio, sizes, log_inverse, np.exp(right))
+        length = np.minimum(length, np.minimum(at_left, at_right))
+        keep_left = at_left <= at_right
+        high = np.where(keep_left, right, high)
+        low = np.where(keep_left, low, left)
+    return np.minimum(np.minimum(mcdiarmid, length / sizes), 1.0)
+
+
+def concentration_radius(spread, max_deviation, sizes, failure):
+    """§7.2: r with P(||m(B) − μ_X|| > r) <= β over uniform k-subsets B of X, for sizes k >= 1.
+
+    spread v_X, max_deviation b_X: (P,) per point; sizes and failure β broadcast together to a shape S.
+    Returns (P, *S); nonincreasing in k and in β.
+    """
+    spread, max_deviation = (np.atleast_1d(np.asarray(value, dtype=float)) for value in (spread, max_deviation))
+    ratio = np.divide(spread, max_deviation**2, out=np.zeros_like(spread), where=max_deviation > 0)
+    levels = geometric_levels(ratio, RADIUS_RATIO_STEP)
+    shape = np.broadcast_shapes(np.shape(sizes), np.shape(failure))
+    column = (-1,) + (1,) * len(shape)
+    table = _unit_radius(levels.reshape(column), sizes, failure)
+    return max_deviation.reshape(column) * table[np.searchsorted(levels, ratio, side="left")]
+
 
 def certified_sensitivity(center_distance, spread, max_deviation, clip_bound, sizes, failure):
-    """§3.2 certified: Δ̄_k = min(2Γ, d* + r_k)/(k+1), r_k = sqrt(v_X/k) + b_X·sqrt(2·log(1/β)/k),
-    which bounds Δ_B with probability ≥ 1 − β over uniform k-subsets B; Δ̄_0 = Γ.
+    """§3.2, §7.2 certified: Δ̄_k = min(2Γ, d* + r_k(β))/(k+1) with r_k(β) of concentration_radius, which
+    bounds Δ_B with probability >= 1 − β over uniform k-subsets B; Δ̄_0 = Γ.
 
-    center_distance d*, spread v_X, max_deviation b_X: (P,) per point; sizes (K,). Returns (P, K).
+    center_distance d*, spread v_X, max_deviation b_X: (P,) per point; sizes and failure β (one, or
+    one per size) broadcast together to a shape S. Returns (P, *S).
+    """
+    failure = np.asarray(failure, dtype=float)
+    outside = failure[~((failure > 0) & (failure < 1))]
+    if outside.size:
+        raise ValueError(f"failure must be in (0, 1), not {outside[0]!r}")
+    _check_positive("clip_bound", clip_bound)
+    statistics = [np.atleast_1d(np.asarray(value, dtype=float)) for value in (center_distance, spread, max_deviation)]
+    for name, value in zip(("center_distance", "spread", "max_deviation"), statistics, strict=True):
+        if np.any(~(value >= 0)):
+            raise ValueError(f"{name} must be >= 0")
+    center_distance, spread, max_deviation = statistics
+    sizes = np.asarray(sizes, dtype=float)
+    radius = concentration_radius(spread, max_deviation, np.maximum(sizes, 1.0), failure)
+    shape = radius.shape[1:]
+    bound = np.minimum(2 * clip_bound, center_distance.reshape((-1,) + (1,) * len(shape)) + radius) / (sizes + 1)
+    return np.where(sizes > 0, bound, clip_bound)
+
+
+def size_failures(log_weights, failure):
+    """§7.4: a failure probability β_j per grid size with Σ_j Π_j·β_j <= β (Π_j = exp(log_weights)).
+
+    Shares of β proportional to 1/(j+1), j = 0 at k_min: the smallest sizes, rare and where the bound
+    is largest, get the most; no β_j above SIZE_FAILURE_CAP, and what a capped size cannot use goes
+    to the others in proportion to their shares.
     """
     if not 0 < failure < 1:
         raise ValueError(f"failure must be in (0, 1), not {failure!r}")
-    _check_positive("clip_bound", clip_bound)
-    center_distance, spread, max_deviation = (np.asarray(value, dtype=float)[:, None]
-                                              for value in (center_distance, spread, max_deviation))
-    for name, value in (("center_distance", center_distance), ("spread", spread), ("max_deviation", max_deviation)):
-        if np.any(~(value >= 0)):
-            raise ValueError(f"{name} must be >= 0")
-    sizes = np.asarray(sizes, dtype=float)[None, :]
-    safe = np.maximum(sizes, 1.0)
-    radius = np.sqrt(spread / safe) + max_deviation * np.sqrt(2 * math.log(1 / failure) / safe)
-    bound = np.minimum(2 * clip_bound, center_distance + radius) / (sizes + 1)
-    return np.where(sizes > 0, bound, clip_bound)
+    mass = np.exp(np.asarray(log_weights, dtype=float))
+    share = 1.0 / np.arange(1, len(mass) + 1)
+    capped = np.zeros(len(mass), dtype=bool)
+    # Rounding in the sums below may not push Σ Π_j·β_j above β.
+    budget = failure * (1 - 1e-9)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for _ in range(len(mass)):
+            left = budget - np.sum(mass[capped]) * SIZE_FAILURE_CAP
+            failures = np.where(capped, SIZE_FAILURE_CAP, left * share / (share[~capped].sum() * mass))
+            newly = ~capped & (failures > SIZE_FAILURE_CAP)
+            if not newly.any():
+                return failures
+            capped |= newly
+    return np.full(len(mass), SIZE_FAILURE_CAP)
+
+
+def certified_mixture(center_distance, spread, max_deviation, clip_bound, sizes, log_weights, failure,
+                      levels=CERTIFIED_LEVELS):
+    """§7.3-§7.4: the certified bound as a mixture over grid sizes × tail levels.
+
+    Grid size j (lumped probability Π_j = exp(log_weights[j])) gets the failure β_j of size_failures
+    and L = `levels` tails β_{j,l} = β_j^{(l/L)²}; component (j, l) is Δ̄ at β_{j,l}
+    (certified_sensitivity) with probability Π_j·p_{j,l}, p_{j,l} = β_{j,l−1} − β_{j,l} (β_{j,0} = 1) for
+    l < L and p_{j,L} = β_{j,L−1}. A mixture of §3.2 or §3.3 over these components in place of (Δ̄_k, π_k),
+    with δ_fail = δ_size + β, is a bound.
+
+    Returns the sensitivities (P, K·L), their log weights (K·L,) and sizes k (K·L,), size-major.
+    """
+    sizes = np.asarray(sizes)
+    log_weights = np.asarray(log_weights, dtype=float)
+    # Size 0 has Δ̄_0 = Γ whatever happens: it is given no failure mass (weight 0 in the allocation).
+    log_size_failures = np.log(size_failures(np.where(sizes > 0, log_weights, -np.inf), failure))
+    log_tails = log_size_failures[:, None] * ((np.arange(1, levels + 1) / levels) ** 2)[None, :]
+    bound = certified_sensitivity(center_distance, spread, max_deviation, clip_bound, sizes[:, None],
+                                  np.exp(log_tails))
+    log_previous = np.concatenate([np.zeros((len(sizes), 1)), log_tails[:, :-1]], axis=1)
+    log_share = _log_sub(log_previous, log_tails)
+    log_share[:, -1] = log_previous[:, -1]
+    return (bound.reshape(len(bound), -1), (log_weights[:, None] + log_share).reshape(-1),
+            np.repeat(sizes, levels))
+
+
+def dominant_size(log_terms, component_sizes):
+    """§3.2 k*: per point (rows), the size k whose components carry the largest part of a mixture
+    (log_terms: log of weight × term per component, columns labelled by component_sizes)."""
+    log_terms = np.asarray(log_terms, dtype=float)
+    sizes, position = np.unique(np.asarray(component_sizes), return_inverse=True)
+    per_size = np.stack([logsumexp(log_terms[:, position == index], axis=1) for index in range(len(sizes))], axis=1)
+    return sizes[np.argmax(per_size, axis=1)]
 
 
 def baseline_mean_sensitivity(clip_bound, sizes):
@@ -435,9 +607,11 @@ def mixture_rdp(log_moments, log_weights, log_mass, alpha):
 
     log_moments (..., K), log_weights broadcastable to it, log_mass the log of the probability the
     weights are normalised by (P(k ≥ k_min) for the estimate, P(k ≥ k_min) − β certified).
+    Floored at 0: every M_k ≥ 0 and the weights sum to at least the mass, so the exact value is ≥ 0
+    (and a Rényi divergence is), while rounding can leave the difference of logs a few ulps below.
     """
     _check_orders([alpha])
-    return (logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1)
+    return np.maximum((logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1), 0.0)
 
 
 def stratified_log_means(log_moments, sizes, grid_sizes):

@@ -201,8 +201,9 @@ def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=
                          "with a smaller --size-delta or report a larger --delta")
     if kind == Kind.CERTIFIED:
         statistics = mean_rule.require(mean_rule.statistics_of(loaded), kind, loaded)
-        index, values = statistics.index, mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
-        row_log_weights, log_mass = sizes.log_weights, sizes.log_mass(kind)
+        certified = mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        index, values = statistics.index, certified.sensitivities
+        row_log_weights, log_mass = certified.log_weights, sizes.log_mass(kind)
     else:
         samples = mean_rule.require(mean_rule.samples_of(loaded, sizes), kind, loaded)
         index, values = samples.index, samples.values
@@ -218,7 +219,7 @@ def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=
     shape = (len(points), len(checkpoints), -1)
     law = pld.step_law(values.reshape(shape), np.broadcast_to(row_log_weights, values.shape).reshape(shape), log_mass,
                        dominate=kind == Kind.CERTIFIED)
-    worst = mean_rule.baseline_sensitivities(mechanism.clip_bound, sizes)[0]
+    worst = mean_rule.baseline_sensitivities(mechanism.clip_bound, sizes).sensitivities[0]
     worst_law = pld.step_law(worst, sizes.log_weights, sizes.log_mass(Kind.BASELINE), dominate=False)
     common = dict(sample_rate=mechanism.sample_rate, noise_std=mechanism.noise_std, delta=delta,
                   relative_step=mean_rule.COMPOSITION_LEVEL_STEP, interval=interval)

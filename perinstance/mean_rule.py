@@ -174,15 +174,34 @@ def require(part, kind, loaded):
 
 # --- sensitivities per size, and their mixtures -----------------------------------------------------
 
+@dataclass(frozen=True)
+class Mixture:
+    """One step's bound as a mixture (§3.2, §7.3): per row (a (point, step), or the one baseline row) the
+    sensitivity of every component, the components' log weights and the batch size k each belongs to
+    (components of one size are contiguous, sizes ascending)."""
+
+    sensitivities: np.ndarray  # (P, C)
+    log_weights: np.ndarray  # (C,)
+    sizes: np.ndarray  # (C,)
+
+    def size_starts(self):
+        """Index of the first component of each size."""
+        return np.flatnonzero(np.concatenate([[True], np.diff(self.sizes) != 0]))
+
+
 def certified_sensitivities(statistics, clip_bound, sizes):
-    """§3.2 certified Δ̄_k of each (point, step) of `statistics` at every size of sizes.grid: (P, K)."""
-    return accounting.certified_sensitivity(statistics["center_distance"], statistics["spread"],
-                                            statistics["max_deviation"], clip_bound, sizes.grid, sizes.failure)
+    """§3.2 with §7's radius: the certified Mixture of each (point, step) of `statistics`, over the grid sizes
+    × the tail levels of accounting.certified_mixture (this is the one place that builds it)."""
+    bound, log_weights, component_sizes = accounting.certified_mixture(
+        statistics["center_distance"], statistics["spread"], statistics["max_deviation"], clip_bound, sizes.grid,
+        sizes.log_weights, sizes.failure)
+    return Mixture(bound, log_weights, component_sizes)
 
 
 def baseline_sensitivities(clip_bound, sizes):
-    """§3.2 baseline Δ̄_k = 2Γ/(k+1) at every size of sizes.grid, as one row: (1, K)."""
-    return accounting.baseline_mean_sensitivity(clip_bound, sizes.grid)[None, :]
+    """§3.2 baseline Δ̄_k = 2Γ/(k+1) at every size of sizes.grid, as a Mixture of one row."""
+    return Mixture(accounting.baseline_mean_sensitivity(clip_bound, sizes.grid)[None, :], sizes.log_weights,
+                   np.asarray(sizes.grid))
 
 
 def rdp_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
@@ -194,19 +213,29 @@ def rdp_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
     return accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders, levels)
 
 
-def mixture_rdp(table, sensitivities, log_weights, log_mass, clip_bound, chunk=512):
-    """§3.2 for every row and order of `table`: (1/(λ−1))·(log Σ_k w_k·exp(M_k(λ)) − log mass) with
-    sensitivities (P, K) per row and size, and the index of the dominant size per row and order;
-    computed in chunks of rows (P × K × orders). Returns two (P, orders) arrays."""
+# Entries (rows × components × orders) of one chunk of mixture_rdp: its float64 arrays stay near 32 MB.
+MIXTURE_CHUNK_ENTRIES = 1 << 22
+
+
+def mixture_rdp(table, mixture, log_mass, clip_bound):
+    """§3.2 for every row of `mixture` and order of `table`: (1/(λ−1))·(log Σ_c w_c·exp(M_c(λ)) − log mass),
+    and the dominant size k* (the size whose components carry the largest part of the sum), computed in
+    chunks of rows. Returns two (P, orders) arrays."""
     orders = table.orders
-    result = np.empty((len(sensitivities), len(orders)))
+    rows, components = mixture.sensitivities.shape
+    result = np.empty((rows, len(orders)))
     dominant = np.empty(result.shape, dtype=np.int64)
-    for start in range(0, len(sensitivities), chunk):
-        moments = table.log_moments(np.asarray(sensitivities[start:start + chunk]) / clip_bound)
-        terms = moments + np.asarray(log_weights)[None, :, None]
+    starts = mixture.size_starts()
+    chunk = max(1, MIXTURE_CHUNK_ENTRIES // (components * len(orders)))
+    for start in range(0, rows, chunk):
+        terms = table.log_moments(mixture.sensitivities[start:start + chunk] / clip_bound)
+        terms += mixture.log_weights[None, :, None]
         result[start:start + chunk] = (accounting.logsumexp(terms, axis=1) - log_mass) / (orders - 1.0)
-        dominant[start:start + chunk] = np.argmax(terms, axis=1)
-    return result, dominant
+        per_size = np.logaddexp.reduceat(terms, starts, axis=1)
+        dominant[start:start + chunk] = mixture.sizes[starts][np.argmax(per_size, axis=1)]
+    # Every term's M_c ≥ 0 and the weights add up to at least the mass, so ρ ≥ 0; rounding can leave it a
+    # few ulps below (accounting.mixture_rdp floors it likewise).
+    return np.maximum(result, 0.0), dominant
 
 
 def estimate_rdp(table, samples, sizes, clip_bound, masks=(None,)):
@@ -262,14 +291,14 @@ def per_step_eps(loaded, delta, failure=None):
     mechanism = loaded.mechanism
     sizes = size_model(loaded, failure)
     statistics, samples = statistics_of(loaded), samples_of(loaded, sizes)
-    weights = np.exp(sizes.log_weights)
     common = dict(reduction="mean", k_min=sizes.k_min, method="exact")
     frames, index = [], None
     if statistics is not None:
         index = statistics.index
         fail = sizes.delta_fail(Kind.CERTIFIED)
-        bound = certified_sensitivities(statistics, mechanism.clip_bound, sizes)
-        eps = eps_by_direction(bound / mechanism.noise_std, delta, mechanism.sample_rate, weights, fail)
+        certified = certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        eps = eps_by_direction(certified.sensitivities / mechanism.noise_std, delta, mechanism.sample_rate,
+                               np.exp(certified.log_weights), fail)
         frames.append(direction_rows(index, Kind.CERTIFIED, eps, delta, delta_fail=fail, samples=0, eps_min=math.nan,
                                      eps_max=math.nan, **common))
     if samples is not None:
@@ -292,8 +321,9 @@ def per_step_eps(loaded, delta, failure=None):
                                      samples=(~np.isnan(samples.values)).sum(axis=1), **spread, **common))
         index = samples.index if index is None else index.union(samples.index)
     fail = sizes.delta_fail(Kind.BASELINE)
-    worst = eps_by_direction(baseline_sensitivities(mechanism.clip_bound, sizes) / mechanism.noise_std, delta,
-                             mechanism.sample_rate, weights, fail)
+    baseline = baseline_sensitivities(mechanism.clip_bound, sizes)
+    worst = eps_by_direction(baseline.sensitivities / mechanism.noise_std, delta, mechanism.sample_rate,
+                             np.exp(baseline.log_weights), fail)
     frames.append(direction_rows(index, Kind.BASELINE, {direction: np.full(len(index), value[0])
                                                         for direction, value in worst.items()},
                                  delta, delta_fail=fail, samples=0, eps_min=math.nan, eps_max=math.nan, **common))
@@ -314,26 +344,25 @@ def per_step_rdp(loaded, orders, failure=None):
     statistics, samples = statistics_of(loaded), samples_of(loaded, sizes)
     baseline = baseline_sensitivities(mechanism.clip_bound, sizes)
     certified = None if statistics is None else certified_sensitivities(statistics, mechanism.clip_bound, sizes)
-    needed = [part for part in (baseline, certified) if part is not None]
+    needed = [part.sensitivities for part in (baseline, certified) if part is not None]
     if samples is not None:
         needed.append(samples.values[~np.isnan(samples.values)])
     table = rdp_table(mechanism, orders, needed)
     frames, index = [], None
     if statistics is not None:
         fail = sizes.delta_fail(Kind.CERTIFIED)
-        rdp, dominant = mixture_rdp(table, certified, sizes.log_weights, sizes.log_mass(Kind.CERTIFIED),
-                                    mechanism.clip_bound)
+        rdp, k_star = mixture_rdp(table, certified, sizes.log_mass(Kind.CERTIFIED), mechanism.clip_bound)
         frames += [statistics.index.to_frame(index=False).assign(
             alpha=alpha, kind=Kind.CERTIFIED.value, rdp=rdp[:, column], rdp_min=math.nan, rdp_max=math.nan, samples=0,
-            k_star=sizes.grid[dominant[:, column]], delta_fail=fail) for column, alpha in enumerate(table.orders)]
+            k_star=k_star[:, column], delta_fail=fail) for column, alpha in enumerate(table.orders)]
         index = statistics.index
     if samples is not None:
         frames += _estimate_frames(table, samples, sizes, mechanism.clip_bound)
         index = samples.index if index is None else index.union(samples.index)
-    rdp, dominant = mixture_rdp(table, baseline, sizes.log_weights, sizes.log_mass(Kind.BASELINE), mechanism.clip_bound)
+    rdp, k_star = mixture_rdp(table, baseline, sizes.log_mass(Kind.BASELINE), mechanism.clip_bound)
     frames += [index.to_frame(index=False).assign(
         alpha=alpha, kind=Kind.BASELINE.value, rdp=rdp[0, column], rdp_min=math.nan, rdp_max=math.nan, samples=0,
-        k_star=sizes.grid[dominant[0, column]], delta_fail=sizes.delta_fail(Kind.BASELINE))
+        k_star=k_star[0, column], delta_fail=sizes.delta_fail(Kind.BASELINE))
         for column, alpha in enumerate(table.orders)]
     result = pd.concat(frames, ignore_index=True).assign(k_min=sizes.k_min, estimator="coupling")
     result["k_star_at_k_min"] = (result["k_star"] == sizes.k_min).astype(int)
@@ -420,9 +449,9 @@ def checkpoint_rdp(loaded, orders, kind, sizes):
     mechanism = loaded.mechanism
     if kind == Kind.CERTIFIED:
         statistics = require(statistics_of(loaded), kind, loaded)
-        bound = certified_sensitivities(statistics, mechanism.clip_bound, sizes)
-        table = rdp_table(mechanism, orders, [bound], COMPOSITION_LEVEL_STEP)
-        rdp = mixture_rdp(table, bound, sizes.log_weights, sizes.log_mass(kind), mechanism.clip_bound)[0]
+        certified = certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        table = rdp_table(mechanism, orders, [certified.sensitivities], COMPOSITION_LEVEL_STEP)
+        rdp = mixture_rdp(table, certified, sizes.log_mass(kind), mechanism.clip_bound)[0]
         index = statistics.index
     else:
         samples = require(samples_of(loaded, sizes), kind, loaded)
@@ -438,7 +467,6 @@ def checkpoint_rdp(loaded, orders, kind, sizes):
             raise UsageError(loaded.flag, f"{loaded.path}: step {step} has other points than step {checkpoints[0]} "
                              "(every point needs a value at every checkpoint)")
     baseline = baseline_sensitivities(mechanism.clip_bound, sizes)
-    baseline_table = rdp_table(mechanism, orders, [baseline], COMPOSITION_LEVEL_STEP)
-    baseline_step = mixture_rdp(baseline_table, baseline, sizes.log_weights, sizes.log_mass(Kind.BASELINE),
-                                mechanism.clip_bound)[0][0]
+    baseline_table = rdp_table(mechanism, orders, [baseline.sensitivities], COMPOSITION_LEVEL_STEP)
+    baseline_step = mixture_rdp(baseline_table, baseline, sizes.log_mass(Kind.BASELINE), mechanism.clip_bound)[0][0]
     return checkpoints, chosen, np.stack([rdp[steps == step] for step in checkpoints]), baseline_step

@@ -187,12 +187,51 @@ def statistics_of(rows, point, step):
     return mine["center_distance"], mine["spread"], mine["max_deviation"]
 
 
-def certified_bound(statistics, sizes, beta):
-    """§3.2 certified Δ̄_k = min(2Γ, d* + sqrt(v_X/k) + b_X·sqrt(2·log(1/β)/k))/(k+1) (k >= 1)."""
+def pinelis_radius(spread, deviation, size, failure):
+    """§7.2 Pinelis radius t/k, (1 + (v/b²)·(e^{λb} − 1 − λb))^k / cosh(λt) = β, minimised over λ by scipy."""
+    if deviation == 0:
+        return 0.0
+    ratio, log_inverse = spread / deviation**2, -math.log(failure)
+
+    def radius(log_lambda):
+        scaled = math.exp(log_lambda)
+        exponent = size * math.log1p(ratio * (math.expm1(scaled) - scaled)) + log_inverse
+        return deviation * math.acosh(math.exp(min(exponent, 700.0))) / scaled / size
+
+    return optimize.minimize_scalar(radius, bounds=(math.log(1e-4), math.log(64.0)), method="bounded",
+                                    options={"xatol": 1e-9}).fun
+
+
+def certified_components(statistics, sizes, probabilities, beta, levels=16):
+    """§7 certified mixture: per size (probability π_j, j = 0 at k_min) the failure β_j (shares of β ∝
+    1/(j+1), at most 1/2, the rest of a capped share to the others), tails β_j^{(l/L)²}, l = 1..L, each
+    with Δ̄ = min(2Γ, d* + r)/(k+1), r = min(McDiarmid, Pinelis, b_X), and weight π_j·(β_{l−1} − β_l)
+    (β_0 = 1; the last level takes β_{L−1}). Returns (sensitivities, weights), flat."""
     center, spread, deviation = statistics
-    sizes = np.asarray(sizes, dtype=float)
-    radius = np.sqrt(spread / sizes) + deviation * np.sqrt(2 * math.log(1 / beta) / sizes)
-    return np.minimum(2 * CLIP, center + radius) / (sizes + 1)
+    probabilities = np.asarray(probabilities, dtype=float)
+    share = 1 / np.arange(1, len(sizes) + 1)
+    failures = np.zeros(len(sizes))
+    capped = np.zeros(len(sizes), dtype=bool)
+    while True:
+        left = beta - 0.5 * probabilities[capped].sum()
+        trial = left * share / share[~capped].sum() / probabilities
+        over = ~capped & (trial > 0.5)
+        if not over.any():
+            failures = np.where(capped, 0.5, trial)
+            break
+        capped |= over
+    assert np.sum(probabilities * failures) <= beta * (1 + 1e-12)
+    bounds, weights = [], []
+    for size, probability, failure in zip(sizes, probabilities, failures):
+        tails = failure ** ((np.arange(1, levels + 1) / levels) ** 2)
+        previous = np.concatenate([[1.0], tails[:-1]])
+        mass = np.append(previous[:-1] - tails[:-1], previous[-1])
+        for tail, part in zip(tails, mass):
+            radius = min(math.sqrt(spread / size) + deviation * math.sqrt(2 * math.log(1 / tail) / size),
+                         pinelis_radius(spread, deviation, size, tail), deviation)
+            bounds.append(min(2 * CLIP, center + radius) / (size + 1))
+            weights.append(probability * part)
+    return np.array(bounds), np.array(weights)
 
 
 def log_moments(rate, noise_std, sensitivities, orders):
@@ -320,6 +359,8 @@ def test_eps_delta_mean_rule(tmp_path, run, results, mean_rows):
         np.testing.assert_allclose(frame.loc[frame["kind"] == kind, "delta_fail"], expected, rtol=1e-9)
     every_size = np.arange(k_min, n + 1)
     probabilities = stats.binom.pmf(every_size, n, rate)
+    certified_sizes = np.arange(k_min, size_upper(n, rate) + 1)
+    assert list(accounting.size_grid(n, rate, k_min, 64)) == list(certified_sizes)
     for direction in ("remove", "add"):
         for record in frame[(frame["kind"] == "estimate") & (frame["direction"] == direction)].itertuples():
             # The reported δ includes delta_fail: Σ_b w_b·δ(ε; Δ_b/s) + δ_size = δ, from the file's own rows.
@@ -333,9 +374,13 @@ def test_eps_delta_mean_rule(tmp_path, run, results, mean_rows):
             assert record.eps_min == pytest.approx(min(per_block), rel=1e-6)
             assert record.eps_max == pytest.approx(max(per_block), rel=1e-6)
         for record in frame[(frame["kind"] == "certified") & (frame["direction"] == direction)].itertuples():
-            bound = certified_bound(statistics_of(mean_rows, record.point, record.step), every_size, delta_size)
-            expected = exact_eps(bound / noise, probabilities, rate, 1e-5, 2 * delta_size, direction)
-            assert record.eps == pytest.approx(expected, rel=1e-6)
+            # §7 over the script's sizes [k_min, k_hi] (the last one lumping the tail); the script rounds v_X/b_X²
+            # up by at most 1e-4 (§7.2), which moves Δ̄ up by less than that.
+            bound, weights = certified_components(statistics_of(mean_rows, record.point, record.step), certified_sizes,
+                                                  size_probabilities(n, rate, certified_sizes), delta_size)
+            low = exact_eps(bound / noise, weights, rate, 1e-5, 2 * delta_size, direction)
+            high = exact_eps(bound * (1 + 1e-4) / noise, weights, rate, 1e-5, 2 * delta_size, direction)
+            assert low * (1 - 1e-6) <= record.eps <= high * (1 + 1e-6)
         expected = exact_eps(2 * CLIP / (every_size + 1) / noise, probabilities, rate, 1e-5, delta_size, direction)
         np.testing.assert_allclose(values_of(frame, "baseline", direction), expected, rtol=1e-6)
     for kind in ("estimate", "certified", "baseline"):
@@ -412,12 +457,13 @@ def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_row
     delta_size = stats.binom.cdf(k_min - 1, n, rate)
     every_size = np.arange(k_min, size_upper(n, rate) + 1)  # P(k > k_hi) <= 1e-12 is left out: a lower value
     probabilities = stats.binom.pmf(every_size, n, rate)
+    assert list(accounting.size_grid(n, rate, k_min, 64)) == list(every_size)
     remove = frame[frame["direction"] == "remove"].set_index(["kind", "point", "step", "alpha"])
 
-    def bracket(rdp_at, reported):
+    def bracket(rdp_at, reported, rounding=1.001):
         """The script rounds each Δ up by at most 0.1% before the RDP lookup (§5), and ρ is nondecreasing in Δ:
         the reported value lies between the exact ones at Δ and at 1.001·Δ."""
-        low, high = rdp_at(1.0), rdp_at(1.001)
+        low, high = rdp_at(1.0), rdp_at(rounding)
         assert np.all(low * (1 - 1e-9) <= reported) and np.all(reported <= high * (1 + 1e-9)), (low, high, reported)
 
     def estimate(point, step, block=None, scale=1.0):
@@ -425,8 +471,13 @@ def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_row
         return mixture_rdp(log_moments(rate, noise, scale * values, orders), sample_weights(sizes, n, rate),
                            1 - delta_size, orders)
 
-    def mixture(bound, fail, scale=1.0):
-        return mixture_rdp(log_moments(rate, noise, scale * bound, orders), probabilities, 1 - fail, orders)
+    def mixture(bound, fail, scale=1.0, weights=probabilities):
+        return mixture_rdp(log_moments(rate, noise, scale * bound, orders), weights, 1 - fail, orders)
+
+    def certified(point, step, beta):
+        """§7's components over the script's sizes [k_min, k_hi], the last one lumping the tail."""
+        return certified_components(statistics_of(mean_rows, point, step), every_size,
+                                    size_probabilities(n, rate, every_size), beta)
 
     for point in range(3):
         for step in (0, 30):
@@ -437,12 +488,14 @@ def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_row
                 bracket(lambda scale, point=point, step=step, reduce=reduce: reduce(
                     [estimate(point, step, block, scale) for block in (0, 1)], axis=0),
                     mine.loc["estimate", value].to_numpy())
-            bound = certified_bound(statistics_of(mean_rows, point, step), every_size, delta_size)
-            bracket(lambda scale, bound=bound: mixture(bound, 2 * delta_size, scale), mine.loc["certified", "rdp"])
-            # k* = argmax_k π_k·exp(M_k): the size that decides the bound.
-            moments = log_moments(rate, noise, bound, orders)
-            np.testing.assert_array_equal(mine.loc["certified", "k_star"],
-                                          every_size[np.argmax(np.log(probabilities)[:, None] + moments, axis=0)])
+            # The script also rounds v_X/b_X² up by at most 1e-4 (§7.2): Δ̄ by less than that.
+            bound, weights = certified(point, step, delta_size)
+            bracket(lambda scale, bound=bound, weights=weights: mixture(bound, 2 * delta_size, scale, weights),
+                    mine.loc["certified", "rdp"], rounding=1.001 * 1.0001)
+            # k* = argmax_k Σ_l w_{k,l}·exp(M_{k,l}): the size whose components decide the bound.
+            terms = np.log(weights)[:, None] + log_moments(rate, noise, bound, orders)
+            per_size = logsumexp(terms.reshape(len(every_size), -1, len(orders)), axis=1)
+            np.testing.assert_array_equal(mine.loc["certified", "k_star"], every_size[np.argmax(per_size, axis=0)])
             bracket(lambda scale: mixture(2 * CLIP / (every_size + 1), delta_size, scale),
                     mine.loc["baseline", "rdp"].to_numpy())
             assert np.all(mine.loc["estimate", "samples"] == 2 * (2 + point) * len(every_size))
@@ -467,8 +520,9 @@ def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_row
     beta = pd.read_csv(tmp_path / "beta.csv")
     np.testing.assert_allclose(beta.loc[beta["kind"] == "certified", "delta_fail"], delta_size + 0.3)
     for (point, step), reported in values_of(beta, "certified", "remove", "rdp").groupby(level=["point", "step"]):
-        bound = certified_bound(statistics_of(mean_rows, point, step), every_size, 0.3)
-        bracket(lambda scale, bound=bound: mixture(bound, delta_size + 0.3, scale), reported.to_numpy())
+        bound, weights = certified(point, step, 0.3)
+        bracket(lambda scale, bound=bound, weights=weights: mixture(bound, delta_size + 0.3, scale, weights),
+                reported.to_numpy(), rounding=1.001 * 1.0001)
 
 
 def test_renyi_mean_rule_jensen(tmp_path, run, results):
@@ -622,29 +676,34 @@ def test_composition_of_the_mean_rule(tmp_path, run, results):
     np.testing.assert_allclose(frame.loc[frame["kind"] == "certified", "delta_fail"], 2 * delta_size, rtol=1e-9)
     np.testing.assert_allclose(frame.loc[frame["kind"] == "baseline", "delta_fail"], delta_size, rtol=1e-9)
     assert "converted at delta - T·delta_fail" in result.stdout and STEPS * 2 * delta_size > 0.2e-5
-    # Below: every size in [k_min, k_hi] at the exact Δ̄_k (P(k > k_hi) <= 1e-12 left out). Above: what the
-    # script may evaluate, its 64 sizes (each taking the probability of the sizes up to the next one) at Δ̄
-    # rounded up by 1% (§5). The composed ε lies in between.
+    # The script evaluates its 64 sizes (each taking the probability of the sizes up to the next one) at Δ̄
+    # rounded up by at most 1% (§5): its ε lies between the exact ones at Δ̄ and at 1.01·Δ̄ on those sizes. For
+    # the baseline, the lower end is every size in [k_min, k_hi] (P(k > k_hi) <= 1e-12 left out).
     every_size = np.arange(k_min, size_upper(n, rate) + 1)
     grid = accounting.size_grid(n, rate, k_min, 64)
     assert len(grid) < len(every_size)
     lumped = np.diff(stats.binom.cdf(np.append(grid - 1, n), n, rate))
 
-    def composed(bound_of, steps, fail):
-        """ε of Σ over checkpoints of (steps after it)·ρ, from below and from above."""
-        def eps(sizes, probabilities, scale):
-            rdp = sum(count * mixture_rdp(log_moments(rate, noise, scale * bound_of(sizes, step), orders),
-                                          probabilities, 1 - fail, orders) for step, count in steps)
-            return opacus_eps(rdp, orders, 1e-5 - STEPS * fail)
-        return eps(every_size, stats.binom.pmf(every_size, n, rate), 1.0), eps(grid, lumped, 1.01)
+    def composed(components_of, steps, fail, sizes, probabilities, scale):
+        """ε of Σ over checkpoints of (steps after it)·ρ, the components (Δ̄, weight) of each step's mixture."""
+        rdp = 0
+        for step, count in steps:
+            bound, weights = components_of(sizes, probabilities, step)
+            rdp = rdp + count * mixture_rdp(log_moments(rate, noise, scale * bound, orders), weights, 1 - fail, orders)
+        return opacus_eps(rdp, orders, 1e-5 - STEPS * fail)
 
     certified = values_of(frame, "certified")
     for point in (0, 1):
-        low, high = composed(lambda sizes, step, point=point: certified_bound(statistics_of(rows, point, step), sizes,
-                                                                              delta_size),
-                             [(0, 30), (30, 30)], 2 * delta_size)
+        def components(sizes, probabilities, step, point=point):
+            return certified_components(statistics_of(rows, point, step), sizes, probabilities, delta_size)
+        low, high = (composed(components, [(0, 30), (30, 30)], 2 * delta_size, grid, lumped, scale)
+                     for scale in (1.0, 1.01))
         assert low * (1 - 1e-9) <= certified.loc[point] <= high * (1 + 1e-9)
-    low, high = composed(lambda sizes, step: 2 * CLIP / (sizes + 1), [(0, STEPS)], delta_size)
+
+    def baseline_components(sizes, probabilities, step):
+        return 2 * CLIP / (sizes + 1), probabilities
+    low = composed(baseline_components, [(0, STEPS)], delta_size, every_size, stats.binom.pmf(every_size, n, rate), 1.0)
+    high = composed(baseline_components, [(0, STEPS)], delta_size, grid, lumped, 1.01)
     baseline = values_of(frame, "baseline")
     assert np.all(low * (1 - 1e-9) <= baseline) and np.all(baseline <= high * (1 + 1e-9))
     assert np.all(certified < baseline)

@@ -8,6 +8,7 @@ import dp_accounting
 import mpmath
 import numpy as np
 import pytest
+from scipy.optimize import brentq
 from scipy.special import logsumexp
 
 from perinstance import accounting
@@ -443,3 +444,79 @@ def test_composition_numerical_range():
             eps, _ = accounting.rdp_to_eps(orders, rdp, 1e-5)
             assert np.all(np.isfinite(rdp)) and np.all(np.isfinite(eps))
             assert np.all(np.diff(rdp, axis=0) >= -1e-9 * rdp[1:])
+
+
+# --- §3.3 edges: huge ε and q = 1 -------------------------------------------------------------
+
+def mpmath_delta_remove(eps, mu, sample_rate):
+    """δ_rem of §3.3 at 50 digits: q·Φ̄(x₀ − μ) − (e^ε − 1 + q)·Φ̄(x₀), x₀ = log((e^ε − 1 + q)/q)/μ + μ/2."""
+    mpmath.mp.dps = 50
+    eps, mu, sample_rate = mpmath.mpf(eps), mpmath.mpf(mu), mpmath.mpf(sample_rate)
+    factor = mpmath.expm1(eps) + sample_rate
+    threshold = mpmath.log(factor / sample_rate) / mu + mu / 2
+    return sample_rate * mpmath.ncdf(mu - threshold) - factor * mpmath.ncdf(-threshold)
+
+
+@pytest.mark.parametrize("eps, mu", [(700.0, 40.0), (750.0, 40.0), (3000.0, 80.0), (5.0, 3.0)])
+def test_delta_remove_in_log_space_beyond_exp_overflow(eps, mu):
+    """e^ε overflows above ε ≈ 709.78; δ_rem stays finite and right there (it was NaN, read as 'below δ')."""
+    value = float(accounting.delta_remove(eps, mu, 0.008))
+    assert math.isfinite(value)
+    assert value == pytest.approx(float(mpmath_delta_remove(eps, mu, 0.008)), rel=1e-6, abs=1e-300)
+
+
+def test_mean_rule_baseline_beyond_exp_overflow_is_a_bound():
+    """N = 1,000, B_exp = 8, σ = 0.2, δ = 1e-7: the mean rule's baseline needs ε far above 709.78 (at
+    k = 0 the update moves by Γ against noise σΓ/8, μ = 40); the returned ε has δ(ε) ≤ δ at 50 digits and a
+    slightly smaller ε does not."""
+    n, sample_rate, sigma, delta = 999, 0.008, 0.2, 1e-7
+    k_min = accounting.size_threshold(n, sample_rate, delta / 10)
+    grid = accounting.size_grid(n, sample_rate, k_min, 64)
+    weights = np.exp(accounting.lumped_size_log_weights(grid, n, sample_rate))
+    mu = accounting.baseline_mean_sensitivity(1.0, grid) / (sigma / 8)
+    fail = accounting.size_failure(n, sample_rate, k_min)
+    eps = float(accounting.per_step_eps(mu[None, :], delta, sample_rate, weights[None, :], fail)[0])
+    assert 800 < eps < math.inf
+
+    def delta_at(value):
+        return fail + sum(weight * mpmath_delta_remove(value, component, sample_rate)
+                          for weight, component in zip(weights, mu, strict=True) if weight > 0)
+    assert delta_at(eps) <= delta < delta_at(eps * (1 - 1e-6))
+
+
+def test_per_step_eps_never_returns_an_unverified_eps(monkeypatch):
+    """A δ that cannot be evaluated is not 'below the target': ε = inf, not a finite number."""
+    monkeypatch.setitem(accounting.DIRECTION_DELTAS, "remove", lambda eps, mu, rate: np.full(np.shape(mu), np.nan))
+    assert accounting.per_step_eps([[1.0]], 1e-5, 0.1, direction="remove")[0] == math.inf
+
+
+@pytest.mark.parametrize("eps, mu", [(0.0, 0.5), (0.5, 1.0), (1.0, 1.0), (3.0, 2.0), (10.0, 6.0)])
+def test_add_direction_at_full_sampling_is_the_gaussian_mechanism(eps, mu):
+    """q = 1: both directions are H_{e^ε}(N(0,1) || N(μ,1)) = Φ(μ/2 − ε/μ) − e^ε·Φ(−μ/2 − ε/μ) (Balle & Wang
+    2018, Thm 8), evaluated here at 50 digits; the add direction was 0."""
+    mpmath.mp.dps = 50
+    gaussian = float(mpmath.ncdf(mpmath.mpf(mu) / 2 - eps / mpmath.mpf(mu))
+                     - mpmath.exp(eps) * mpmath.ncdf(-mpmath.mpf(mu) / 2 - eps / mpmath.mpf(mu)))
+    assert float(accounting.delta_add(eps, mu, 1.0)) == pytest.approx(gaussian, rel=1e-9, abs=1e-300)
+    assert float(accounting.delta_remove(eps, mu, 1.0)) == pytest.approx(gaussian, rel=1e-9, abs=1e-300)
+    assert gaussian > 0
+    add = accounting.per_step_eps([[mu]], 1e-6, 1.0, direction="add")[0]
+    assert add == pytest.approx(accounting.gaussian_eps(mu, 1.0, 1e-6)[()], rel=1e-6)
+
+
+def test_per_step_eps_in_blocks_is_the_same(monkeypatch):
+    """Rows are solved in blocks of EPS_CHUNK_ELEMENTS values: any block size gives the same ε, and each ε is
+    within 1e-9 of the root of δ(ε) = δ (brentq on the same δ)."""
+    rng = np.random.default_rng(4)
+    mu = rng.uniform(0, 4, (7, 3, 40))
+    weights = rng.dirichlet(np.ones(40), (7, 3)) * 0.999
+    whole = accounting.per_step_eps(mu, 1e-5, 0.05, weights, 1e-7)
+    monkeypatch.setattr(accounting, "EPS_CHUNK_ELEMENTS", 50)
+    np.testing.assert_array_equal(accounting.per_step_eps(mu, 1e-5, 0.05, weights, 1e-7), whole)
+
+    def excess(eps, row, column):
+        return max(float(accounting.mixture_delta(eps, mu[row, column], weights[row, column], 0.05, name))
+                   for name in ("remove", "add")) + 1e-7 - 1e-5
+    for row, column in ((0, 0), (3, 2), (6, 1)):
+        root = brentq(excess, 0.0, 200.0, args=(row, column), xtol=1e-14, rtol=1e-13)
+        assert root <= whole[row, column] <= root * (1 + 1e-9) + 1e-12

@@ -36,10 +36,15 @@ def mean_of(values):
     return float(np.mean(values)) if len(values) else 0.0
 
 
-def mixtures(target, others, sample_rate, noise_std):
-    """Components (location, weight) of P (x* in the training set) and Q (without) in one dimension."""
+def mixtures(target, others, sample_rate, noise_std, keep=None):
+    """Components (location, weight) of P (x* in the training set) and Q (without) in one dimension;
+    with `keep`, the laws conditioned on the event {keep(B)} about the other points' batch B."""
     with_point, without = [], []
-    for batch, probability in enumerate_batches(others, sample_rate):
+    batches = [(batch, probability) for batch, probability in enumerate_batches(others, sample_rate)
+               if keep is None or keep(batch)]
+    mass = sum(probability for _, probability in batches)
+    for batch, probability in batches:
+        probability /= mass
         without.append((mean_of(batch), probability))
         with_point.append((mean_of(batch), probability * (1 - sample_rate)))
         with_point.append((mean_of(np.append(batch, target)), probability * sample_rate))
@@ -62,8 +67,8 @@ def integration_grid(noise_std):
 class Pair:
     """The two laws P (x* in the training set) and Q (without) of one toy, on an integration grid."""
 
-    def __init__(self, target, others, sample_rate, noise_std):
-        with_point, without = mixtures(target, others, sample_rate, noise_std)
+    def __init__(self, target, others, sample_rate, noise_std, keep=None):
+        with_point, without = mixtures(target, others, sample_rate, noise_std, keep)
         self.grid = integration_grid(noise_std)
         self.log_p = log_densities(with_point, noise_std, self.grid)
         self.log_q = log_densities(without, noise_std, self.grid)
@@ -94,15 +99,35 @@ def coupling_rdp_exact(target, others, sample_rate, noise_std, alpha):
     return logsumexp(terms) / (alpha - 1)
 
 
-def certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure):
-    """§3.2 certified bound with k_min = 0 and every size evaluated."""
+def population_statistics(target, others):
+    """d*, v_X, b_X of a one-dimensional toy (§2)."""
     center = np.mean(others)
-    spread = np.mean((others - center) ** 2)
-    deviation = np.max(np.abs(others - center))
+    deviations = np.abs(others - center)
+    return abs(target - center), np.mean(deviations ** 2), np.max(deviations)
+
+
+def certified_components(target, others, clip_bound, sample_rate, failure):
+    """§7's certified mixture with k_min = 0 and every size evaluated: (Δ̄, weight) per component, and the
+    certified event's test keep(B): ||m(B) − μ_X|| within the radius at its size's failure β_k."""
+    center_distance, spread, deviation = population_statistics(target, others)
     sizes = np.arange(len(others) + 1)
-    bound = accounting.certified_sensitivity([abs(target - center)], [spread], [deviation], clip_bound, sizes,
-                                             failure)[0]
-    return mixture_bound(bound, sizes, len(others), sample_rate, noise_std, alpha, math.log(1 - failure))
+    log_weights = accounting.size_log_pmf(sizes, len(others), sample_rate)
+    bound, component_log_weights, _ = accounting.certified_mixture([center_distance], [spread], [deviation],
+                                                                   clip_bound, sizes, log_weights, failure)
+    size_failures = accounting.size_failures(np.where(sizes > 0, log_weights, -np.inf), failure)
+    radius = accounting.concentration_radius([spread], [deviation], np.maximum(sizes, 1), size_failures)[0]
+
+    def keep(batch):
+        return len(batch) == 0 or abs(np.mean(batch) - np.mean(others)) <= radius[len(batch)]
+    return bound[0], np.exp(component_log_weights), keep
+
+
+def certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure):
+    """§3.2 certified bound (§7's mixture) with k_min = 0 and every size evaluated."""
+    bound, weights, _ = certified_components(target, others, clip_bound, sample_rate, failure)
+    moments = np.array([(alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
+                        for value in bound])
+    return float(accounting.mixture_rdp(moments, np.log(weights), math.log(1 - failure), alpha))
 
 
 def baseline_rdp(clip_bound, n, sample_rate, noise_std, alpha):
@@ -133,18 +158,53 @@ def toys(count, seed=0):
 
 @pytest.mark.parametrize("alpha", [2.0, 4.0])
 def test_exact_renyi_below_coupling_certified_and_baseline(alpha):
+    """The certified value bounds the laws conditioned on its event E (the failure goes to δ_fail, §3.4, §7.5):
+    it is held against the exact divergence of P_E and Q_E."""
     for target, others, clip_bound, sample_rate, noise_std, _ in toys(12, seed=int(alpha)):
         pair = Pair(target, others, sample_rate, noise_std)
         remove, add = pair.renyi(alpha, "remove"), pair.renyi(alpha, "add")
         coupling = coupling_rdp_exact(target, others, sample_rate, noise_std, alpha)
-        certified = certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure=0.05)
         baseline = baseline_rdp(clip_bound, len(others), sample_rate, noise_std, alpha)
         for exact in (remove, add):
             assert exact <= coupling * (1 + 1e-7) + 1e-9
             assert exact <= baseline * (1 + 1e-7) + 1e-9
-            assert exact <= certified * (1 + 1e-7) + 1e-9
+        for failure in (0.05, 0.3):
+            certified = certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure)
+            keep = certified_components(target, others, clip_bound, sample_rate, failure)[2]
+            conditioned = Pair(target, others, sample_rate, noise_std, keep)
+            for direction in ("remove", "add"):
+                assert conditioned.renyi(alpha, direction) <= certified * (1 + 1e-7) + 1e-9
+            # The step that §7 adds, without the slack of joint convexity: the exact expectation over the
+            # batches in E of exp((α−1)·RDP_SGM(q, s/Δ_B, α)), normalised by 1 − β.
+            kept = [(delta, probability) for (delta, _, probability), (batch, _) in
+                    zip(batch_sensitivities(target, others, sample_rate), enumerate_batches(others, sample_rate),
+                        strict=True) if keep(batch)]
+            terms = [math.log(probability) + (alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / delta,
+                                                                                     [alpha])[0])
+                     if delta > 0 else math.log(probability) for delta, probability in kept]
+            assert (logsumexp(terms) - math.log(1 - failure)) / (alpha - 1) <= certified * (1 + 1e-7) + 1e-9
         assert min(add, accounting.add_direction_cap(sample_rate)) >= add - 1e-12
         assert add <= accounting.add_direction_cap(sample_rate) + 1e-9
+
+
+def test_certified_event_fails_at_most_its_share_on_every_toy():
+    """Identity 6 exactly: over every k-subset of each toy, P(|m(B) − μ_X| > r) <= β at every tail level of §7's
+    mixture and at each size's failure β_k, and Σ_k π_k·β_k <= β."""
+    for target, others, _, sample_rate, _, _ in toys(40, seed=11):
+        _, spread, deviation = population_statistics(target, others)
+        sizes = np.arange(1, len(others) + 1)
+        log_weights = accounting.size_log_pmf(sizes, len(others), sample_rate)
+        for failure in (1e-3, 0.05, 0.3):
+            size_failures = accounting.size_failures(log_weights, failure)
+            assert np.sum(np.exp(log_weights) * size_failures) <= failure
+            tails = np.concatenate([size_failures[:, None] ** ((np.arange(1, 17) / 16) ** 2)[None, :],
+                                    np.geomspace(0.9, 1e-6, 12)[None, :].repeat(len(sizes), axis=0)], axis=1)
+            radius = accounting.concentration_radius([spread], [deviation], sizes[:, None], tails)[0]
+            for row, size in enumerate(sizes):
+                distances = np.array([abs(np.mean(others[list(subset)]) - np.mean(others))
+                                      for subset in itertools.combinations(range(len(others)), size)])
+                rates = np.mean(distances[:, None] > radius[row][None, :] * (1 + 1e-12), axis=0)
+                assert np.all(rates <= tails[row]), (size, rates, tails[row])
 
 
 @pytest.mark.parametrize("alpha", [2.0, 8.0])
@@ -222,6 +282,30 @@ def test_at_n_64_the_mean_rule_leaks_far_more_than_the_sum_rules_accounting(othe
                                        stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
     assert exact > 5 * sum_rule
     assert exact <= coupling * (1 + 1e-6) and coupling <= baseline * (1 + 1e-9)
+
+
+def test_exact_hockey_stick_below_the_certified_delta():
+    """§3.3 with §7's mixture: δ_exact(ε) <= Σ_c w_c·δ(ε; Δ̄_c/s) + β in both directions (the certified event
+    fails with probability at most β), and the certified ε at δ is one where the exact δ is below δ."""
+    for target, others, clip_bound, sample_rate, noise_std, _ in toys(10, seed=8):
+        pair = Pair(target, others, sample_rate, noise_std)
+        for failure in (1e-3, 0.05):
+            bound, weights, _ = certified_components(target, others, clip_bound, sample_rate, failure)
+            mu = bound[None, :] / noise_std
+            for eps in (0.1, 0.5, 1.5):
+                for direction in ("remove", "add"):
+                    certified = float(accounting.mixture_delta(eps, mu, weights, sample_rate, direction)[0]) + failure
+                    assert pair.hockey_stick(eps, direction) <= certified + 1e-9, (direction, eps)
+            eps_bound = float(accounting.per_step_eps(mu, 0.1, sample_rate, weights, failure)[0])
+            assert max(pair.hockey_stick(eps_bound, "remove"), pair.hockey_stick(eps_bound, "add")) <= 0.1 + 1e-9
+            # Without the slack of joint convexity: the exact expectation of δ(ε; Δ_B/s) over every batch.
+            table = batch_sensitivities(target, others, sample_rate)
+            exact_mu = np.array([[delta / noise_std for delta, _, _ in table]])
+            exact_weights = np.array([[probability for _, _, probability in table]])
+            for direction in ("remove", "add"):
+                expected = float(accounting.mixture_delta(1.0, exact_mu, exact_weights, sample_rate, direction)[0])
+                certified = float(accounting.mixture_delta(1.0, mu, weights, sample_rate, direction)[0]) + failure
+                assert expected <= certified + 1e-12
 
 
 # --- identity 3: the exact per-step (ε, δ) ---------------------------------------------------
@@ -438,8 +522,8 @@ def test_composition_refuses_a_rule_it_was_not_trained_with(tmp_path, run):
 
 def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     """||m(B) − μ_X|| > r_k for uniform k-subsets of a trained model's transformed gradients happens
-    at a rate ≤ β (binomial margin); a radius without the concentration term is exceeded often, so
-    the check has the power to see a wrong r_k."""
+    at a rate ≤ β (binomial margin), for §3.2's radius and §7.2's; a radius without the concentration
+    term is exceeded often, so the check has the power to see a wrong r_k."""
     from perinstance import runs, training
     from perinstance.data import load_dataset
     from perinstance.gradient_rows import HeldRows, Transform
@@ -464,3 +548,23 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
         radius = math.sqrt(spread / k) + largest * math.sqrt(2 * math.log(1 / failure) / k)
         assert np.sum(distances > radius) <= stats.binom.ppf(0.999, trials, failure)
         assert np.mean(distances > 0.5 * math.sqrt(spread / k)) > 0.5
+        # §7.2's radius (the smaller of McDiarmid's and Pinelis's), at the tail levels the certified mixture uses.
+        for level in (0.5, 0.2, 0.05, 0.01):
+            radius = float(accounting.concentration_radius([spread], [largest], k, level)[0])
+            assert np.sum(distances > radius) <= stats.binom.ppf(0.999, trials, level)
+
+
+def test_composition_of_a_point_that_changes_nothing(tmp_path, run):
+    """Identical gradients and k_min > 0: every Δ_B is 0, the estimate's per-step ρ is exactly 0 (not a
+    rounding below it) and the composition finishes with the ε of a zero RDP curve."""
+    gradients = np.tile(scaled_rows(1, 0), (N, 1))
+    rows = pd.concat([coupling_rows(gradients, [0, 1], BATCH, SIGMA, CLIP, 1e-8, permutations=3).assign(step=step)
+                      for step in (0, 50)], ignore_index=True)
+    assert rows["k_min"].iloc[0] > 0
+    output, result = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", rows, "--kind", "estimate",
+                                       "--alpha", "2", "8")
+    assert "Traceback" not in result.stderr
+    estimate = output[output["kind"] == "estimate"]
+    budget = 1e-5 - estimate["steps"].iloc[0] * estimate["delta_fail"].iloc[0]
+    nothing, _ = accounting.rdp_to_eps([2.0, 8.0], np.zeros(2), budget)
+    assert len(estimate) == 2 and np.allclose(estimate["eps"], float(nothing), rtol=1e-9)
