@@ -241,3 +241,23 @@ def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=
         f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = "
         f"{delta - total_steps * fail:.4g}; composed by PLD (dp_accounting, pessimistic, discretisation "
         f"{interval:g}), eps = max(remove, add)")
+
+
+def repeated_step_eps(per_step_rdp, steps, orders, delta, delta_fail=0.0):
+    """§4 when one checkpoint charges every step (b = inf): the ε of `steps` steps whose per-step Rényi DP is
+    `per_step_rdp` (..., orders), converted at δ − steps·delta_fail (§3.4). Returns (ε, best order)."""
+    return accounting.rdp_to_eps(orders, steps * np.asarray(per_step_rdp, dtype=float), delta - steps * delta_fail)
+
+
+def mean_rule_repeated(loaded, *, steps, delta, orders, kind=Kind.CERTIFIED, failure=None):
+    """§4 for the mean rule when the rows' one checkpoint charges each of `steps` steps (b = inf): per point the ε
+    of `kind` (certified or estimate), and the baseline's, each converted at δ − steps·delta_fail (§3.4).
+    Returns (points, ε per point, baseline ε)."""
+    sizes = mean_rule.size_model(loaded, failure)
+    checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
+    if len(checkpoints) != 1:
+        raise UsageError(loaded.flag, f"{loaded.path}: one checkpoint is repeated, found steps "
+                         f"{', '.join(map(str, checkpoints))}")
+    eps, _ = repeated_step_eps(checkpoint_rdp[0], steps, orders, delta, sizes.delta_fail(kind))
+    baseline, _ = repeated_step_eps(baseline_step, steps, orders, delta, sizes.delta_fail(Kind.BASELINE))
+    return points, eps, float(baseline)

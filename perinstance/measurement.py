@@ -57,8 +57,8 @@ def measure_checkpoint(request, run, step, points, device, blocks=None):
                                                           request.num_iters, request.num_batches, request.directions,
                                                           bar)
         columns = jensen_columns(request, statistics)
-    frame = measurement_rows(request, config, step, payload["test_accuracy"], points,
-                             run.dataset.train_y[points].numpy(), predictions, columns)
+    frame = measurement_rows(request.reduction, request.family, request.mc_seed, config, step,
+                             payload["test_accuracy"], points, run.dataset.train_y[points].numpy(), predictions, columns)
     if request.histogram_precision is None:
         return frame
     return storage.histogram_rows(frame, request.histogram_precision)
@@ -107,20 +107,50 @@ def jensen_columns(request, statistics):
     return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
 
 
-def measurement_rows(request, config, step, accuracy, points, labels, predictions, columns):
+def measurement_rows(reduction, family, mc_seed, config, step, accuracy, points, labels, predictions, columns):
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
     point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
     position = columns.pop("position")
-    return results.result_rows(config, request.reduction, step, {
+    return results.result_rows(config, reduction, step, {
         "point": points[position],
         "label": labels[position],
         "correct": predictions.correct.astype(int)[position],
         "loss": predictions.losses[position],
-        "exp": request.family,
+        "exp": family,
         "accuracy": accuracy,
-        "mc_seed": np.nan if request.mc_seed is None else request.mc_seed,
+        "mc_seed": np.nan if mc_seed is None else mc_seed,
         **columns,
     })
+
+
+def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc_blocks, max_sizes, mc_seed,
+                     device="cpu"):
+    """One checkpoint of `run` measured for one step of the mean rule under each of `configs` (the run's
+    RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
+    each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
+    The per-sample rows are computed once for all configs; the statistics do not depend on the
+    mechanism. Returns one frame of result rows per config, as compute_sensitivity.py --reduction mean
+    would write it for a run trained with that config (reproduce.py's fixed-checkpoint design)."""
+    config = run.config
+    points = np.asarray(points)
+    model, payload = training.load_model(config, run.run_dir, step, device)
+    with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
+        rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
+                                                     run.dataset.train_y[points], run.train_rows(points),
+                                                     Transform.of_run(config), device, progress=bar)
+    statistics, mean, point_centred_sq = coupling.measure_statistics(rows, point_gradients)
+    labels = run.dataset.train_y[points].numpy()
+    frames = []
+    for analysed, size_delta in zip(configs, size_deltas):
+        plan = coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
+                                      num_batches, mc_blocks, max_sizes)
+        with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}, q={analysed.sample_rate:g}") \
+                as bar:
+            samples = coupling.coupling_sensitivities(rows, point_gradients, plan, mean, point_centred_sq, bar)
+        columns = coupling_columns(analysed.clip_bound, statistics, samples)
+        frames.append(measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points,
+                                       labels, point_gradients.predictions, columns))
+    return frames
 
 
 def keep_missing(rows, missing):

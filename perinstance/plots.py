@@ -181,7 +181,40 @@ MEAN_RULE_SERIES = {
 }
 
 
-def _draw_rate_panel(ax, values_by_rate, ylabel, title):
+RATIO_SERIES = {
+    "certified": ("certified / mean-rule baseline (median)", {"color": "tab:blue", "marker": "o"}),
+    "estimate": ("estimate / mean-rule baseline (median; Monte Carlo)", {"color": "tab:orange", "marker": "s",
+                                                                        "linestyle": ":"}),
+}
+
+
+def _finite(values):
+    return values[np.isfinite(values)]
+
+
+def _draw_ratio_panel(ax, values_by_rate, title):
+    """The data-dependent per-step values relative to the mean rule's own baseline, per rate: the quantity
+    GLA's sampling-rate claim is about. Returns {series: {q: median ratio}}."""
+    rates = sorted(values_by_rate)
+    drawn = {}
+    for key, (label, style) in RATIO_SERIES.items():
+        present = [q for q in rates if key in values_by_rate[q]]
+        ratios = [_median(_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))))
+                  / float(values_by_rate[q]["baseline"]) for q in present]
+        drawn[key] = dict(zip(present, ratios, strict=True))
+        ax.plot(present, ratios, label=label, linewidth=2, **style)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself")
+    ax.set_xscale("log")
+    ax.set_xticks(rates, [f"{q:g}" for q in rates])
+    _use_log_scale(ax, "y", np.array([value for series in drawn.values() for value in series.values()] + [1.0]))
+    ax.set_xlabel("sampling rate q")
+    ax.set_ylabel("per-step value / mean-rule baseline")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    return drawn
+
+
+def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"):
     """One line per series over the sampling rates: medians of per-point arrays (with a 10-90% band
     for the certified bound) or single values; returns the medians drawn per series and rate."""
     rates = sorted(values_by_rate)
@@ -191,7 +224,9 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title):
         present = [q for q in rates if key in values_by_rate[q]]
         if not present:
             continue
-        arrays = [_as_1d(f"values_by_rate[{q}][{key!r}]", np.atleast_1d(values_by_rate[q][key])) for q in present]
+        # A point without an estimate (NaN: some size unsampled) or without a finite guarantee (inf: δ_fail
+        # left nothing to spend) has no place on a log axis; the medians are over the finite values.
+        arrays = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))) for q in present]
         medians = [_median(values) for values in arrays]
         drawn[key] = dict(zip(present, medians, strict=True))
         everything.extend(arrays)
@@ -203,29 +238,33 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title):
     ax.set_xscale("log")
     ax.set_xticks(rates, [f"{q:g}" for q in rates])
     _use_log_scale(ax, "y", np.concatenate(everything))
-    ax.set_xlabel("sampling rate q (each rate trained to the same target ε over the same epochs)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
     return drawn
 
 
-def plot_mean_rule_rates(per_step, composed, alpha, delta, path):
-    """GLA's sampling-rate claim for the mean rule (its Fig. 3c), as accounting.md §3.2/§4 measure it.
-
-    per_step, composed: {q: {series: per-point array or one value}} with series among
-    MEAN_RULE_SERIES; left the per-step Rényi DP at order α, right ε over the whole run at δ.
-    Returns {"per_step": {series: {q: median}}, "composed": {...}}.
-    """
-    if set(per_step) != set(composed):
-        raise ValueError(f"per_step and composed cover different rates: {sorted(per_step)} vs {sorted(composed)}")
-    fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
-    step_medians = _draw_rate_panel(left, per_step, f"per-step Rényi DP at order α = {alpha:g}",
-                                    "One step, at matched fractions of training")
-    composed_medians = _draw_rate_panel(right, composed, f"ε over the whole run (δ = {delta:g})",
-                                        "Whole run (composition, §4)")
+def plot_sampling_rate_designs(designs, alpha, delta, path):
+    """GLA's sampling-rate claim for the mean rule (its Fig. 3c) in controlled designs (accounting.md §3.2, §4):
+    one row per design, {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}}
+    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at order α, ε over the whole run at δ, and the per-step data-dependent
+    values relative to the mean rule's baseline. Returns {design: {"per_step", "composed", "ratios"}}."""
+    for title, (per_step, whole_run) in designs.items():
+        if set(per_step) != set(whole_run):
+            raise ValueError(f"{title}: per_step and whole_run cover different rates: {sorted(per_step)} vs "
+                             f"{sorted(whole_run)}")
+    fig, axes = plt.subplots(len(designs), 3, figsize=(18.0, 4.6 * len(designs)), layout="constrained", squeeze=False)
+    drawn = {}
+    for row, (title, (per_step, whole_run)) in zip(axes, designs.items()):
+        drawn[title] = {
+            "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
+            "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
+                                         f"{title}: whole run"),
+            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: relative to the mean rule's baseline"),
+        }
     _save(fig, path)
-    return {"per_step": step_medians, "composed": composed_medians}
+    return drawn
 
 
 def plot_composed_over_training(curves, baseline_curve, path, delta, checkpoint_steps=()):

@@ -406,15 +406,7 @@ def plan_run(args, dataset):
     elif args.sigma is not None:
         noise_multiplier = args.sigma
     else:
-        with warnings.catch_warnings():
-            # Opacus warns when the best order is its largest; the calibration is still valid.
-            warnings.simplefilter("ignore")
-            try:
-                noise_multiplier = get_noise_multiplier(target_epsilon=args.eps, target_delta=args.delta,
-                                                        sample_rate=sample_rate, steps=total_steps, accountant="rdp")
-            except ValueError:  # Opacus: "The privacy budget is too low." (σ would exceed its bound)
-                raise UsageError("--eps", f"{args.eps:g} cannot be reached with δ={args.delta:g}, q={sample_rate:.4g} "
-                                          f"over {total_steps} steps (sigma would exceed Opacus's bound)") from None
+        noise_multiplier = calibrated_noise_multiplier(args.eps, args.delta, sample_rate, total_steps)
     tracked = None
     if args.track_points is not None:
         tracked = tuple(parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist())
@@ -453,6 +445,32 @@ def plan_run(args, dataset):
         dec_lr=tuple(args.dec_lr),
         versions=VERSIONS,
     )
+
+
+def calibrated_noise_multiplier(target_eps, delta, sample_rate, steps):
+    """σ for which Opacus's RDP accountant gives the sum rule ε = target_eps at δ over `steps` steps at
+    sampling rate q (what --eps trains with)."""
+    with warnings.catch_warnings():
+        # Opacus warns when the best order is its largest; the calibration is still valid.
+        warnings.simplefilter("ignore")
+        try:
+            return get_noise_multiplier(target_epsilon=target_eps, target_delta=delta, sample_rate=sample_rate,
+                                        steps=steps, accountant="rdp")
+        except ValueError:  # Opacus: "The privacy budget is too low." (σ would exceed its bound)
+            raise UsageError("--eps", f"{target_eps:g} cannot be reached with δ={delta:g}, q={sample_rate:.4g} "
+                                      f"over {steps} steps (sigma would exceed Opacus's bound)") from None
+
+
+def analysed_config(run, batch_size, calibration_steps, target_eps):
+    """`run` (a RunConfig) analysed under the mean rule with expected batch size `batch_size`, σ calibrated so that
+    the sum rule's worst case over `calibration_steps` steps at that sampling rate is `target_eps` at the run's δ:
+    the mechanism of one step that one of its checkpoints is analysed under (reproduce.py's fixed-checkpoint
+    design). Everything the checkpoint's gradients depend on, T included, stays the run's."""
+    sample_rate = batch_size / run.dataset_size
+    return dataclasses.replace(
+        run, batch_size=batch_size, sample_rate=sample_rate, steps_per_epoch=1 / sample_rate,
+        noise_multiplier=calibrated_noise_multiplier(target_eps, run.delta, sample_rate, calibration_steps),
+        target_eps=target_eps, update_rule="mean")
 
 
 def checkpoint_schedule(save_freq, save_steps, total_steps):

@@ -520,3 +520,15 @@ def test_per_step_eps_in_blocks_is_the_same(monkeypatch):
     for row, column in ((0, 0), (3, 2), (6, 1)):
         root = brentq(excess, 0.0, 200.0, args=(row, column), xtol=1e-14, rtol=1e-13)
         assert root <= whole[row, column] <= root * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("sample_rate", [0.001, 0.032, 0.128, 0.5, 0.9, 1.0])
+def test_rdp_of_many_noise_multipliers_is_opacus_at_each(sample_rate):
+    """rdp_sgm_levels (every noise multiplier of a table at once) against rdp_sgm (Opacus, one at a time), at
+    integer, fractional and large orders, from very little noise to very much: equal to float rounding."""
+    orders = np.asarray([*accounting.COMPOSITION_ORDERS, 300.0, 700.0])
+    noise = np.geomspace(0.3, 500, 17)
+    many = accounting.rdp_sgm_levels(sample_rate, noise, orders)
+    each = np.array([accounting.rdp_sgm(sample_rate, z, orders) for z in noise])
+    np.testing.assert_allclose(many, each, rtol=1e-6, atol=1e-14)
+    assert np.array_equal(accounting.rdp_sgm_levels(sample_rate, [np.inf], orders), np.zeros((1, len(orders))))

@@ -157,7 +157,7 @@ def test_correct_vs_misclassified_rejects_bad_masks(tmp_path):
         plots.plot_correct_vs_misclassified(np.ones(3), np.array([1, 0, 1]), 1.0, tmp_path / "c.png", "ε")
 
 
-# plot_mean_rule_rates
+# plot_sampling_rate_designs
 
 def mean_rule_inputs(rng):
     rates = (0.008, 0.032, 0.128)
@@ -169,34 +169,42 @@ def mean_rule_inputs(rng):
     return per_step, composed
 
 
-def test_mean_rule_rates_numbers_and_file(tmp_path, rng, panels):
+def test_sampling_rate_designs_numbers_and_file(tmp_path, rng, panels):
     per_step, composed = mean_rule_inputs(rng)
-    result = draw_checked(tmp_path, lambda path: plots.plot_mean_rule_rates(per_step, composed, 8, 1e-5, path))
+    designs = {"(a) fixed checkpoint": (per_step, composed), "(b) matched steps": mean_rule_inputs(rng)}
+    result = draw_checked(tmp_path, lambda path: plots.plot_sampling_rate_designs(designs, 8, 1e-5, path))
+    drawn = result["(a) fixed checkpoint"]
     for series in ("certified", "estimate", "sum_rule"):
-        assert result["per_step"][series] == pytest.approx({q: np.median(v[series]) for q, v in per_step.items()})
-    assert result["composed"]["baseline"] == pytest.approx({q: 40.0 for q in composed})
-    step_panel, composed_panel = panels[0]
-    # Every estimate is labelled as one; both panels carry a baseline.
+        assert drawn["per_step"][series] == pytest.approx({q: np.median(v[series]) for q, v in per_step.items()})
+    assert drawn["composed"]["baseline"] == pytest.approx({q: 40.0 for q in composed})
+    assert drawn["ratios"]["certified"] == pytest.approx({q: np.median(v["certified"]) / v["baseline"]
+                                                          for q, v in per_step.items()})
+    step_panel, composed_panel, ratio_panel = panels[0][:3]
+    # Every estimate is labelled as one; the value panels carry a baseline, the ratio panel the baseline itself.
     assert any("estimate (Monte Carlo" in text for text in step_panel["legend"])
     assert any("baseline" in text for text in composed_panel["legend"])
+    assert any("Monte Carlo" in text for text in ratio_panel["legend"])
     assert (step_panel["xscale"], step_panel["yscale"]) == ("log", "log")
+    assert len(panels[0]) == 6
 
 
-def test_mean_rule_rates_with_zeros_and_missing_series(tmp_path, panels):
+def test_sampling_rate_designs_with_zeros_and_missing_series(tmp_path, panels):
     per_step = {0.01: {"certified": np.zeros(4), "baseline": 0.5}, 0.1: {"certified": np.array([0.0, 0.2]),
                                                                          "baseline": 1.0}}
     composed = {0.01: {"certified": np.ones(4)}, 0.1: {"certified": np.full(2, 2.0)}}
     path = tmp_path / "rates.png"
-    result = draw_without_warnings(lambda: plots.plot_mean_rule_rates(per_step, composed, 2, 1e-5, path))
+    result = draw_without_warnings(lambda: plots.plot_sampling_rate_designs({"d": (per_step, composed)}, 2, 1e-5,
+                                                                            path))
     assert_png(path)
-    assert result["per_step"]["certified"] == pytest.approx({0.01: 0.0, 0.1: 0.1})
-    assert "estimate" not in result["per_step"]
+    assert result["d"]["per_step"]["certified"] == pytest.approx({0.01: 0.0, 0.1: 0.1})
+    assert "estimate" not in result["d"]["per_step"] and result["d"]["ratios"]["estimate"] == {}
     assert panels[0][0]["yscale"] == "symlog"
 
 
-def test_mean_rule_rates_requires_the_same_rates(tmp_path):
+def test_sampling_rate_designs_require_the_same_rates(tmp_path):
     with pytest.raises(ValueError, match="different rates"):
-        plots.plot_mean_rule_rates({0.1: {"baseline": 1.0}}, {0.2: {"baseline": 1.0}}, 2, 1e-5, tmp_path / "r.png")
+        plots.plot_sampling_rate_designs({"d": ({0.1: {"baseline": 1.0}}, {0.2: {"baseline": 1.0}})}, 2, 1e-5,
+                                         tmp_path / "r.png")
 
 
 # plot_composed_over_training
