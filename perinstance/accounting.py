@@ -5,6 +5,7 @@ log space. "RDP_SGM" is the Rényi DP of the Poisson-subsampled Gaussian mechani
 by Opacus (`opacus.accountants.analysis.rdp`).
 """
 
+import functools
 import importlib.util
 import math
 import os
@@ -53,48 +54,14 @@ LARGEST_OPACUS_ORDER = 512
 
 # --- §3: per-step RDP of the subsampled Gaussian --------------------------------------------
 
-def _opacus_log_moment(sample_rate, noise_multiplier, order):
-    """(λ−1)·RDP_SGM(q, z, λ) at one order from Opacus; NaN where its fractional series fails."""
-    try:
-        rdp = opacus_rdp.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=float(order))
-    except (ValueError, OverflowError):
-        return math.nan
-    return (order - 1.0) * float(rdp)
-
-
 def rdp_sgm(sample_rate, noise_multiplier, orders):
-    """RDP_SGM(q, z, λ) for one step at each order (§3), as Opacus computes it, made robust.
-
-    Integer orders: Opacus's exact finite sum. Fractional orders: Opacus's series, which cancels
-    catastrophically for large orders and sampling rates (q=0.5, z=20, λ=49.13 gives −0.65).
-    log A_λ = (λ−1)·RDP is nondecreasing and convex in λ (van Erven & Harremoës 2014, Thm 3 and
-    Cor. 2), so the exact value at a fractional λ lies between log A at ⌊λ⌋ and the chord from ⌊λ⌋
-    to ⌈λ⌉ (log A_1 = 0). A fractional value outside that band is replaced by the chord: a valid
-    upper bound, close to the exact value (§5: bounds may only be rounded up).
-    Orders above LARGEST_OPACUS_ORDER get the unsubsampled Gaussian's λ/(2z²), an upper bound.
-    """
+    """RDP_SGM(q, z, λ) for one step at each order (§3, §9): rdp_sgm_levels at one noise multiplier."""
     _check_sample_rate(sample_rate)
     _check_noise(noise_multiplier)
     _check_orders(orders)
-    orders = np.atleast_1d(np.asarray(orders, dtype=float))
     if np.isinf(noise_multiplier) or sample_rate == 0:
-        return np.zeros_like(orders)
-    rdp = orders / (2.0 * noise_multiplier**2)
-    small = orders[orders <= LARGEST_OPACUS_ORDER]
-    integers = np.unique(np.concatenate([np.floor(small), np.ceil(small)]))
-    integer_moment = {n: 0.0 if n == 1 else _opacus_log_moment(sample_rate, noise_multiplier, n) for n in integers}
-    for index in np.flatnonzero(orders <= LARGEST_OPACUS_ORDER):
-        order = orders[index]
-        low, high = math.floor(order), math.ceil(order)
-        if low == high:
-            rdp[index] = integer_moment[low] / (order - 1.0)
-            continue
-        floor_moment, ceil_moment = integer_moment[low], integer_moment[high]
-        chord = floor_moment + (order - low) * (ceil_moment - floor_moment)
-        moment = _opacus_log_moment(sample_rate, noise_multiplier, order)
-        inside = floor_moment - 1e-12 * abs(floor_moment) <= moment <= chord * (1 + 1e-9) + 1e-300
-        rdp[index] = (min(moment, chord) if inside else chord) / (order - 1.0)
-    return rdp
+        return np.zeros(np.atleast_1d(np.asarray(orders, dtype=float)).shape)
+    return rdp_sgm_levels(sample_rate, [noise_multiplier], orders)[0]
 
 
 # Opacus stops the fractional-order series at the first term below e^-30 (both halves).
@@ -109,16 +76,18 @@ def _integer_log_moments(sample_rate, noise_multipliers, order):
     index = np.arange(order + 1, dtype=float)
     log_coefficients = (gammaln(order + 1) - gammaln(index + 1) - gammaln(order - index + 1)
                         + index * math.log(sample_rate) + (order - index) * math.log1p(-sample_rate))
-    exponents = (index ** 2 - index)[:, None] / (2 * noise_multipliers[None, :] ** 2)
-    return logsumexp(log_coefficients[:, None] + exponents, axis=0)
+    # The terms of one z along the last axis: its sum is the same whatever the other z beside it.
+    exponents = (index ** 2 - index)[None, :] / (2 * noise_multipliers[:, None] ** 2)
+    return logsumexp(log_coefficients[None, :] + exponents, axis=1)
 
 
 def _fractional_log_moments(sample_rate, noise_multipliers, order):
     """log A_λ at a fractional order λ for every z: Opacus's two-sided series (Mironov et al. 2019 §3.3), each
     z's terms up to and including the first whose two halves are both below e^SERIES_TAIL, as Opacus sums them.
     The positive and negative terms are summed apart and subtracted once: NaN where the difference is not
-    positive (rdp_sgm_levels then takes the chord)."""
-    sigma = noise_multipliers
+    positive (rdp_sgm_levels then takes the chord). Each z's terms lie along the last axis, so that its value
+    does not depend on the other z evaluated with it."""
+    sigma = noise_multipliers[:, None]
     center = sigma ** 2 * math.log(1 / sample_rate - 1) + 0.5
     positive = [np.full(len(sigma), -np.inf) for _ in range(2)]
     negative = [np.full(len(sigma), -np.inf) for _ in range(2)]
@@ -130,25 +99,20 @@ def _fractional_log_moments(sample_rate, noise_multipliers, order):
         # |C(λ, i)| = Γ(λ+1)/(Γ(i+1)·|Γ(λ−i+1)|), with the sign of Γ(λ−i+1).
         log_coefficient = gammaln(order + 1) - gammaln(index + 1) - gammaln(complement + 1)
         sign = gammasgn(complement + 1)
-        halves = []
-        for log_probability, exponent, location in (
-                (index * math.log(sample_rate) + complement * math.log1p(-sample_rate), index,
-                 (index[:, None] - center[None, :])),
-                (complement * math.log(sample_rate) + index * math.log1p(-sample_rate), complement,
-                 (center[None, :] - complement[:, None]))):
-            halves.append((log_coefficient + log_probability)[:, None]
-                          + (exponent ** 2 - exponent)[:, None] / (2 * sigma[None, :] ** 2)
-                          + math.log(0.5) + _log_erfc(location / (math.sqrt(2) * sigma[None, :])))
+        halves = [(log_coefficient + index * math.log(sample_rate) + complement * math.log1p(-sample_rate))[None, :]
+                  + (index ** 2 - index)[None, :] / (2 * sigma ** 2) + math.log(0.5)
+                  + _log_erfc((index[None, :] - center) / (math.sqrt(2) * sigma)),
+                  (log_coefficient + complement * math.log(sample_rate) + index * math.log1p(-sample_rate))[None, :]
+                  + (complement ** 2 - complement)[None, :] / (2 * sigma ** 2) + math.log(0.5)
+                  + _log_erfc((center - complement[None, :]) / (math.sqrt(2) * sigma))]
         small = np.maximum(*halves) < SERIES_TAIL
         # Each z takes the terms up to its first small one (inclusive), while it is still running.
-        stop = np.where(small.any(axis=0), np.argmax(small, axis=0), SERIES_ROUND)
-        taken = (np.arange(SERIES_ROUND)[:, None] <= stop[None, :]) & running[None, :]
+        stop = np.where(small.any(axis=1), np.argmax(small, axis=1), SERIES_ROUND)
+        taken = (np.arange(SERIES_ROUND)[None, :] <= stop[:, None]) & running[:, None]
         for half, terms in enumerate(halves):
             terms = np.where(taken, terms, -np.inf)
-            positive[half] = np.logaddexp(positive[half], logsumexp(np.where(sign[:, None] > 0, terms, -np.inf),
-                                                                    axis=0))
-            negative[half] = np.logaddexp(negative[half], logsumexp(np.where(sign[:, None] < 0, terms, -np.inf),
-                                                                    axis=0))
+            positive[half] = np.logaddexp(positive[half], logsumexp(np.where(sign > 0, terms, -np.inf), axis=1))
+            negative[half] = np.logaddexp(negative[half], logsumexp(np.where(sign < 0, terms, -np.inf), axis=1))
         running &= stop == SERIES_ROUND
         start += SERIES_ROUND
     halves = [np.where(total > minus, _log_sub(total, np.minimum(minus, total)), np.nan)
@@ -162,11 +126,19 @@ def _log_erfc(value):
 
 
 def rdp_sgm_levels(sample_rate, noise_multipliers, orders):
-    """RDP_SGM(q, z, λ) for many noise multipliers z at once: (Z, orders). The same formulas and the same repairs
-    as rdp_sgm (Opacus's finite sum at integer orders, its series at fractional ones, the chord between the
-    integer orders where the series leaves the band that convexity allows, λ/(2z²) above
-    LARGEST_OPACUS_ORDER), evaluated for every z together: RdpTable needs thousands of z, and Opacus's series
-    takes milliseconds per z at large q. tests/test_accounting.py holds it to rdp_sgm."""
+    """RDP_SGM(q, z, λ) for many noise multipliers z at once (§3, §9): (Z, orders), as Opacus computes it
+    (`opacus.accountants.analysis.rdp`), made robust and evaluated for every z together.
+
+    Integer orders: Opacus's exact finite sum. Fractional orders: Opacus's series, which cancels
+    catastrophically for large orders and sampling rates (q=0.5, z=20, λ=49.13 gives −0.65).
+    log A_λ = (λ−1)·RDP is nondecreasing and convex in λ (van Erven & Harremoës 2014, Thm 3 and
+    Cor. 2), so the exact value at a fractional λ lies between log A at ⌊λ⌋ and the chord from ⌊λ⌋
+    to ⌈λ⌉ (log A_1 = 0). A fractional value outside that band is replaced by the chord: a valid
+    upper bound, close to the exact value (§5: bounds may only be rounded up).
+    Orders above LARGEST_OPACUS_ORDER get the unsubsampled Gaussian's λ/(2z²), an upper bound.
+    Opacus evaluates one (z, λ) at a time, its series taking milliseconds at large q; the tables of §5 need
+    thousands of z. tests/test_accounting.py holds every value to Opacus's own.
+    """
     _check_sample_rate(sample_rate)
     _check_orders(orders)
     sigma = np.atleast_1d(np.asarray(noise_multipliers, dtype=float))
@@ -179,6 +151,11 @@ def rdp_sgm_levels(sample_rate, noise_multipliers, orders):
         return np.where(live[:, None], 0.0 if sample_rate == 0 else rdp, 0.0)
     if sample_rate == 1:
         return np.where(live[:, None], rdp, 0.0)
+    with np.errstate(under="ignore", divide="ignore"):  # terms far below the sum vanish, as they should
+        return _rdp_of_live_levels(sample_rate, sigma, live, orders, rdp)
+
+
+def _rdp_of_live_levels(sample_rate, sigma, live, orders, rdp):
     z = sigma[live]
     small = orders[orders <= LARGEST_OPACUS_ORDER]
     integers = np.unique(np.concatenate([np.floor(small), np.ceil(small)]))
@@ -209,11 +186,12 @@ def rdp_sum_rule(grad_norm, clip_bound, noise_multiplier, sample_rate, orders):
         raise ValueError("grad_norm must be >= 0")
     grad_norm = np.minimum(np.atleast_1d(np.asarray(grad_norm, dtype=float)), clip_bound)
     orders = np.atleast_1d(np.asarray(orders, dtype=float))
+    _check_noise(noise_multiplier)
     distinct, position = np.unique(grad_norm, return_inverse=True)
     table = np.zeros((len(distinct), len(orders)))
-    for row, norm in enumerate(distinct):
-        if norm > 0:
-            table[row] = rdp_sgm(sample_rate, noise_multiplier * clip_bound / norm, orders)
+    moving = distinct > 0
+    if moving.any():
+        table[moving] = rdp_sgm_levels(sample_rate, noise_multiplier * clip_bound / distinct[moving], orders)
     return table[position.reshape(-1)]
 
 
@@ -719,20 +697,23 @@ def mixture_rdp(log_moments, log_weights, log_mass, alpha):
 def stratified_log_means(log_moments, sizes, grid_sizes):
     """§3.2 estimate: log Ê_k = log mean exp(M_b) over the samples b of each grid size k.
 
-    log_moments (P, S) with NaN for absent samples, sizes (S,) or (P, S). Returns (P, K) and the
-    number of samples per point and size (P, K); a size with no sample gives NaN.
+    log_moments (P, S, ...) with NaN for absent samples (trailing axes, e.g. orders, are carried along), sizes
+    (S,) or (P, S). Returns (P, K, ...) and the number of samples per point and size (P, K); a size with no
+    sample gives NaN.
     """
     log_moments = np.asarray(log_moments, dtype=float)
-    sizes = np.broadcast_to(np.asarray(sizes), log_moments.shape)
+    extra = (None,) * (log_moments.ndim - 2)
+    present = ~np.isnan(log_moments[(slice(None), slice(None), *([0] * len(extra)))])
+    sizes = np.broadcast_to(np.asarray(sizes), present.shape)
     grid_sizes = np.asarray(grid_sizes)
-    means = np.full((log_moments.shape[0], len(grid_sizes)), np.nan)
-    counts = np.zeros(means.shape, dtype=int)
+    means = np.full((log_moments.shape[0], len(grid_sizes), *log_moments.shape[2:]), np.nan)
+    counts = np.zeros(means.shape[:2], dtype=int)
     for column, size in enumerate(grid_sizes):
-        chosen = (sizes == size) & ~np.isnan(log_moments)
+        chosen = (sizes == size) & present
         counts[:, column] = chosen.sum(axis=1)
-        values = np.where(chosen, log_moments, -np.inf)
+        values = np.where(chosen[(..., *extra)], log_moments, -np.inf)
         with np.errstate(divide="ignore"):
-            means[:, column] = logsumexp(values, axis=1) - np.log(np.maximum(counts[:, column], 1))
+            means[:, column] = logsumexp(values, axis=1) - np.log(np.maximum(counts[:, column], 1))[(..., *extra)]
     means[counts == 0] = np.nan
     return means, counts
 
@@ -749,9 +730,17 @@ def geometric_levels(sensitivity_ratio, relative_step):
     levels serve millions of samples."""
     ratio = np.ravel(np.asarray(sensitivity_ratio, dtype=float))
     ratio = ratio[~np.isnan(ratio) & (ratio > 0)]
+    if not len(ratio):
+        return np.zeros(1)
     log_step = math.log1p(relative_step)
-    rounded = np.exp(np.ceil(np.log(ratio) / log_step - 1e-12) * log_step)
-    return np.unique(np.concatenate([[0.0], np.maximum(rounded, ratio)]))
+    exponent = np.ceil(np.log(ratio) / log_step - 1e-12).astype(np.int64)
+    lowest = exponent.min()
+    # One level per grid point used, counted rather than sorted (millions of mixture components): the grid
+    # point itself, or the largest ratio it took where exp rounded the grid point just below it.
+    level = np.exp(np.arange(lowest, exponent.max() + 1) * log_step)
+    np.maximum.at(level, exponent - lowest, ratio)
+    used = np.bincount(exponent - lowest, minlength=len(level)) > 0
+    return np.concatenate([[0.0], level[used]])
 
 
 # --- domain checks (the math refuses nonsense at its boundary, as dp_accounting does) --------
@@ -986,4 +975,13 @@ def rdp_to_eps(orders, rdp, delta):
 
 def baseline_rdp(noise_multiplier, sample_rate, orders, steps=1):
     """Data-independent baseline (§3.1, §4): Opacus's RDP for (q, σ) over `steps` steps."""
-    return steps * rdp_sgm(sample_rate, noise_multiplier, orders)
+    return steps * _remembered_rdp_sgm(float(sample_rate), float(noise_multiplier),
+                                       tuple(np.atleast_1d(np.asarray(orders, dtype=float)).tolist()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _remembered_rdp_sgm(sample_rate, noise_multiplier, orders):
+    """rdp_sgm for the few (q, σ) a run's baselines ask for again and again (figure 4 asks at every step)."""
+    result = rdp_sgm(sample_rate, noise_multiplier, orders)
+    result.flags.writeable = False
+    return result

@@ -217,22 +217,27 @@ def rdp_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
 MIXTURE_CHUNK_ENTRIES = 1 << 22
 
 
-def mixture_rdp(table, mixture, log_mass, clip_bound):
+def mixture_rdp(table, mixture, log_mass, clip_bound, dominant_sizes=True):
     """§3.2 for every row of `mixture` and order of `table`: (1/(λ−1))·(log Σ_c w_c·exp(M_c(λ)) − log mass),
-    and the dominant size k* (the size whose components carry the largest part of the sum), computed in
-    chunks of rows. Returns two (P, orders) arrays."""
+    and the dominant size k* (the size whose components carry the largest part of the sum; only with
+    `dominant_sizes`), computed in chunks of rows. Returns two (P, orders) arrays (the second None without)."""
     orders = table.orders
     rows, components = mixture.sensitivities.shape
     result = np.empty((rows, len(orders)))
-    dominant = np.empty(result.shape, dtype=np.int64)
+    dominant = np.empty(result.shape, dtype=np.int64) if dominant_sizes else None
     starts = mixture.size_starts()
     chunk = max(1, MIXTURE_CHUNK_ENTRIES // (components * len(orders)))
     for start in range(0, rows, chunk):
         terms = table.log_moments(mixture.sensitivities[start:start + chunk] / clip_bound)
         terms += mixture.log_weights[None, :, None]
-        result[start:start + chunk] = (accounting.logsumexp(terms, axis=1) - log_mass) / (orders - 1.0)
-        per_size = np.logaddexp.reduceat(terms, starts, axis=1)
-        dominant[start:start + chunk] = mixture.sizes[starts][np.argmax(per_size, axis=1)]
+        # log Σ exp, shifted by each (row, order)'s largest term; the shifted terms also give each size's share.
+        top = terms.max(axis=1, keepdims=True)
+        terms -= top
+        np.exp(terms, out=terms)
+        result[start:start + chunk] = (top[:, 0] + np.log(terms.sum(axis=1)) - log_mass) / (orders - 1.0)
+        if dominant_sizes:
+            shares = np.add.reduceat(terms, starts, axis=1)
+            dominant[start:start + chunk] = mixture.sizes[starts][np.argmax(shares, axis=1)]
     # Every term's M_c ≥ 0 and the weights add up to at least the mass, so ρ ≥ 0; rounding can leave it a
     # few ulps below (accounting.mixture_rdp floors it likewise).
     return np.maximum(result, 0.0), dominant
@@ -248,12 +253,10 @@ def estimate_rdp(table, samples, sizes, clip_bound, masks=(None,)):
     results = []
     for mask in masks:
         absent = np.isnan(samples.values) if mask is None else np.isnan(samples.values) | ~mask
-        rdp = np.empty((len(samples.values), len(table.orders)))
-        means = np.empty((len(samples.values), len(samples.grid), len(table.orders)))
-        for column, alpha in enumerate(table.orders):
-            means[..., column], counts = accounting.stratified_log_means(
-                np.where(absent, np.nan, moments[..., column]), samples.batch_sizes, samples.grid)
-            rdp[:, column] = accounting.mixture_rdp(means[..., column], log_weights, log_mass, alpha)
+        means, counts = accounting.stratified_log_means(np.where(absent[..., None], np.nan, moments),
+                                                        samples.batch_sizes, samples.grid)
+        rdp = np.stack([accounting.mixture_rdp(means[..., column], log_weights, log_mass, alpha)
+                        for column, alpha in enumerate(table.orders)], axis=1)
         results.append((rdp, means, counts))
     return results
 
@@ -442,6 +445,26 @@ def gla_statistic_rdp(loaded, orders, aggregate):
 
 # --- per-step ρ per checkpoint, for composition (§4) ------------------------------------------------
 
+# Rows of statistics whose certified mixtures are held at once (each row: sizes × tail levels floats, and
+# the temporaries of building them): composition reads every point at every checkpoint.
+CERTIFIED_CHUNK = 2048
+
+
+def certified_rdp(statistics, mechanism, orders, sizes):
+    """The certified per-step ρ (§3.2, §7) of every row of `statistics` at `orders`, for composition: the
+    mixtures are built a chunk of rows at a time, twice (once for the RDP table's levels, once for the sums),
+    so that memory does not grow with the rows."""
+    chunks = [statistics.iloc[start:start + CERTIFIED_CHUNK] for start in range(0, len(statistics), CERTIFIED_CHUNK)]
+    levels = np.unique(np.concatenate([
+        accounting.geometric_levels(certified_sensitivities(chunk, mechanism.clip_bound, sizes).sensitivities
+                                    / mechanism.clip_bound, COMPOSITION_LEVEL_STEP) for chunk in chunks]))
+    table = accounting.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders,
+                                levels)
+    return np.concatenate([
+        mixture_rdp(table, certified_sensitivities(chunk, mechanism.clip_bound, sizes), sizes.log_mass(Kind.CERTIFIED),
+                    mechanism.clip_bound, dominant_sizes=False)[0] for chunk in chunks])
+
+
 def checkpoint_rdp(loaded, orders, kind, sizes):
     """The per-step ρ of `kind` (certified or estimate) of every point at every checkpoint (§3.2),
     and the baseline's: (checkpoint steps, points, (C, P, orders) ρ, (orders,) baseline ρ). Every
@@ -449,9 +472,7 @@ def checkpoint_rdp(loaded, orders, kind, sizes):
     mechanism = loaded.mechanism
     if kind == Kind.CERTIFIED:
         statistics = require(statistics_of(loaded), kind, loaded)
-        certified = certified_sensitivities(statistics, mechanism.clip_bound, sizes)
-        table = rdp_table(mechanism, orders, [certified.sensitivities], COMPOSITION_LEVEL_STEP)
-        rdp = mixture_rdp(table, certified, sizes.log_mass(kind), mechanism.clip_bound)[0]
+        rdp = certified_rdp(statistics, mechanism, orders, sizes)
         index = statistics.index
     else:
         samples = require(samples_of(loaded, sizes), kind, loaded)
@@ -468,5 +489,6 @@ def checkpoint_rdp(loaded, orders, kind, sizes):
                              "(every point needs a value at every checkpoint)")
     baseline = baseline_sensitivities(mechanism.clip_bound, sizes)
     baseline_table = rdp_table(mechanism, orders, [baseline.sensitivities], COMPOSITION_LEVEL_STEP)
-    baseline_step = mixture_rdp(baseline_table, baseline, sizes.log_mass(Kind.BASELINE), mechanism.clip_bound)[0][0]
+    baseline_step = mixture_rdp(baseline_table, baseline, sizes.log_mass(Kind.BASELINE), mechanism.clip_bound,
+                                dominant_sizes=False)[0][0]
     return checkpoints, chosen, np.stack([rdp[steps == step] for step in checkpoints]), baseline_step

@@ -7,6 +7,7 @@ training flags become a RunConfig by `plan_run`; `prepare_run_dir` checks or cre
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -447,9 +448,11 @@ def plan_run(args, dataset):
     )
 
 
+@functools.lru_cache(maxsize=256)
 def calibrated_noise_multiplier(target_eps, delta, sample_rate, steps):
     """σ for which Opacus's RDP accountant gives the sum rule ε = target_eps at δ over `steps` steps at
-    sampling rate q (what --eps trains with)."""
+    sampling rate q (what --eps trains with). Remembered: every command that names a run plans it again, and
+    Opacus's search takes seconds at large q."""
     with warnings.catch_warnings():
         # Opacus warns when the best order is its largest; the calibration is still valid.
         warnings.simplefilter("ignore")
