@@ -593,7 +593,8 @@ def matched_steps_design(commands, config, mean_name, main_run, device):
                                                 "--res-name", names["samples"]])
         commands.run("compute_sensitivity.py", [*measure, "--reduction", "sum", "--points", "all", "--stage", "final",
                                                 "--res-name", names["norms"]])
-        certified = account(commands, "renyi_per_instance_mean.py", names["stats"], alpha, "renyi")
+        certified = account(commands, "renyi_per_instance_mean.py", names["stats"],
+                            [*alpha, "--filter", f"step={total}"], "renyi")
         estimate = account(commands, "renyi_per_instance_mean.py", names["samples"], alpha, "renyi")
         sum_rule = account(commands, "renyi_per_instance_sum.py", names["norms"], alpha, "renyi")
         composed = account(commands, "renyi_per_instance_sum_compo.py", names["stats"], ["--delta", str(config.delta)],

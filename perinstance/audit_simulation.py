@@ -35,6 +35,8 @@ SCORE_BYTES = 1 << 29
 WHITENING_RANK = 128
 WHITENING_OVERSAMPLE = 16
 WHITENING_POWER_ITERATIONS = 2
+# Rows the spread of the other points' gradients is estimated from (as many as a CPU holds of LeNet-5's).
+WHITENING_ROWS = 1024
 STATISTICS = ("whitened", "projection", "known-batch")
 TABLE_ROWS = 20
 
@@ -122,15 +124,18 @@ def directions(rows, audited, mechanism, statistic, seed):
     if statistic != "whitened":
         return audit.fisher_directions(targets, np.zeros((targets.shape[1], 0)), np.zeros(0), noise_var)
     count = rows.num_rows
+    # The spread is estimated from the first WHITENING_ROWS rows: any direction chosen before the trials keeps the
+    # audit's bound valid, and these rows are held in memory, where the randomised SVD's passes cost little.
+    sample = rows.leading(min(WHITENING_ROWS, count))
     if mechanism.rule == "sum":
-        # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling.
-        basis, singular = top_components(rows, None, WHITENING_RANK, seed)
-        variances = mechanism.sample_rate * (1 - mechanism.sample_rate) * singular ** 2
+        # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling, Σ_i over all rows estimated from the sample.
+        basis, singular = top_components(sample, None, WHITENING_RANK, seed)
+        variances = mechanism.sample_rate * (1 - mechanism.sample_rate) * singular ** 2 * count / sample.num_rows
     else:
         # The mean of a uniform k-subset has covariance Σ_X·(n−k)/(k(n−1)), at k = B_exp.
-        basis, singular = top_components(rows, rows.column_sums().cpu().numpy() / count, WHITENING_RANK, seed)
+        basis, singular = top_components(sample, rows.column_sums().cpu().numpy() / count, WHITENING_RANK, seed)
         size = min(mechanism.batch_size, count - 1)
-        variances = singular ** 2 / count * (count - size) / (size * max(count - 1, 1))
+        variances = singular ** 2 / sample.num_rows * (count - size) / (size * max(count - 1, 1))
     return audit.fisher_directions(targets, basis, variances, noise_var)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from perinstance import accounting, gradients, sampling
 from perinstance.gradient_rows import (
+    NORM_CHUNK,
     Predictions,
     advance,
     column_spans,
@@ -29,9 +30,8 @@ from perinstance.gradient_rows import (
 # products than other passes over the rows: 10,000 draws for 8,000 points in one pass, which
 # centres the points once instead of three times.
 COUPLING_PASS_BYTES = 1 << 30
-# Examples per pass of the statistics-only measurement, which holds no per-sample gradient: as many as
-# training's physical batch.
-STATISTICS_CHUNK = 1024
+# Examples per pass of the statistics-only measurement, which holds no per-sample gradient.
+STATISTICS_CHUNK = NORM_CHUNK
 # Panels per product: each float32 product sums over PRODUCT_PANELS panels before it is added to
 # the float64 total, a quarter of the float64 additions of one product per panel.
 PRODUCT_PANELS = 4

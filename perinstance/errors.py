@@ -2,8 +2,6 @@
 
 import sys
 
-from perinstance import allocator
-
 
 class UsageError(Exception):
     """Bad input from the user. `flag` names what to fix (e.g. '--batch-size')."""
@@ -26,9 +24,7 @@ EXIT_USAGE = 2
 
 
 def run_main(main, argv=None):
-    """Run a script's `main(argv)`, turning UsageError into a one-line message and exit 2. Every script
-    starts here, so this is where the allocator is told to keep freed memory (perinstance/allocator.py)."""
-    allocator.keep_freed_memory()
+    """Run a script's `main(argv)`, turning UsageError into a one-line message and exit 2."""
     try:
         result = main(argv)
     except UsageError as error:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from perinstance import clipping, gradients
 
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
-ROW_CHUNK = 256
+ROW_CHUNK = 128
+NORM_CHUNK = 512
 # Columns of the held gradient matrix per panel: batch sums over narrow panels are faster than
 # over whole rows of tens of thousands of floats, and the float64 copies a panel needs stay small.
 COLUMN_PANEL = 2048
@@ -29,7 +30,7 @@ PASS_OUTPUT_BYTES = 1 << 28
 HELD_PASS_BATCHES = 4096
 # Float32 batch sums (batches × d) of one pass, at most: what RecomputedRows holds while it adds
 # the chunks in. Held rows' passes are cut alike, so that results do not depend on what is held.
-PASS_SUM_BYTES = 1 << 30
+PASS_SUM_BYTES = 1 << 28
 # Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take, a pass's
 # batch sums and a chunk's per-sample pass, a measurement of the quick preset fits in 2 GB
 # (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
@@ -135,7 +136,7 @@ def transformed_norms(model, inputs, labels, transform, device="cpu", progress=N
     Per-sample gradients are never materialised (gradients.per_sample_norms).
     """
     norms, predictions = [], []
-    for _, x, y in example_chunks(inputs, labels, device):
+    for _, x, y in example_chunks(inputs, labels, device, NORM_CHUNK):
         grad_norms, losses, logits = gradients.per_sample_norms(model, x, y)
         norms.append(transform.norms(grad_norms).double().cpu())
         predictions.append(predictions_of(losses, logits, y))
@@ -302,6 +303,10 @@ class HeldRows(_Rows):
         index = torch.as_tensor(indices, device=self.device)
         return torch.cat([panel[index] for panel in self.panels], dim=1)
 
+    def leading(self, count):
+        """The first `count` rows, held."""
+        return HeldRows([panel[:count] for panel in self.panels], self.predictions.take(np.arange(count)))
+
     def sum_panels(self, mask, dtype=torch.float64):
         """Panels (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask; a batch's
         members are added one after the other, in row order."""
@@ -345,6 +350,13 @@ class RecomputedRows(_Rows):
 
     def column_sums(self):
         return self._sums.clone()
+
+    def leading(self, count):
+        """The first `count` rows, held: the held ones as they are, the others computed once more."""
+        if count <= self.held:
+            return self.rows.leading(count)
+        model, inputs, labels, transform, device = self.pass_args
+        return HeldRows.compute(model, inputs[:count], labels[:count], transform, device)
 
     def _recomputed(self, progress=None, start=None, stop=None):
         """(start, rows, predictions) of the chunks after the held rows (or of rows start..stop)."""
