@@ -472,6 +472,9 @@ def checkpoint_rdp(loaded, orders, kind, sizes):
     mechanism = loaded.mechanism
     if kind == Kind.CERTIFIED:
         statistics = require(statistics_of(loaded), kind, loaded)
+        # A checkpoint at T (or later) charges no step of the run (§4): it is not needed.
+        used = statistics.index.get_level_values("step") < mechanism.total_steps
+        statistics = statistics[used] if used.any() else statistics
         rdp = certified_rdp(statistics, mechanism, orders, sizes)
         index = statistics.index
     else:
