@@ -14,8 +14,6 @@ every command that produced its numbers.
 """
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import hashlib
 import importlib.util
@@ -53,6 +51,7 @@ from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
 from perinstance.guarantees import Kind
 from perinstance.mechanism import Mechanism
+from perinstance.memory import release_freed_memory
 from perinstance.options import HELP_FORMAT, Parser, add_device_argument, parse_points
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -320,15 +319,6 @@ class Commands:
         lines.append(f"| **total** | **{total_seconds:.1f}** | **{time.process_time():.1f}** | "
                      f"**{peak_resident_bytes() / 1e9:.2f} GB** |")
         return lines
-
-
-def release_freed_memory():
-    """Return the memory freed so far to the system (glibc's malloc_trim; a no-op elsewhere). Every step runs in
-    this process, and without this the heap keeps each step's largest blocks after the step is done."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        pass
 
 
 def step_label(script, argv):

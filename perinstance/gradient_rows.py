@@ -338,15 +338,20 @@ class RecomputedRows(_Rows):
         keep = np.unique(np.asarray(keep, dtype=np.int64))
         self._kept_index = keep[keep >= self.held]
         self._kept = torch.empty((len(self._kept_index), self.dim), dtype=self.dtype, device=device)
-        parts = [self.rows.predictions] if self.held else []
+        # Filled in place: small arrays kept from every chunk would sit between the chunks' large blocks on the
+        # heap and keep it from reusing them.
+        self.predictions = Predictions(np.empty(self.num_rows), np.empty(self.num_rows, dtype=bool))
+        if self.held:
+            self.predictions.losses[:self.held] = self.rows.predictions.losses
+            self.predictions.correct[:self.held] = self.rows.predictions.correct
         spans = column_spans(self.dim)
         for start, rows, chunk_predictions in self._recomputed(progress):
             part = torch.cat([rows[:, low:high].contiguous().sum(dim=0, dtype=torch.float64) for low, high in spans])
             self._sums = part if self._sums is None else self._sums.add_(part)
             wanted = np.flatnonzero((self._kept_index >= start) & (self._kept_index < start + len(rows)))
             self._kept[torch.as_tensor(wanted)] = rows[torch.as_tensor(self._kept_index[wanted] - start)]
-            parts.append(chunk_predictions)
-        self.predictions = Predictions.concat(parts)
+            self.predictions.losses[start:start + len(rows)] = chunk_predictions.losses
+            self.predictions.correct[start:start + len(rows)] = chunk_predictions.correct
 
     def column_sums(self):
         return self._sums.clone()

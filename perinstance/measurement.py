@@ -128,8 +128,8 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
     """One checkpoint of `run` measured for one step of the mean rule under each of `configs` (the run's
     RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
     each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
-    The per-sample rows are computed once for all configs; the statistics do not depend on the
-    mechanism. Returns one frame of result rows per config, as compute_sensitivity.py --reduction mean
+    The per-sample rows are recomputed on each config's pass and none are held (their batch sums are
+    what the pass holds); the statistics do not depend on the mechanism. Returns one frame of result rows per config, as compute_sensitivity.py --reduction mean
     would write it for a run trained with that config (reproduce.py's fixed-checkpoint design)."""
     config = run.config
     points = np.asarray(points)
@@ -137,7 +137,7 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
     with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
         rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
                                                      run.dataset.train_y[points], run.train_rows(points),
-                                                     Transform.of_run(config), device, progress=bar)
+                                                     Transform.of_run(config), device, hold=False, progress=bar)
     statistics, mean, point_centred_sq = coupling.measure_statistics(rows, point_gradients)
     labels = run.dataset.train_y[points].numpy()
     frames = []
