@@ -603,8 +603,10 @@ def matched_steps_design(commands, config, mean_name, main_run, device):
                             [*alpha, "--filter", f"step={total}"], "renyi")
         estimate = account(commands, "renyi_per_instance_mean.py", names["samples"], alpha, "renyi")
         sum_rule = account(commands, "renyi_per_instance_sum.py", names["norms"], alpha, "renyi")
+        # Over the whole run, the points that also have draws: the same points as the fixed-checkpoint design.
         composed = account(commands, "renyi_per_instance_sum_compo.py", names["stats"],
-                           ["--delta", str(config.delta), "--alpha", *map(str, MEAN_RULE_ORDERS)], "compo")
+                           ["--delta", str(config.delta), "--alpha", *map(str, MEAN_RULE_ORDERS), "--points",
+                            config.mean_points], "compo")
         run = runs.load_run(os.path.join("models", run_name))
         by_rate[run.sample_rate] = matched_series(run, config, certified, estimate, sum_rule, composed)
     return by_rate

@@ -699,21 +699,23 @@ def stratified_log_means(log_moments, sizes, grid_sizes):
 
     log_moments (P, S, ...) with NaN for absent samples (trailing axes, e.g. orders, are carried along), sizes
     (S,) or (P, S). Returns (P, K, ...) and the number of samples per point and size (P, K); a size with no
-    sample gives NaN.
+    sample gives NaN. The sums of every size come from one product with the samples' size indicators, each
+    point's terms shifted by its largest (a size whose every term is below e^−700 of that largest counts as
+    −inf: it weighs nothing beside it).
     """
     log_moments = np.asarray(log_moments, dtype=float)
-    extra = (None,) * (log_moments.ndim - 2)
-    present = ~np.isnan(log_moments[(slice(None), slice(None), *([0] * len(extra)))])
+    present = ~np.isnan(log_moments.reshape(*log_moments.shape[:2], -1)[..., 0])
     sizes = np.broadcast_to(np.asarray(sizes), present.shape)
     grid_sizes = np.asarray(grid_sizes)
-    means = np.full((log_moments.shape[0], len(grid_sizes), *log_moments.shape[2:]), np.nan)
-    counts = np.zeros(means.shape[:2], dtype=int)
-    for column, size in enumerate(grid_sizes):
-        chosen = (sizes == size) & present
-        counts[:, column] = chosen.sum(axis=1)
-        values = np.where(chosen[(..., *extra)], log_moments, -np.inf)
-        with np.errstate(divide="ignore"):
-            means[:, column] = logsumexp(values, axis=1) - np.log(np.maximum(counts[:, column], 1))[(..., *extra)]
+    indicator = (sizes[..., None] == grid_sizes) & present[..., None]  # (P, S, K)
+    counts = indicator.sum(axis=1)
+    extra = log_moments.shape[2:]
+    values = np.where(present.reshape(*present.shape, *(1,) * len(extra)), log_moments, -np.inf)
+    top = values.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore", under="ignore"):
+        scaled = np.exp(values - np.where(np.isfinite(top), top, 0.0))
+        sums = np.einsum("ps...,psk->pk...", np.nan_to_num(scaled, nan=0.0), indicator.astype(float))
+        means = np.log(sums) + top - np.log(np.maximum(counts, 1)).reshape(*counts.shape, *(1,) * len(extra))
     means[counts == 0] = np.nan
     return means, counts
 
