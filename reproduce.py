@@ -287,9 +287,10 @@ class Commands:
         print(f"[{step}: {self.timings[-1][1]:.1f}s wall, {self.timings[-1][2]:.1f}s CPU, peak resident memory "
               f"so far {self.timings[-1][3] / 1e9:.2f} GB]", flush=True)
 
-    def note(self, line):
-        """A step done in this process by a package function, listed with the commands (as cached: no script ran)."""
-        self.lines.append((f"# in-process: {line}", True))
+    def note(self, line, cached=False):
+        """A step done in this process by a package function, listed with the commands; `cached` when its result
+        was found on disk and the step did not run."""
+        self.lines.append((f"# in-process: {line}", cached))
 
     def run(self, script, argv):
         self.lines.append((f"python {script} {shlex.join(argv)}", False))
@@ -428,7 +429,8 @@ def main(argv=None):
 
     # 4. The mean update rule at several sampling rates, in two controlled designs (figure 3).
     mean_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS + MEAN_RULE_FIELDS)}-mean"
-    mean_results = {"fixed": fixed_checkpoint_design(commands, config, main_name, main_run, sensitivities, device),
+    mean_results = {"fixed": fixed_checkpoint_design(commands, config, main_name, mean_name, main_run, sensitivities,
+                                                     device),
                     "matched": matched_steps_design(commands, config, mean_name, main_run, device)}
 
     # 5. The bounds held against attacks: the per-instance audit (sum rule on the main run, mean rule on the
@@ -502,7 +504,7 @@ def at_order(table, alpha):
     return table[alpha].to_numpy()
 
 
-def fixed_checkpoint_design(commands, config, main_name, main_run, sensitivities, device):
+def fixed_checkpoint_design(commands, config, main_name, mean_name, main_run, sensitivities, device):
     """Design (a) of the sampling-rate experiment: {checkpoint label: {q: (per-step series, whole-run series,
     facts)}}. One trained model, its final checkpoint and an early one, each analysed as one step of the mean
     rule at every q of fixed_sample_rates, σ_q calibrated so that the sum rule's worst case over the
@@ -511,18 +513,21 @@ def fixed_checkpoint_design(commands, config, main_name, main_run, sensitivities
     run = runs.open_run(main_name, "models", DATA_ROOT)
     saved = run.saved_steps()
     total = main_run.total_steps
-    steps = {"early": min(saved, key=lambda step: (abs(step - config.early_stage * total), step)), "final": total}
+    checkpoint_of = {"early": min(saved, key=lambda step: (abs(step - config.early_stage * total), step)),
+                     "final": total}
     size = main_run.dataset_size
     # A run at rate q lasts epochs/q steps; its σ_q and δ_size = δ/(10·T_q) (§3.4) are that run's.
     run_steps = [max(1, round(config.epochs / rate)) for rate in config.fixed_sample_rates]
-    analysed = [runs.analysed_config(main_run, max(1, round(rate * size)), steps, config.eps)
-                for rate, steps in zip(config.fixed_sample_rates, run_steps)]
-    size_deltas = [main_run.delta / (10 * steps) for steps in run_steps]
+    analysed = [runs.analysed_config(main_run, max(1, round(rate * size)), steps_at_rate, config.eps)
+                for rate, steps_at_rate in zip(config.fixed_sample_rates, run_steps)]
+    size_deltas = [main_run.delta / (10 * steps_at_rate) for steps_at_rate in run_steps]
     points = parse_points(config.mean_points, size, main_run.seed)
     by_rate = {}
-    for label, step in steps.items():
-        names = [f"{main_name}-fixed-step{step}-bs{mechanism.batch_size}" for mechanism in analysed]
-        if not all(os.path.exists(result_file(res_name)) for res_name in names):
+    for label, step in checkpoint_of.items():
+        # Named by the main run and the mean-rule fields (mean_name), so that other draws never reuse these files.
+        names = [f"{mean_name}-fixed-step{step}-bs{mechanism.batch_size}" for mechanism in analysed]
+        measured = all(os.path.exists(result_file(res_name)) for res_name in names)
+        if not measured:
             with commands.timed(f"measurement.measure_at_rates, step {step}, q = "
                                 f"{', '.join(f'{rate:g}' for rate in config.fixed_sample_rates)}"):
                 frames = measurement.measure_at_rates(run, step, points, analysed, size_deltas,
@@ -532,23 +537,27 @@ def fixed_checkpoint_design(commands, config, main_name, main_run, sensitivities
                 storage.write_frame(result_file(res_name), frame)
         commands.note(f"measurement.measure_at_rates(run {main_name}, step {step}, {len(points)} points {config.mean_points}, "
                       f"batch sizes {', '.join(str(mechanism.batch_size) for mechanism in analysed)}, "
-                      f"{config.num_batches} draws) -> {', '.join(result_file(res_name) for res_name in names)}")
+                      f"{config.num_batches} draws) -> {', '.join(result_file(res_name) for res_name in names)}",
+                      cached=measured)
         norms = sensitivities[(sensitivities["step"] == step) & sensitivities["point"].isin(points)]
         norms = norms.set_index("point").loc[points, "value"].to_numpy()
         by_rate[label] = {}
-        for mechanism, steps, res_name in zip(analysed, run_steps, names):
-            rows = account(commands, "renyi_per_instance_mean.py", res_name, ["--alpha", f"{config.renyi_order:g}"],
-                           "renyi")
+        for mechanism, steps_at_rate, size_delta, res_name in zip(analysed, run_steps, size_deltas, names):
+            # β of the certified event is the run at q's δ/(10·T_q), like δ_size (k_min = 0 leaves δ_size at 0).
+            rows = account(commands, "renyi_per_instance_mean.py", res_name,
+                           ["--alpha", f"{config.renyi_order:g}", "--failure", f"{size_delta!r}"], "renyi")
             loaded = accountants.load(accountants.Source(res_name=res_name, res_file=None, res_dir=RES_DIR),
                                       list(results.COUPLING_QUANTITIES), one_run=True,
                                       integer_columns={"sample": 0})
             with commands.timed(f"composition.mean_rule_repeated {res_name}"):
-                whole = {kind: composition.mean_rule_repeated(loaded, steps=steps, delta=config.delta,
-                                                              orders=MEAN_RULE_ORDERS, kind=kind)
+                whole = {kind: composition.mean_rule_repeated(loaded, steps=steps_at_rate, delta=config.delta,
+                                                              orders=MEAN_RULE_ORDERS, kind=kind, failure=size_delta)
                          for kind in (Kind.CERTIFIED, Kind.ESTIMATE)}
-            commands.note(f"composition.mean_rule_repeated({result_file(res_name)}, steps={steps}, delta={config.delta:g},"
-                          " kinds certified and estimate): ε over the whole run at q")
-            by_rate[label][mechanism.sample_rate] = fixed_series(mechanism, steps, rows, whole, norms, config, step)
+            commands.note(f"composition.mean_rule_repeated({result_file(res_name)}, steps={steps_at_rate}, "
+                          f"delta={config.delta:g},"
+                          f" failure={size_delta:.4g}, kinds certified and estimate): ε over the whole run at q")
+            by_rate[label][mechanism.sample_rate] = fixed_series(mechanism, steps_at_rate, rows, whole, norms, config,
+                                                                 step)
     return by_rate
 
 
@@ -875,7 +884,7 @@ def finding_lines(config, findings):
 def mean_rule_lines(config, rates):
     """Findings 3 and 4: the mean rule per sampling rate in both designs, per step and over the whole run, and
     GLA's sampling-rate claim judged on the per-step data-dependent values relative to the mean rule's baseline."""
-    lines, verdicts = [], {}
+    lines, verdicts, spans = [], {}, {}
     for design, drawn in rates.items():
         facts, step, whole = drawn["facts"], drawn["per_step"], drawn["composed"]
         ordered = sorted(facts)
@@ -892,6 +901,9 @@ def mean_rule_lines(config, rates):
         ratios = drawn["ratios"]
         falls = {kind: decreasing([ratios[kind][rate] for rate in ordered]) for kind in ("certified", "estimate")}
         verdicts[design] = falls["certified"] and falls["estimate"]
+        spans[design] = (f"{design}: certified/baseline " + " → ".join(f"{ratios['certified'][rate]:.3g}" for rate in ordered)
+                         + ", estimate/baseline " + " → ".join(f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
+                         + f" over q = {', '.join(f'{rate:.4g}' for rate in ordered)}")
         ratio_text = ", ".join(f"q={rate:.4g}: certified/baseline {ratios['certified'][rate]:.3g}, estimate/baseline "
                                f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
         lines.append(f"mean rule, {design}: per-step Rényi DP at α={config.renyi_order:g} (medians) and ε over the "
@@ -907,7 +919,8 @@ def mean_rule_lines(config, rates):
                    f"REPRODUCED only in {', '.join(reproduced)} and NOT in the others" if reproduced else
                    "NOT reproduced in any controlled design")
                + "; judged on the per-step estimate and certified bound, each divided by the mean rule's baseline "
-                 "at the same q, since the whole-run values also change with T and σ")
+                 "at the same q, since the whole-run values also change with T and σ (medians: "
+               + "; ".join(spans.values()) + ")")
     return [*lines, verdict]
 
 

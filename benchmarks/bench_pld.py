@@ -11,8 +11,8 @@ Synthetic Δ*/Γ: every point at Γ at step 0 and decaying towards its own level
 last checkpoints, with noise; 8% of the points stay at Γ throughout (the clipped ones).
 
 Then the mean rule's certified bound (§3.2, §8.4) for --mean-points points, both ways: RDP as the
-script computes it (accountants.mean_rule_table + mixture_rdp_by_point, composed with b = inf) and
-PLD (pld.step_law + pld.mean_rule_eps). Synthetic statistics: d* ~ U(0.05, 1.5)·Γ, v_X = 0.3·Γ²,
+script computes it (mean_rule.certified_rdp, composed with b = inf) and PLD (mean_rule.certified_sensitivities +
+pld.step_law + pld.mean_rule_eps). Synthetic statistics: d* ~ U(0.05, 1.5)·Γ, v_X = 0.3·Γ²,
 b_X = 1.5·Γ at every checkpoint; k_min from δ/(10·T), β = δ_size.
 
     python benchmarks/bench_pld.py [--points 8000] [--mean-points 500]
@@ -27,10 +27,12 @@ import time
 import warnings
 
 import numpy as np
+import pandas as pd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accountants, accounting, pld  # noqa: E402
+from perinstance import accounting, mean_rule, pld  # noqa: E402
+from perinstance.guarantees import Kind  # noqa: E402
 from perinstance.mechanism import Mechanism  # noqa: E402
 
 TARGET_EPS, DELTA = 10.0, 1e-5
@@ -72,29 +74,31 @@ def rdp_eps(ratios, checkpoints, steps, sample_rate, sigma, rounding):
 
 
 def mean_rule_case(mechanism, checkpoints, count, rng):
-    """Seconds and ε of the mean rule's certified bound by RDP and by PLD for `count` points."""
+    """Seconds and ε of the mean rule's certified bound by RDP and by PLD for `count` points, each along the path
+    renyi_per_instance_sum_compo.py takes (composition.mean_rule_composed and composition.mean_rule_pld)."""
     n, rate, steps = mechanism.dataset_size - 1, mechanism.sample_rate, mechanism.total_steps
     k_min = accounting.size_threshold(n, rate, DELTA / (10 * steps))
     delta_size = accounting.size_failure(n, rate, k_min)
-    fail = 2 * delta_size  # β = δ_size
-    sizes = accounting.size_grid(n, rate, k_min, accountants.CERTIFIED_SIZES)
-    log_weights = accounting.lumped_size_log_weights(sizes, n, rate)
-    distance = rng.uniform(0.05, 1.5, size=count * len(checkpoints))
-    bound = accounting.certified_sensitivity(distance, np.full(distance.shape, 0.3), np.full(distance.shape, 1.5),
-                                             1.0, sizes, delta_size)
+    grid = accounting.size_grid(n, rate, k_min, mean_rule.CERTIFIED_SIZES)
+    sizes = mean_rule.SizeModel(n=n, sample_rate=rate, k_min=k_min, delta_size=delta_size, failure=delta_size,
+                                grid=grid, log_weights=accounting.lumped_size_log_weights(grid, n, rate))
+    fail = sizes.delta_fail(Kind.CERTIFIED)
+    rows = count * len(checkpoints)
+    statistics = pd.DataFrame({"center_distance": rng.uniform(0.05, 1.5, size=rows), "spread": np.full(rows, 0.3),
+                               "max_deviation": np.full(rows, 1.5)})
     charged, _ = pld.segment_counts(checkpoints, steps)
 
     def by_rdp():
-        table = accountants.mean_rule_table(mechanism, ORDERS, [bound], 1e-2)
-        per_step = accountants.mixture_rdp_by_point(table, bound, log_weights, math.log(1 - fail), mechanism)
+        per_step = mean_rule.certified_rdp(statistics, mechanism, ORDERS, sizes)
         total = np.einsum("c,pco->po", charged, per_step.reshape(count, len(checkpoints), -1))
         return accounting.rdp_to_eps(ORDERS, total, DELTA - steps * fail)[0]
 
     def by_pld():
-        shaped = bound.reshape(count, len(checkpoints), -1)
-        law = pld.step_law(shaped, log_weights, math.log(1 - fail), dominate=True)
+        mixture = mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        shaped = mixture.sensitivities.reshape(count, len(checkpoints), -1)
+        law = pld.step_law(shaped, mixture.log_weights, sizes.log_mass(Kind.CERTIFIED), dominate=True)
         return pld.mean_rule_eps(shaped, law, checkpoints, steps, sample_rate=rate, noise_std=mechanism.noise_std,
-                                 delta=DELTA, delta_fail=fail).max
+                                 delta=DELTA, delta_fail=fail, relative_step=mean_rule.COMPOSITION_LEVEL_STEP).max
 
     return timed(by_rdp), timed(by_pld), k_min
 

@@ -580,12 +580,10 @@ def test_kill_during_a_measurement_then_rerun_completes_and_cleans_up(copy):
 
 # --- concurrent writers --------------------------------------------------------------------------
 
-def slow_reads(seconds, without_lock=False):
+def slow_reads(seconds):
     """Hold every read of a result file for `seconds`, so that two writers' read-modify-write
     cycles overlap: without the lock, both would read the file before either writes."""
     def arm():
-        from perinstance import result_file
-
         read = results.read_results
 
         def read_slowly(*args, **kwargs):
@@ -593,14 +591,33 @@ def slow_reads(seconds, without_lock=False):
             time.sleep(seconds)
             return frame
         results.read_results = read_slowly
-        if without_lock:
-            result_file.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
+    return arm
+
+
+def unlocked_writes_meet(writers):
+    """Remove the lock, and hold every result-file write until `writers` processes have reached theirs: each has
+    read the file (absent or as it was) before any writes, the race the lock exists for, made certain."""
+    def arm():
+        from perinstance import result_file, storage
+
+        write = storage.write_frame
+        result_file.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()
+
+        def write_when_all_arrived(path, *args, **kwargs):
+            os.makedirs("arrived", exist_ok=True)
+            open(os.path.join("arrived", str(os.getpid())), "w").close()
+            deadline = time.monotonic() + 60
+            while len(os.listdir("arrived")) < writers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return write(path, *args, **kwargs)
+        storage.write_frame = write_when_all_arrived
     return arm
 
 
 def measure_at_once(folder, point_sets, without_lock=False):
+    before = unlocked_writes_meet(len(point_sets)) if without_lock else slow_reads(0.3)
     children = [start(MEASURE, *RUN, "--points", points, "--stage", "all", "--res-name", "both", cwd=folder,
-                      before=slow_reads(0.3, without_lock)) for points in point_sets]
+                      before=before) for points in point_sets]
     return [finish(*child) for child in children]
 
 

@@ -78,13 +78,20 @@ def test_report_states_findings_with_numbers(image_runs):
     _, _, runs = image_runs
     report = runs["first"][1]
     findings = [line for line in report.splitlines() if re.match(r"^\d+\. ", line)]
-    # Seven findings of the sum and mean rules, two audits (sum and mean rule) and the membership attack.
-    assert len(findings) == 10
+    # Two per-step findings of the sum rule; the mean rule's three designs (fixed early and final checkpoint,
+    # matched steps) and GLA's claim judged on them; four of composition; the audits (sum rule, mean rule, the
+    # realised-size mean rule's gap) and the membership attack.
+    assert len(findings) == 14
     for line in findings:
         assert re.search(r"\d", line.split(". ", 1)[1]), line
-    assert "certified" in findings[2] and "estimate" in findings[2] and "mean-rule baseline" in findings[3]
-    assert "GLA's claim" in findings[3] and ("REPRODUCED" in findings[3] or "NOT reproduced" in findings[3])
-    assert "violated: 0 of" in findings[7] and "membership inference" in findings[9]
+    designs = findings[2:5]
+    for design, name in zip(designs, ("(a) fixed early checkpoint", "(a) fixed final checkpoint", "(b) matched steps")):
+        assert name in design and "certified" in design and "estimate" in design and "mean-rule baseline" in design
+    assert "GLA's claim" in findings[5] and ("REPRODUCED" in findings[5] or "NOT reproduced" in findings[5])
+    assert "RDP: median" in findings[7] and "PLD: median" in findings[7]
+    assert "audit, sum rule" in findings[10] and "audit, mean rule" in findings[11]
+    assert "violated: 0 of" in findings[10] and "violated: 0 of" in findings[11]
+    assert "realised-size mean rule" in findings[12] and "membership inference" in findings[13]
     assert "baseline" in findings[0] and "Pearson r" in report
     for name in FIGURES:
         assert f"({name})" in report
@@ -99,11 +106,13 @@ def test_report_reflects_the_dataset_override(image_runs):
     assert "| `mean_batch_sizes` | `8,16` (overridden) |" in report
     assert "| `num_batches` | `64` |" in report  # not overridden: the preset's value, unmarked
     trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
-    # The main run, one mean-rule run per batch size and the non-private run of the membership attack.
-    assert len(trainings) == 4 and all(f"--dataset {dataset} " in line for line in trainings)
+    # The main run, one mean-rule run per batch size, the small run of the gap audit (the dataset's first points)
+    # and the non-private run of the membership attack.
+    assert len(trainings) == 5 and all(f"{dataset} " in line for line in trainings)
+    assert sum(f"--dataset first:32:{dataset} " in line for line in trainings) == 1
     # Every command of the report is one that the run printed as it executed it, and vice versa.
     printed = [line[2:] for line in result.stdout.splitlines() if line.startswith("$ ")]
-    assert report_commands(report) == printed
+    assert [line for line in report_commands(report) if not line.startswith("# in-process: ")] == printed
 
 
 ACCOUNTANTS = ("eps_delta.py", "renyi_per_instance_sum.py", "renyi_per_instance_mean.py", "renyi_per_instance_sum_compo.py",
@@ -132,8 +141,11 @@ def test_rerun_reuses_everything(image_runs):
     assert "already trained" in again.stdout and "trained steps" not in again.stdout
     assert "0 rows written" in again.stdout
     assert uncached_accountants(runs["again"][1]) == []
-    # Three accountants of the main run, four per mean-rule run, two audits and the membership attack.
-    assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == 3 + 4 * 2 + 3
+    # Four accountants of the main run; per checkpoint of the fixed-checkpoint design its measurement and one
+    # accountant per rate; four accountants per mean-rule run; three audits and the membership attack.
+    rates = len(reproduce.PRESETS["tiny"].fixed_sample_rates)
+    assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == (
+        4 + 2 * (1 + rates) + 4 * 2 + 4)
     assert runs["again"][2] == runs["first"][2]
 
 
@@ -159,8 +171,10 @@ def test_presets_hold_values_of_their_fields_types():
     for preset in reproduce.PRESETS.values():
         for field in dataclasses.fields(preset):
             value = getattr(preset, field.name)
-            if isinstance(value, tuple):
-                assert value and all(type(item) is int for item in value), field.name
+            if typing.get_origin(field.type) is tuple:
+                (item_type, _) = typing.get_args(field.type)
+                assert type(value) is tuple and value, field.name
+                assert all(type(item) is item_type for item in value), field.name
             elif typing.get_origin(field.type) is typing.Literal:
                 assert value in typing.get_args(field.type), field.name
             else:
