@@ -151,7 +151,9 @@ def rdp_sgm_levels(sample_rate, noise_multipliers, orders):
         return np.where(live[:, None], 0.0 if sample_rate == 0 else rdp, 0.0)
     if sample_rate == 1:
         return np.where(live[:, None], rdp, 0.0)
-    with np.errstate(under="ignore", divide="ignore"):  # terms far below the sum vanish, as they should
+    # Terms far below the sum vanish, as they should; a fractional series that comes out NaN (∞ − ∞ at tiny
+    # levels) is outside the band and replaced by the chord.
+    with np.errstate(under="ignore", divide="ignore", invalid="ignore"):
         return _rdp_of_live_levels(sample_rate, sigma, live, orders, rdp)
 
 
@@ -834,8 +836,39 @@ class RdpTable:
         self.rdp = np.zeros((len(self.levels), len(self.orders)))
         moving = self.levels > 0
         if moving.any():
-            self.rdp[moving] = rdp_sgm_levels(sample_rate, noise_multiplier / self.levels[moving], self.orders)
+            self.rdp[moving] = _remembered_rdp(sample_rate, noise_multiplier, self.orders, self.levels[moving])
         self.log_moment = self.rdp * (self.orders - 1.0)
+
+
+# RDP_SGM rows already computed, per (q, σ, orders): the tables of one mechanism (a run's checkpoints, the
+# certified bound and the estimate of one file) share most of their levels, which lie on one geometric grid
+# (geometric_levels). A few mechanisms, each up to REMEMBERED_LEVELS levels, are kept.
+REMEMBERED_MECHANISMS = 8
+REMEMBERED_LEVELS = 1 << 16
+_remembered = {}
+
+
+def _remembered_rdp(sample_rate, noise_multiplier, orders, levels):
+    """rdp_sgm_levels(q, σ/levels, orders), each level computed once per (q, σ, orders) while it is remembered:
+    the same numbers, since rdp_sgm_levels treats every level on its own."""
+    key = (float(sample_rate), float(noise_multiplier), orders.tobytes())
+    known_levels, known_rdp = _remembered.pop(key, (np.zeros(0), np.zeros((0, len(orders)))))
+    position = np.minimum(np.searchsorted(known_levels, levels), max(len(known_levels) - 1, 0))
+    found = (known_levels[position] == levels) if len(known_levels) else np.zeros(len(levels), dtype=bool)
+    result = np.empty((len(levels), len(orders)))
+    result[found] = known_rdp[position[found]]
+    missing = np.unique(levels[~found])
+    if len(missing):
+        fresh = rdp_sgm_levels(sample_rate, noise_multiplier / missing, orders)
+        result[~found] = fresh[np.searchsorted(missing, levels[~found])]
+        known_levels = np.concatenate([known_levels, missing])
+        order = np.argsort(known_levels, kind="stable")
+        known_levels, known_rdp = known_levels[order], np.concatenate([known_rdp, fresh])[order]
+    if len(known_levels) <= REMEMBERED_LEVELS:
+        _remembered[key] = (known_levels, known_rdp)  # the most recently used mechanism last
+    while len(_remembered) > REMEMBERED_MECHANISMS:
+        _remembered.pop(next(iter(_remembered)))
+    return result
 
     def level_index(self, sensitivity_ratio):
         """Index of the smallest level ≥ Δ/Γ (ratios above the largest level by rounding map to it)."""

@@ -142,10 +142,12 @@ class CouplingSamples:
 
 # --- the dataset statistics ------------------------------------------------------------------------
 
-def measure_statistics(rows, points):
+def measure_statistics(rows, points, mean=None, row_centred_sq=None):
     """Every point's DatasetStatistics from the rows (gradient_rows.HeldRows or RecomputedRows),
-    with μ of the rows and ||h* − μ||² per point, which the Δ_B draws reuse."""
-    mean, row_centred_sq = rows.moments()
+    with μ of the rows and ||h* − μ||² per point, which the Δ_B draws reuse. μ and the rows'
+    ||h_i − μ||² are computed here unless given (coupling_sensitivities measures them on its way)."""
+    if row_centred_sq is None:
+        mean, row_centred_sq = rows.moments()
     # A training point's ||h* − μ||² is its row's; only a point outside the rows needs its own.
     device = row_centred_sq.device
     point_centred_sq = row_centred_sq[torch.as_tensor(np.maximum(points.train_rows, 0), device=device)]
@@ -223,8 +225,10 @@ def _centred_square_norms(matrix, mean):
 def measure_coupling(rows, points, plan, progress=None, blocks=None):
     """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
     DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given)."""
-    statistics, mean, point_centred_sq = measure_statistics(rows, points)
-    return statistics, coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress, blocks)
+    mean = rows.mean()
+    samples, row_centred_sq = coupling_sensitivities(rows, points, plan, mean, None, progress, blocks)
+    statistics, _, _ = measure_statistics(rows, points, mean, row_centred_sq)
+    return statistics, samples
 
 
 def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=None, blocks=None):
@@ -234,16 +238,27 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
 
     mean: μ of the rows (float64); point_centred_sq: ||h* − μ||². With c = centred at μ,
     ||h* − m||² = ||h*_c||² − 2⟨h*_c, m_c⟩ + ||m_c||² (see _centred_products).
+    point_centred_sq None: the first pass over the rows, which a RecomputedRows makes anyway, also gives every
+    row's ||h_i − μ||² (as rows.moments() would), and ||h* − μ||² follows (measure_statistics).
+    Returns (CouplingSamples, the rows' ||h_i − μ||² when measured here, else None).
     """
     values = np.full((len(points.train_rows), plan.draws), np.nan)
     per_pass = max(1, rows.pass_batches(len(points.train_rows), COUPLING_PASS_BYTES) // len(plan.sizes))
-    point_sq = point_centred_sq.to(rows.device)
+    row_centred_sq = None
     for chunks in _passes(plan, per_pass, blocks):
         draws = [draw for chunk in chunks for draw in chunk]
         ranks = np.empty((len(draws), rows.num_rows), dtype=np.int64)
         for position, (block, index) in enumerate(draws):
             ranks[position, plan.permutation(block, index, rows.num_rows)] = np.arange(rows.num_rows)
-        cross, mean_sq = _centred_products(rows, points, mean, plan.sizes, ranks, [len(chunk) for chunk in chunks])
+        centred = None
+        if point_centred_sq is None:
+            row_centred_sq = torch.empty(rows.num_rows, dtype=torch.float64, device=rows.device)
+            centred = (mean, row_centred_sq)
+        cross, mean_sq = _centred_products(rows, points, mean, plan.sizes, ranks, [len(chunk) for chunk in chunks],
+                                           centred)
+        if point_centred_sq is None:
+            _, _, point_centred_sq = measure_statistics(rows, points, mean, row_centred_sq)
+        point_sq = point_centred_sq.to(rows.device)
         first = 0
         for chunk, chunk_cross, chunk_mean_sq in zip(chunks, cross, mean_sq):
             _store_chunk(values, plan, chunk, chunk_cross, chunk_mean_sq, point_sq, ranks[first:first + len(chunk)],
@@ -251,7 +266,7 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
             first += len(chunk)
         del cross, mean_sq  # freed before the next pass allocates its own
         advance(progress, len(draws))
-    return CouplingSamples(values, plan)
+    return CouplingSamples(values, plan), row_centred_sq
 
 
 def _passes(plan, per_pass, blocks=None):
@@ -286,9 +301,10 @@ def _prefix_masks(ranks, sizes):
     return mask
 
 
-def _centred_products(rows, points, mean, sizes, ranks, chunk_lengths):
+def _centred_products(rows, points, mean, sizes, ranks, chunk_lengths, centred=None):
     """Per chunk of permutations (`chunk_lengths` consecutive rows of `ranks`): ⟨h*_c, m_c⟩ of
     every point and prefix (points, permutations·G) and ||m_c||² (permutations·G,), float64.
+    centred: None or (μ, out), passed to rows.sum_panels (the rows' centred norms from this pass).
 
     One product of the centred points with the centred batch means per group of PRODUCT_PANELS
     panels, in the rows' dtype (as are the batch means), accumulated in float64 across the groups.
@@ -303,8 +319,8 @@ def _centred_products(rows, points, mean, sizes, ranks, chunk_lengths):
     mean_sq = [torch.zeros(length * grid, dtype=torch.float64, device=device) for length in chunk_lengths]
     spans = column_spans(rows.dim)
     group, group_low = [], 0
-    for number, (segment_sums, (low, high)) in enumerate(zip(rows.sum_panels(_prefix_masks(ranks, sizes), dtype),
-                                                             spans)):
+    for number, (segment_sums, (low, high)) in enumerate(zip(rows.sum_panels(_prefix_masks(ranks, sizes), dtype,
+                                                                             centred), spans)):
         prefix_means = segment_sums.reshape(len(ranks), grid, -1).cumsum_(dim=1).div_(divisors)
         centred_means = prefix_means.sub_(mean[low:high])
         parts = [centred_means[first:end].reshape((end - first) * grid, -1)

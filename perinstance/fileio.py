@@ -20,6 +20,9 @@ import stat
 import time
 from contextlib import contextmanager
 
+import numpy as np
+import pandas as pd
+
 from perinstance.errors import OutOfSpace, UsageError
 
 TEMP_PREFIX = ".tmp-perinstance-"
@@ -203,9 +206,27 @@ def write_json(path, data, flag=None):
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", flag)
 
 
+# Floats are written with ten significant digits, so that the bytes are stable.
+CSV_FLOAT_FORMAT = "%.10g"
+
+
 def csv_text(frame):
-    """A pandas DataFrame as CSV text, with a fixed float format for stable bytes."""
-    return frame.to_csv(index=False, float_format="%.10g", lineterminator="\n")
+    """A pandas DataFrame as CSV text, floats in CSV_FLOAT_FORMAT (NaN as an empty field).
+
+    The same bytes as `frame.to_csv(float_format=CSV_FLOAT_FORMAT)`, faster: a float64 column's distinct values
+    (told apart by their bits, so that -0.0 stays -0) are formatted once each. A result file repeats its
+    configuration on every row, and pandas formats every cell."""
+    columns = {}
+    for position, (_, values) in enumerate(frame.items()):
+        if values.dtype == np.float64:
+            codes, distinct_bits = pd.factorize(values.to_numpy().view(np.int64))
+            texts = np.array([CSV_FLOAT_FORMAT % value if value == value else ""
+                              for value in distinct_bits.view(np.float64)] or [""], dtype=object)
+            values = pd.Series(texts[codes], index=values.index, dtype=object)
+        columns[position] = values
+    formatted = pd.DataFrame(columns, index=frame.index)
+    formatted.columns = frame.columns
+    return formatted.to_csv(index=False, float_format=CSV_FLOAT_FORMAT, lineterminator="\n")
 
 
 def write_csv(path, frame, flag=None):

@@ -173,6 +173,18 @@ def square_norms(matrix):
     return torch.einsum("ij,ij->i", matrix, matrix).double()
 
 
+def centred_square_norms(panels, mean):
+    """||h_i − μ||² of the rows of one chunk (its column panels): each panel centred in its own dtype, the
+    panels' squares added in float64 (_Rows.moments)."""
+    spans = column_spans(len(mean))
+    return sum(square_norms(panel - mean[low:high].to(panel.dtype)) for panel, (low, high) in zip(panels, spans))
+
+
+def panel_square_norms(panels):
+    """||h_i||² of the rows of one chunk, each panel squared in float64 (_Rows.square_norms)."""
+    return sum((panel.double() ** 2).sum(dim=1) for panel in panels)
+
+
 class Bags:
     """The members of each batch, as embedding_bag input: batch sums over any row-indexed matrix
     are then one gather-and-add call, which adds each batch's members one after the other in the
@@ -229,18 +241,19 @@ class _Rows:
             total = part if total is None else total.add_(part)
         return total
 
+    def mean(self):
+        """μ = (1/N) Σ_i h_i (float64, (d,))."""
+        return self.column_sums() / self.num_rows
+
     def moments(self):
-        """μ = (1/N) Σ_i h_i (float64, (d,)) and ||h_i − μ||² of every row (float64, (N,)); the rows are
-        centred in their own dtype, the sums are float64."""
-        mean = self.column_sums() / self.num_rows
-        spans = column_spans(self.dim)
-        centred_sq = torch.cat([sum(square_norms(panel - mean[low:high].to(panel.dtype))
-                                    for panel, (low, high) in zip(panels, spans)) for _, panels in self.chunks()])
-        return mean, centred_sq
+        """μ (`mean`) and ||h_i − μ||² of every row (float64, (N,)); the rows are centred in their own dtype,
+        the sums are float64. (sum_panels can give the same norms from a pass it makes anyway.)"""
+        mean = self.mean()
+        return mean, torch.cat([centred_square_norms(panels, mean) for _, panels in self.chunks()])
 
     def square_norms(self):
         """||h_i||² of every row (float64, (N,)), each panel squared in float64."""
-        return torch.cat([sum((panel.double() ** 2).sum(dim=1) for panel in panels) for _, panels in self.chunks()])
+        return torch.cat([panel_square_norms(panels) for _, panels in self.chunks()])
 
     def products(self, matrix, dtype=torch.float64):
         """H·matrixᵀ: h_i·m_j for every row i and row j of `matrix` (m × d), computed and summed
@@ -307,9 +320,14 @@ class HeldRows(_Rows):
         """The first `count` rows, held."""
         return HeldRows([panel[:count] for panel in self.panels], self.predictions.take(np.arange(count)))
 
-    def sum_panels(self, mask, dtype=torch.float64):
+    def sum_panels(self, mask, dtype=torch.float64, centred=None):
         """Panels (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask; a batch's
-        members are added one after the other, in row order."""
+        members are added one after the other, in row order. centred: None, or (μ, out) to fill out (N,)
+        with ||h_i − μ||² of every row, as moments() computes them."""
+        if centred is not None:
+            mean, out = centred
+            for start, panels in self.chunks():
+                out[start:start + len(panels[0])] = centred_square_norms(panels, mean)
         bags = Bags.of_mask(mask, self.device)
         for panel in self.panels:
             yield bags.sums(panel).to(dtype)
@@ -344,10 +362,14 @@ class RecomputedRows(_Rows):
         if self.held:
             self.predictions.losses[:self.held] = self.rows.predictions.losses
             self.predictions.correct[:self.held] = self.rows.predictions.correct
+        # ||h_i||² of the recomputed rows too, which the audit asks for (square_norms): no pass of their own.
+        self._recomputed_square_norms = torch.empty(self.num_rows - self.held, dtype=torch.float64, device=device)
         spans = column_spans(self.dim)
         for start, rows, chunk_predictions in self._recomputed(progress):
-            part = torch.cat([rows[:, low:high].contiguous().sum(dim=0, dtype=torch.float64) for low, high in spans])
+            panels = [rows[:, low:high].contiguous() for low, high in spans]
+            part = torch.cat([panel.sum(dim=0, dtype=torch.float64) for panel in panels])
             self._sums = part if self._sums is None else self._sums.add_(part)
+            self._recomputed_square_norms[start - self.held:start - self.held + len(rows)] = panel_square_norms(panels)
             wanted = np.flatnonzero((self._kept_index >= start) & (self._kept_index < start + len(rows)))
             self._kept[torch.as_tensor(wanted)] = rows[torch.as_tensor(self._kept_index[wanted] - start)]
             self.predictions.losses[start:start + len(rows)] = chunk_predictions.losses
@@ -355,6 +377,10 @@ class RecomputedRows(_Rows):
 
     def column_sums(self):
         return self._sums.clone()
+
+    def square_norms(self):
+        held = [self.rows.square_norms()] if self.held else []
+        return torch.cat([*held, self._recomputed_square_norms])
 
     def leading(self, count):
         """The first `count` rows, held: the held ones as they are, the others computed once more."""
@@ -399,18 +425,31 @@ class RecomputedRows(_Rows):
                 result[torch.as_tensor(wanted, device=self.device)] = rows[torch.as_tensor(indices[wanted] - start)]
         return result
 
-    def sum_panels(self, mask, dtype=torch.float64):
+    def sum_panels(self, mask, dtype=torch.float64, centred=None):
         """As HeldRows.sum_panels, bit for bit: each chunk's members are added onto the sums so far
-        (the sums lead every bag), so a batch's members are still added one after the other."""
-        sums = list(self.rows.sum_panels(mask[:, :self.held], self.dtype)) if self.held else None
+        (the sums lead every bag), so a batch's members are still added one after the other. With
+        `centred`, the pass that recomputes the rows also gives their centred norms (no pass of their own)."""
+        sums = list(self.rows.sum_panels(mask[:, :self.held], self.dtype, centred)) if self.held else None
         spans = column_spans(self.dim)
         for start, rows, _ in self._recomputed():
-            bags = Bags.of_mask(mask[:, start:start + len(rows)], rows.device, leading=sums is not None)
+            if centred is not None:
+                mean, out = centred
+                out[start:start + len(rows)] = centred_square_norms(
+                    [rows[:, low:high].contiguous() for low, high in spans], mean)
+            chunk_mask = mask[:, start:start + len(rows)]
             if sums is None:
+                bags = Bags.of_mask(chunk_mask, rows.device)
                 sums = [bags.sums(rows[:, low:high]) for low, high in spans]
                 continue
+            # Only the batches with members in this chunk change: at small sampling rates a chunk meets a
+            # few of them, and the sums of all batches are far larger than the chunk.
+            touched = np.flatnonzero(chunk_mask.any(axis=1))
+            if not len(touched):
+                continue
+            bags = Bags.of_mask(chunk_mask[touched], rows.device, leading=True)
+            index = torch.as_tensor(touched, device=rows.device)
             for number, (low, high) in enumerate(spans):  # panel by panel: one panel's old sums at a time
-                sums[number] = bags.sums(torch.cat([sums[number], rows[:, low:high]]))
+                sums[number][index] = bags.sums(torch.cat([sums[number][index], rows[:, low:high]]))
         for panel in sums:
             yield panel.to(dtype)
 

@@ -138,7 +138,8 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
         rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
                                                      run.dataset.train_y[points], run.train_rows(points),
                                                      Transform.of_run(config), device, hold=False, progress=bar)
-    statistics, mean, point_centred_sq = coupling.measure_statistics(rows, point_gradients)
+    # The statistics come from the rows' centred norms, which the first rate's pass over the rows measures too.
+    mean, statistics, point_centred_sq = rows.mean(), None, None
     labels = run.dataset.train_y[points].numpy()
     frames = []
     for analysed, size_delta in zip(configs, size_deltas):
@@ -146,7 +147,10 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
                                       num_batches, mc_blocks, max_sizes)
         with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}, q={analysed.sample_rate:g}") \
                 as bar:
-            samples = coupling.coupling_sensitivities(rows, point_gradients, plan, mean, point_centred_sq, bar)
+            samples, row_centred_sq = coupling.coupling_sensitivities(rows, point_gradients, plan, mean,
+                                                                      point_centred_sq, bar)
+        if statistics is None:
+            statistics, _, point_centred_sq = coupling.measure_statistics(rows, point_gradients, mean, row_centred_sq)
         columns = coupling_columns(analysed.clip_bound, statistics, samples)
         frames.append(measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points,
                                        labels, point_gradients.predictions, columns))

@@ -40,8 +40,6 @@ CSV, PARQUET = ".csv", ".parquet"
 EXTENSIONS = (CSV, PARQUET)
 # An integer or float column with at most this many distinct values is dictionary-encoded.
 DICTIONARY_MAX_DISTINCT = 4096
-# Ten significant digits: what fileio.write_csv writes, hence what a CSV reader gets back.
-CSV_FLOAT_FORMAT = "%.10g"
 PARQUET_INSTALL_HINT = "Parquet result files need pyarrow: pip install pyarrow"
 # A result named without an extension turns Parquet above this many rows: ~22 MB of CSV, which
 # takes seconds to rewrite after every checkpoint (README, storage table: 218-240 bytes per row).
@@ -97,7 +95,7 @@ def as_read_from_csv(frame):
     columns = {}
     for column in frame.columns:
         codes, distinct = pd.factorize(frame[column], use_na_sentinel=False)
-        text = pd.DataFrame({column: distinct}).to_csv(index=False, float_format=CSV_FLOAT_FORMAT,
+        text = pd.DataFrame({column: distinct}).to_csv(index=False, float_format=fileio.CSV_FLOAT_FORMAT,
                                                        lineterminator="\n")
         parsed = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])[column]
         columns[column] = parsed.take(codes).reset_index(drop=True)

@@ -341,6 +341,22 @@ def test_toy_mean_rule_statistic_expectation_and_monte_carlo():
     assert standard_error < 0.02 * exact
 
 
+def test_rdp_tables_remember_levels_and_give_the_same_numbers():
+    """RdpTable computes each level once per (q, σ, orders) while remembered; every table, whatever was asked
+    before it, holds exactly what rdp_sgm_levels gives for its own levels."""
+    rng = np.random.default_rng(3)
+    orders = np.array(accounting.COMPOSITION_ORDERS)
+    accounting._remembered.clear()
+    for sample_rate, noise_multiplier, power in [(0.03, 0.8, 3), (0.03, 0.8, 5), (0.2, 1.3, 3), (0.03, 0.8, 2),
+                                                 (0.03, 0.8, 3)]:
+        levels = accounting.geometric_levels(rng.random(3000) ** power, 1e-2)
+        table = accounting.RdpTable(sample_rate, noise_multiplier, orders, levels)
+        direct = np.zeros((len(levels), len(orders)))
+        direct[1:] = accounting.rdp_sgm_levels(sample_rate, noise_multiplier / levels[1:], orders)
+        assert levels[0] == 0 and np.array_equal(table.rdp, direct)
+    assert len(accounting._remembered) == 2
+
+
 # --- §4 composition: identity 6 -------------------------------------------------------------
 
 def composed(sample_rate, noise_multiplier, ratios, steps, total_steps, orders, holder_b, rounding=0.01):
