@@ -820,26 +820,6 @@ def sensitivity_levels(rounding, sensitivity_ratio):
     return grid[used]
 
 
-class RdpTable:
-    """RDP_SGM(q, σ·Γ/Δ, λ) precomputed on a grid of Δ/Γ levels × orders (§4, §5).
-
-    Lookups round Δ/Γ up to the next level; RDP_SGM is nondecreasing in Δ, so the result is an
-    upper bound. Level 0 (Δ = 0) costs nothing.
-    """
-
-    def __init__(self, sample_rate, noise_multiplier, orders, levels):
-        _check_orders(orders)
-        if np.any(~(np.asarray(levels, dtype=float) >= 0)):
-            raise ValueError("levels must be >= 0")
-        self.orders = np.unique(np.asarray(orders, dtype=float))
-        self.levels = np.asarray(levels, dtype=float)
-        self.rdp = np.zeros((len(self.levels), len(self.orders)))
-        moving = self.levels > 0
-        if moving.any():
-            self.rdp[moving] = _remembered_rdp(sample_rate, noise_multiplier, self.orders, self.levels[moving])
-        self.log_moment = self.rdp * (self.orders - 1.0)
-
-
 # RDP_SGM rows already computed, per (q, σ, orders): the tables of one mechanism (a run's checkpoints, the
 # certified bound and the estimate of one file) share most of their levels, which lie on one geometric grid
 # (geometric_levels). A few mechanisms, each up to REMEMBERED_LEVELS levels, are kept.
@@ -869,6 +849,27 @@ def _remembered_rdp(sample_rate, noise_multiplier, orders, levels):
     while len(_remembered) > REMEMBERED_MECHANISMS:
         _remembered.pop(next(iter(_remembered)))
     return result
+
+
+class RdpTable:
+    """RDP_SGM(q, σ·Γ/Δ, λ) precomputed on a grid of Δ/Γ levels × orders (§4, §5).
+
+    Lookups round Δ/Γ up to the next level; RDP_SGM is nondecreasing in Δ, so the result is an
+    upper bound. Level 0 (Δ = 0) costs nothing.
+    """
+
+    def __init__(self, sample_rate, noise_multiplier, orders, levels):
+        _check_orders(orders)
+        if np.any(~(np.asarray(levels, dtype=float) >= 0)):
+            raise ValueError("levels must be >= 0")
+        self.orders = np.unique(np.asarray(orders, dtype=float))
+        self.levels = np.asarray(levels, dtype=float)
+        self.rdp = np.zeros((len(self.levels), len(self.orders)))
+        moving = self.levels > 0
+        if moving.any():
+            self.rdp[moving] = _remembered_rdp(sample_rate, noise_multiplier, self.orders, self.levels[moving])
+        self.log_moment = self.rdp * (self.orders - 1.0)
+
 
     def level_index(self, sensitivity_ratio):
         """Index of the smallest level ≥ Δ/Γ (ratios above the largest level by rounding map to it)."""
