@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _smoke import synthetic_lenet_dataset  # noqa: E402
 
 from perinstance import coupling, poisson_batches, sampling  # noqa: E402
+from perinstance.clipping import Transform  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
-from perinstance.gradient_rows import Transform, checkpoint_gradients  # noqa: E402
+from perinstance.gradient_rows import checkpoint_gradients  # noqa: E402
 from perinstance.nets import build_model  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)

@@ -35,7 +35,7 @@ from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance import gradient_rows, gradients, poisson_batches  # noqa: E402
-from perinstance.gradient_rows import Transform  # noqa: E402
+from perinstance.clipping import Transform  # noqa: E402
 from perinstance.poisson_batches import Pool  # noqa: E402
 from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
 

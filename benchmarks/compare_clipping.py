@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, gradient_rows, runs, training  # noqa: E402
+from perinstance import accounting, clipping, gradient_rows, runs, training  # noqa: E402
 from perinstance.data import load_dataset  # noqa: E402
 from perinstance.mechanism import Mechanism  # noqa: E402
 from perinstance.options import parse_points  # noqa: E402
@@ -63,7 +63,7 @@ def run_variant(flags, seed, epochs, models_dir, setting, points):
     model, payload = training.load_model(run, outcome.run_dir, run.total_steps)
     dataset = load_dataset(run.dataset)
     norms, _ = gradient_rows.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
-                                               gradient_rows.Transform.of_run(run))
+                                               clipping.Transform.of_run(run))
     noise_std = Mechanism.of_run(run, "sum").noise_std
     eps = accounting.eps_delta_holder(norms[:, None], noise_std, run.sample_rate, DELTA, np.inf)
     baseline = accounting.baseline_eps_delta(run.noise_multiplier, run.sample_rate, DELTA)

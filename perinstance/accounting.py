@@ -824,7 +824,7 @@ def sensitivity_levels(rounding, sensitivity_ratio):
 # certified bound and the estimate of one file) share most of their levels, which lie on one geometric grid
 # (geometric_levels). A few mechanisms, each up to REMEMBERED_LEVELS levels, are kept.
 REMEMBERED_MECHANISMS = 8
-REMEMBERED_LEVELS = 1 << 16
+REMEMBERED_LEVELS = 1 << 14
 _remembered = {}
 
 

@@ -18,16 +18,15 @@ import pandas as pd
 import torch
 
 from perinstance import accounting, audit, poisson_batches, sampling, training
+from perinstance.clipping import Transform
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError
-from perinstance.gradient_rows import Bags, PointGradients, Predictions, Transform, checkpoint_gradients
+from perinstance.gradient_rows import Bags, PointGradients, Predictions, checkpoint_gradients
 from perinstance.mechanism import Mechanism
 
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
 # stay in the tens of megabytes.
 CHUNK_TRIALS = 8192
-# Batches of the mean rule's upper bound per pass over the rows (their float32 sums: 63 MB for LeNet-5).
-UPPER_PASS_BATCHES = 256
 # Scores of the points simulated together: (trials × points × 2) float32 at most this many bytes.
 SCORE_BYTES = 1 << 29
 # Whitening: the leading principal directions of the other points' gradients (randomised SVD,
@@ -224,8 +223,7 @@ def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, cli
     members, sizes = sampling.poisson_members(_chunk_rng(seed, step, sampling.UPPER_KEY), upper_batches,
                                               rows.num_rows, mechanism.sample_rate)
     samples = poisson_batches.batch_sensitivities(rows, audited.point_gradients(),
-                                                  sampling.members_mask(members, sizes, rows.num_rows),
-                                                  most_per_pass=UPPER_PASS_BATCHES)
+                                                  sampling.members_mask(members, sizes, rows.num_rows))
     eps = accounting.per_step_eps(samples / mechanism.noise_std, delta, mechanism.sample_rate)
     return eps, samples.max(axis=1), "estimate"
 

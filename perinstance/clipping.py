@@ -4,6 +4,8 @@ Each transform is a scalar weight w(||g||) with h(g) = w·g, so only per-sample 
 norms are needed to apply it or to measure ||h(g)|| = w·||g||.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 CLIPPING_CHOICES = ("flat", "psac", "psasc")
@@ -37,3 +39,30 @@ def transformed_norm(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None)
     """
     norm = scale_weights(grad_norm, clipping, clip_norm, scale_r, scale_s) * grad_norm
     return torch.clamp(norm, max=clip_bound(clipping, clip_norm, scale_s))
+
+
+@dataclass(frozen=True)
+class Transform:
+    """The per-sample transform h(g) = w(||g||)·g of a run (accounting.md §1)."""
+
+    clipping: str
+    clip_norm: float
+    scale_r: float | None = None
+    scale_s: float | None = None
+
+    @classmethod
+    def of_run(cls, run):
+        """The transform of a runs.RunConfig."""
+        return cls(run.clipping, run.clip_norm, run.scale_r, run.scale_s)
+
+    @property
+    def bound(self):
+        """Γ, the hard bound on ||h(g)||."""
+        return clip_bound(self.clipping, self.clip_norm, self.scale_s)
+
+    def weights(self, grad_norms):
+        return scale_weights(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
+
+    def norms(self, grad_norms):
+        """Δ* = ||h(g)||, capped at Γ against one-ulp rounding (transformed_norm)."""
+        return transformed_norm(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)

@@ -22,6 +22,7 @@ from perinstance.gradient_rows import (
     advance,
     column_spans,
     example_chunks,
+    pass_batches,
     predictions_of,
     square_norms,
 )
@@ -243,9 +244,8 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
     Returns (CouplingSamples, the rows' ||h_i − μ||² when measured here, else None).
     """
     values = np.full((len(points.train_rows), plan.draws), np.nan)
-    per_pass = max(1, rows.pass_batches(len(points.train_rows), COUPLING_PASS_BYTES) // len(plan.sizes))
     row_centred_sq = None
-    for chunks in _passes(plan, per_pass, blocks):
+    for chunks in _passes(plan, len(points.train_rows), rows.dim, rows.dtype.itemsize, blocks):
         draws = [draw for chunk in chunks for draw in chunk]
         ranks = np.empty((len(draws), rows.num_rows), dtype=np.int64)
         for position, (block, index) in enumerate(draws):
@@ -269,14 +269,22 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
     return CouplingSamples(values, plan), row_centred_sq
 
 
-def _passes(plan, per_pass, blocks=None):
-    """The permutations to draw, as passes of at most `per_pass` permutations, each pass a list of
-    chunks of consecutive permutations of one Monte-Carlo block ((block, index) pairs).
+def pass_count(plan, num_points, dim, itemsize, blocks=None):
+    """How many passes over the rows coupling_sensitivities makes for `plan` (rows of `dim` values of
+    `itemsize` bytes), so that a caller can tell whether holding rows would spare any recomputation."""
+    return len(_passes(plan, num_points, dim, itemsize, blocks))
+
+
+def _passes(plan, num_points, dim, itemsize, blocks=None):
+    """The permutations to draw, as passes of at most as many permutations as one pass holds the products
+    and batch sums of (gradient_rows.pass_batches), each pass a list of chunks of consecutive permutations
+    of one Monte-Carlo block ((block, index) pairs).
 
     A product never spans two blocks, so that a block's values do not depend on the blocks measured
     with it (the products' rounding follows their shapes): torchrun ranks share out the blocks. The
     batch sums of several blocks' chunks still come from one pass over the rows (a pass of
     RecomputedRows recomputes them)."""
+    per_pass = max(1, pass_batches(num_points, dim, itemsize, COUPLING_PASS_BYTES) // len(plan.sizes))
     chunks = [[(block, index) for index in range(first, min(first + per_pass, plan.permutations))]
               for block in (range(plan.blocks) if blocks is None else blocks)
               for first in range(0, plan.permutations, per_pass)]

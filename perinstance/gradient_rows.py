@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from perinstance import clipping, gradients
+from perinstance import gradients
 
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
 ROW_CHUNK = 128
@@ -36,33 +36,6 @@ PASS_SUM_BYTES = 1 << 28
 # (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
 # per-sample pass over them per pass.
 HELD_BYTES_CPU = 1 << 28
-
-
-@dataclass(frozen=True)
-class Transform:
-    """The per-sample transform h(g) = w(||g||)·g of a run (accounting.md §1)."""
-
-    clipping: str
-    clip_norm: float
-    scale_r: float | None = None
-    scale_s: float | None = None
-
-    @classmethod
-    def of_run(cls, run):
-        """The transform of a runs.RunConfig."""
-        return cls(run.clipping, run.clip_norm, run.scale_r, run.scale_s)
-
-    @property
-    def bound(self):
-        """Γ, the hard bound on ||h(g)||."""
-        return clipping.clip_bound(self.clipping, self.clip_norm, self.scale_s)
-
-    def weights(self, grad_norms):
-        return clipping.scale_weights(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
-
-    def norms(self, grad_norms):
-        """Δ* = ||h(g)||, capped at Γ against one-ulp rounding (clipping.transformed_norm)."""
-        return clipping.transformed_norm(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
 
 
 @dataclass
@@ -185,6 +158,15 @@ def panel_square_norms(panels):
     return sum((panel.double() ** 2).sum(dim=1) for panel in panels)
 
 
+def pass_batches(num_points, dim, itemsize, output_bytes=PASS_OUTPUT_BYTES):
+    """Batches per Monte Carlo pass over rows of `dim` values of `itemsize` bytes: the (batches, points) float64
+    products stay under `output_bytes` and the batch sums under PASS_SUM_BYTES (the products' rounding follows
+    their shapes)."""
+    most = HELD_PASS_BATCHES * max(1, output_bytes // PASS_OUTPUT_BYTES)
+    sums = PASS_SUM_BYTES // (itemsize * dim)
+    return max(1, min(most, output_bytes // (8 * num_points), sums))
+
+
 class Bags:
     """The members of each batch, as embedding_bag input: batch sums over any row-indexed matrix
     are then one gather-and-add call, which adds each batch's members one after the other in the
@@ -226,12 +208,8 @@ class _Rows:
         raise NotImplementedError
 
     def pass_batches(self, num_points, output_bytes=PASS_OUTPUT_BYTES):
-        """Batches per Monte Carlo pass: the (batches, points) float64 products stay under
-        `output_bytes` and the float32 batch sums under PASS_SUM_BYTES, whichever rows are held
-        (the products' rounding follows their shapes)."""
-        most = HELD_PASS_BATCHES * max(1, output_bytes // PASS_OUTPUT_BYTES)
-        sums = PASS_SUM_BYTES // (self.dtype.itemsize * self.dim)
-        return max(1, min(most, output_bytes // (8 * num_points), sums))
+        """pass_batches for these rows (the same whichever rows are held)."""
+        return pass_batches(num_points, self.dim, self.dtype.itemsize, output_bytes)
 
     def column_sums(self):
         """Σ_i h_i (float64, (d,)): float64 sums of each chunk, added in row order."""

@@ -5,8 +5,9 @@ row with the point's label, loss and correctness (perinstance/results.py)."""
 import numpy as np
 
 from perinstance import coupling, poisson_batches, results, storage, training
+from perinstance.clipping import Transform
 from perinstance.console import progress_bar
-from perinstance.gradient_rows import Transform, checkpoint_gradients, transformed_norms
+from perinstance.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
 from perinstance.guarantees import Direction
 
 NO_DIRECTION = Direction.NONE.value
@@ -25,6 +26,17 @@ def measure_checkpoint(request, run, step, points, device, blocks=None):
     transform = Transform.of_run(config)
     point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
     statistics_only = request.family == COUPLING and request.num_batches == 0
+    hold = None
+    if request.family == COUPLING:
+        # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
+        # larger, so its δ_size stays below --size-delta.
+        plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
+                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+        # With one pass of draws after the first pass, held rows would spare one recomputation of themselves
+        # for all their memory: hold none.
+        if coupling.pass_count(plan, len(points), parameter_count(model), next(model.parameters()).element_size(),
+                               blocks) <= 1:
+            hold = False
     with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         if request.reduction == "sum":
@@ -34,15 +46,11 @@ def measure_checkpoint(request, run, step, points, device, blocks=None):
                                                                      point_y, point_rows, transform, device, bar)
         else:
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
-                                                         point_rows, transform, device, progress=bar)
+                                                         point_rows, transform, device, hold=hold, progress=bar)
             predictions = point_gradients.predictions
     if request.reduction == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
-        # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
-        # larger, so its δ_size stays below --size-delta.
-        plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
-                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
         if statistics_only:
             samples = coupling.CouplingSamples(np.zeros((len(points), 0)), plan)
         else:

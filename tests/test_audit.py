@@ -13,8 +13,8 @@ from reference import reference_batch_means, reference_batch_sensitivities
 from scipy.stats import beta, binom, binomtest
 
 from perinstance import accounting, audit, audit_simulation, poisson_batches, runs, sampling, training
+from perinstance.clipping import Transform
 from perinstance.data import load_dataset
-from perinstance.gradient_rows import Transform
 from perinstance.mechanism import Mechanism
 
 # psac: every point has its own Δ* (flat clipping gives Γ to most points this early).

@@ -13,8 +13,9 @@ from conftest import assert_usage_error, run_in_process, run_script, snapshot
 from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
 from perinstance import accounting, coupling, measurement, results, runs, sensitivity_cli, training
+from perinstance.clipping import Transform
 from perinstance.data import load_dataset
-from perinstance.gradient_rows import Transform, transformed_norms
+from perinstance.gradient_rows import transformed_norms
 from perinstance.poisson_batches import Pool
 from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 

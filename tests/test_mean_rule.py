@@ -525,8 +525,9 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     at a rate ≤ β (binomial margin), for §3.2's radius and §7.2's; a radius without the concentration
     term is exceeded often, so the check has the power to see a wrong r_k."""
     from perinstance import runs, training
+    from perinstance.clipping import Transform
     from perinstance.data import load_dataset
-    from perinstance.gradient_rows import HeldRows, Transform
+    from perinstance.gradient_rows import HeldRows
 
     args = runs.TrainingFlags.parse(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
                                      "--epochs", "1", "--models-dir", str(tmp_path)])

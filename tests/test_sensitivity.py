@@ -7,7 +7,7 @@ from reference import reference_batch_means, reference_batch_sensitivities, refe
 from torch import nn
 
 from perinstance import accounting, coupling, gradient_rows, poisson_batches
-from perinstance.gradient_rows import Transform
+from perinstance.clipping import Transform
 from perinstance.poisson_batches import Pool
 from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
