@@ -57,16 +57,20 @@ class AuditedPoints:
 
 
 def audited_gradients(run, model, transform, points, spread, device, progress):
-    """The gradients of every training row (gradient_rows.checkpoint_gradients: held as far as the
+    """The gradients of every training row (gradient_rows.checkpoint_gradients: on a GPU held as far as the
     memory budget allows, the others recomputed on each pass) and the audited points.
 
     `points` (full-dataset indices), or None and `spread` points chosen by
     audit.spread_points from every training row's Δ* and correctness at this checkpoint.
     """
     query = np.asarray(points if points is not None else run.train_columns[:1])
+    # An audit passes over the rows two or three times. On a CPU, where at most HELD_BYTES_CPU of them could be
+    # held, that would spare a fraction of one recomputation per pass for as much memory as the mean rule's
+    # batch sums take beside them: hold none there (the results are the same, gradient_rows).
+    hold = False if torch.device(device).type == "cpu" else None
     rows, given = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
                                        run.dataset.train_y[query], run.train_rows(query), transform, device,
-                                       progress=progress)
+                                       hold=hold, progress=progress)
     if points is not None:
         return rows, AuditedPoints(query, given.rows, run.train_rows(query), given.predictions)
     norms = np.minimum(rows.square_norms().sqrt().cpu().numpy(), transform.bound)

@@ -181,10 +181,20 @@ class Trainer:
         return [total / realised + noise / run.batch_size for total, noise in zip(summed, noises)], losses
 
     def track(self):
-        """||h(g)|| of the tracked points at the current parameters (those step t+1 uses)."""
-        indices = torch.as_tensor(self.tracked, device=self.device)
-        _, losses, norms, correct = self.per_sample_pass(indices)
-        self.tracked_rows.append(torch.stack([norms, losses, correct]).double().cpu().numpy().ravel().tolist())
+        """||h(g)|| of the tracked points at the current parameters (those step t+1 uses): their norms only,
+        no clipped sum (the same norms as per_sample_pass computes)."""
+        run = self.run
+        norms, losses, correct = [], [], []
+        for start in range(0, len(self.tracked), PHYSICAL_BATCH):
+            chunk = torch.as_tensor(self.tracked[start:start + PHYSICAL_BATCH], device=self.device)
+            chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, self.train_x[chunk],
+                                                                           self.train_y[chunk])
+            norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
+                         if run.private else chunk_norms)
+            losses.append(chunk_losses)
+            correct.append(logits.argmax(dim=1) == self.train_y[chunk])
+        rows = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct)])
+        self.tracked_rows.append(rows.double().cpu().numpy().ravel().tolist())
 
     def step(self, step):
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
