@@ -21,14 +21,14 @@ from perinstance import accounting, audit, poisson_batches, sampling, training
 from perinstance.clipping import Transform
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError
-from perinstance.gradient_rows import Bags, PointGradients, Predictions, checkpoint_gradients
+from perinstance.gradient_rows import Bags, PointGradients, Predictions, checkpoint_gradients, held_rows
 from perinstance.mechanism import Mechanism
 
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
 # stay in the tens of megabytes.
 CHUNK_TRIALS = 8192
 # Scores of the points simulated together: (trials × points × 2) float32 at most this many bytes.
-SCORE_BYTES = 1 << 29
+SCORE_BYTES = 1 << 28
 # Whitening: the leading principal directions of the other points' gradients (randomised SVD,
 # Halko, Martinsson & Tropp 2011), with oversampling and power iterations for accuracy.
 WHITENING_RANK = 128
@@ -64,10 +64,12 @@ def audited_gradients(run, model, transform, points, spread, device, progress):
     audit.spread_points from every training row's Δ* and correctness at this checkpoint.
     """
     query = np.asarray(points if points is not None else run.train_columns[:1])
-    # An audit passes over the rows two or three times. On a CPU, where at most HELD_BYTES_CPU of them could be
-    # held, that would spare a fraction of one recomputation per pass for as much memory as the mean rule's
-    # batch sums take beside them: hold none there (the results are the same, gradient_rows).
-    hold = False if torch.device(device).type == "cpu" else None
+    # An audit passes over the rows two or three times. On a CPU, holding part of them (at most HELD_BYTES_CPU)
+    # would spare a fraction of one recomputation per pass for as much memory as the mean rule's batch sums take
+    # beside them: there, all rows are held when they fit and none otherwise (the results are the same).
+    hold = None
+    if torch.device(device).type == "cpu":
+        hold = held_rows(model, len(run.train_y), device) >= len(run.train_y)
     rows, given = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
                                        run.dataset.train_y[query], run.train_rows(query), transform, device,
                                        hold=hold, progress=progress)

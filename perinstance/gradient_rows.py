@@ -31,6 +31,9 @@ HELD_PASS_BATCHES = 4096
 # Float32 batch sums (batches × d) of one pass, at most: what RecomputedRows holds while it adds
 # the chunks in. Held rows' passes are cut alike, so that results do not depend on what is held.
 PASS_SUM_BYTES = 1 << 28
+# Recomputed rows added to the batch sums at once: at many batches the sums are far larger than a chunk, and
+# each addition reads and writes them (the order of the additions, hence every bit, does not depend on it).
+SUM_GROUP_ROWS = 4 * ROW_CHUNK
 # Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take, a pass's
 # batch sums and a chunk's per-sample pass, a measurement of the quick preset fits in 2 GB
 # (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
@@ -409,27 +412,36 @@ class RecomputedRows(_Rows):
         `centred`, the pass that recomputes the rows also gives their centred norms (no pass of their own)."""
         sums = list(self.rows.sum_panels(mask[:, :self.held], self.dtype, centred)) if self.held else None
         spans = column_spans(self.dim)
+        group, group_start = [], self.held
         for start, rows, _ in self._recomputed():
             if centred is not None:
                 mean, out = centred
                 out[start:start + len(rows)] = centred_square_norms(
                     [rows[:, low:high].contiguous() for low, high in spans], mean)
-            chunk_mask = mask[:, start:start + len(rows)]
-            if sums is None:
-                bags = Bags.of_mask(chunk_mask, rows.device)
-                sums = [bags.sums(rows[:, low:high]) for low, high in spans]
-                continue
-            # Only the batches with members in this chunk change: at small sampling rates a chunk meets a
-            # few of them, and the sums of all batches are far larger than the chunk.
-            touched = np.flatnonzero(chunk_mask.any(axis=1))
-            if not len(touched):
-                continue
-            bags = Bags.of_mask(chunk_mask[touched], rows.device, leading=True)
-            index = torch.as_tensor(touched, device=rows.device)
-            for number, (low, high) in enumerate(spans):  # panel by panel: one panel's old sums at a time
-                sums[number][index] = bags.sums(torch.cat([sums[number][index], rows[:, low:high]]))
+            group.append(rows)
+            if start + len(rows) - group_start >= SUM_GROUP_ROWS or start + len(rows) == self.num_rows:
+                sums = self._add_group(sums, group, mask[:, group_start:start + len(rows)], spans)
+                group, group_start = [], start + len(rows)
         for panel in sums:
             yield panel.to(dtype)
+
+    @staticmethod
+    def _add_group(sums, group, group_mask, spans):
+        """The batch sums with a group of recomputed chunks' rows added (each batch's members in row order)."""
+        device = group[0].device
+        if sums is None:
+            bags = Bags.of_mask(group_mask, device)
+            return [bags.sums(torch.cat([rows[:, low:high] for rows in group])) for low, high in spans]
+        # Only the batches with members in the group change: at small sampling rates a group meets a few of them,
+        # and the sums of all batches are far larger than the group.
+        touched = np.flatnonzero(group_mask.any(axis=1))
+        if not len(touched):
+            return sums
+        bags = Bags.of_mask(group_mask[touched], device, leading=True)
+        index = torch.as_tensor(touched, device=device)
+        for number, (low, high) in enumerate(spans):  # panel by panel: one panel's old sums at a time
+            sums[number][index] = bags.sums(torch.cat([sums[number][index], *(rows[:, low:high] for rows in group)]))
+        return sums
 
 
 def memory_budget(device):
