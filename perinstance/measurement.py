@@ -137,8 +137,9 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
     RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
     each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
     The per-sample rows are recomputed on each config's pass and none are held (their batch sums are
-    what the pass holds); the statistics do not depend on the mechanism. Returns one frame of result rows per config, as compute_sensitivity.py --reduction mean
-    would write it for a run trained with that config (reproduce.py's fixed-checkpoint design)."""
+    what the pass holds); the statistics do not depend on the mechanism. Yields one frame of result rows per
+    config, in their order, as compute_sensitivity.py --reduction mean would write it for a run trained with that
+    config (reproduce.py's fixed-checkpoint design): the caller can store each before the next pass."""
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
@@ -149,7 +150,6 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
     # The statistics come from the rows' centred norms, which the first rate's pass over the rows measures too.
     mean, statistics, point_centred_sq = rows.mean(), None, None
     labels = run.dataset.train_y[points].numpy()
-    frames = []
     for analysed, size_delta in zip(configs, size_deltas):
         plan = coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
                                       num_batches, mc_blocks, max_sizes)
@@ -160,9 +160,8 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
         if statistics is None:
             statistics, _, point_centred_sq = coupling.measure_statistics(rows, point_gradients, mean, row_centred_sq)
         columns = coupling_columns(analysed.clip_bound, statistics, samples)
-        frames.append(measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points,
-                                       labels, point_gradients.predictions, columns))
-    return frames
+        yield measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points, labels,
+                               point_gradients.predictions, columns)
 
 
 def keep_missing(rows, missing):

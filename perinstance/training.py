@@ -139,7 +139,7 @@ class Trainer:
         self.tracked_rows = payload["tracked_norms"].tolist()
 
     def per_sample_pass(self, indices):
-        """Over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
+        """Under privacy, over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
         ||h(g_i)|| and whether the model classifies it correctly."""
         run = self.run
         summed = [torch.zeros_like(param) for param in self.params]
@@ -151,25 +151,39 @@ class Trainer:
             for total, part in zip(summed, chunk_sums):
                 total.add_(part)
             losses.append(chunk_losses)
-            transformed.append(clipping.transformed_norm(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
-                               if run.private else norms)
+            transformed.append(clipping.transformed_norm(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s))
             correct.append(logits.argmax(dim=1) == self.train_y[chunk])
         return summed, torch.cat(losses), torch.cat(transformed), torch.cat(correct)
 
+    def gradient_sum(self, indices):
+        """Without privacy: Σ_i ∇ℓ_i over `indices` and the losses, by ordinary backward passes (no per-sample
+        norm is needed)."""
+        summed = [torch.zeros_like(param) for param in self.params]
+        losses = []
+        for start in range(0, len(indices), PHYSICAL_BATCH):
+            chunk = indices[start:start + PHYSICAL_BATCH]
+            chunk_losses = F.cross_entropy(self.model(self.train_x[chunk]), self.train_y[chunk], reduction="none")
+            parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
+            for total, part in zip(summed, parts):
+                if part is not None:
+                    total.add_(part)
+            losses.append(chunk_losses.detach())
+        return summed, torch.cat(losses)
+
     def _weights(self, norms):
-        """w(||g_i||) of h(g) = w·g (§1); 1 without privacy."""
+        """w(||g_i||) of h(g) = w·g (§1)."""
         run = self.run
-        if run.private:
-            return clipping.scale_weights(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
-        return torch.ones_like(norms)
+        return clipping.scale_weights(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 
     def privatised_gradient(self, step, batch):
         """ũ/B_exp (sum rule) or m(B) + noise (mean rule), in average-gradient units (§1)."""
         run = self.run
-        if len(batch):
+        if not len(batch):
+            summed, losses = [torch.zeros_like(param) for param in self.params], torch.zeros(0)
+        elif run.private:
             summed, losses, _, _ = self.per_sample_pass(torch.as_tensor(batch, device=self.device))
         else:
-            summed, losses = [torch.zeros_like(param) for param in self.params], torch.zeros(0)
+            summed, losses = self.gradient_sum(torch.as_tensor(batch, device=self.device))
         if not run.private:
             return [total / max(len(batch), 1) for total in summed], losses
         generator = sampling.torch_generator(run.seed, sampling.NOISE_STREAM, step, self.device)
