@@ -28,7 +28,7 @@ from perinstance.mechanism import Mechanism
 # stay in the tens of megabytes.
 CHUNK_TRIALS = 8192
 # Scores of the points simulated together: (trials × points × 2) float32 at most this many bytes.
-SCORE_BYTES = 1 << 28
+SCORE_BYTES = 1 << 27
 # Whitening: the leading principal directions of the other points' gradients (randomised SVD,
 # Halko, Martinsson & Tropp 2011), with oversampling and power iterations for accuracy.
 WHITENING_RANK = 128

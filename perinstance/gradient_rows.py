@@ -8,7 +8,6 @@ result is assembled chunk by chunk in row order and panel by panel, so it is the
 last bit whichever rows are held.
 """
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from perinstance import gradients
+from perinstance.memory import memory_budget
 
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
 ROW_CHUNK = 128
@@ -33,7 +33,7 @@ HELD_PASS_BATCHES = 4096
 PASS_SUM_BYTES = 1 << 28
 # Recomputed rows added to the batch sums at once: at many batches the sums are far larger than a chunk, and
 # each addition reads and writes them (the order of the additions, hence every bit, does not depend on it).
-SUM_GROUP_ROWS = 4 * ROW_CHUNK
+SUM_GROUP_ROWS = 2 * ROW_CHUNK
 # Per-sample gradients held on a CPU, at most: with what torch, Opacus and pandas take, a pass's
 # batch sums and a chunk's per-sample pass, a measurement of the quick preset fits in 2 GB
 # (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
@@ -442,19 +442,6 @@ class RecomputedRows(_Rows):
         for number, (low, high) in enumerate(spans):  # panel by panel: one panel's old sums at a time
             sums[number][index] = bags.sums(torch.cat([sums[number][index], *(rows[:, low:high] for rows in group)]))
         return sums
-
-
-def memory_budget(device):
-    """Bytes this process may fill: half of what is free on `device` now."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 2
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            available_kib = next(int(line.split()[1]) for line in handle if line.startswith("MemAvailable:"))
-        return available_kib * 1024 // 2
-    except (OSError, StopIteration, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
 def held_rows(model, num_rows, device):

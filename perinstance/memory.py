@@ -1,4 +1,5 @@
-"""Handing freed memory back to the system (glibc only; a no-op elsewhere).
+"""How much memory this process may fill, and handing freed memory back to the system (glibc only; a
+no-op elsewhere).
 
 reproduce.py runs every step in one process. glibc keeps much of what a step frees (the heap top, and
 holes between blocks that are still alive), so the next step's peak would stand on the last one's
@@ -9,6 +10,9 @@ is called once per step, not inside a step's loops.
 import ctypes
 import ctypes.util
 import functools
+import os
+
+import torch
 
 
 @functools.cache
@@ -26,3 +30,16 @@ def release_freed_memory():
         return False
     trim(0)
     return True
+
+
+def memory_budget(device):
+    """Bytes this process may fill: half of what is free on `device` now."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            available_kib = next(int(line.split()[1]) for line in handle if line.startswith("MemAvailable:"))
+        return available_kib * 1024 // 2
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
