@@ -288,8 +288,9 @@ def plot_composed_over_training(curves, baseline_curve, path, delta, checkpoint_
     if len(checkpoint_steps):
         ax.plot(checkpoint_steps, np.zeros(len(checkpoint_steps)), "|", color="0.3", markersize=10,
                 clip_on=False, label="checkpoints")
-        fig.text(0.01, 0.005, "Step t is charged at Δ* of the latest checkpoint ≤ t − 1 (piecewise constant "
-                 "between checkpoints; accounting.md §4).", fontsize="small", color="0.3")
+        # A figure-level label: the constrained layout makes room for it below the axis label.
+        fig.supxlabel("Step t is charged at Δ* of the latest checkpoint ≤ t − 1\n(piecewise constant between "
+                      "checkpoints; accounting.md §4).", fontsize="small", color="0.3")
     ax.set_xlabel("training step")
     ax.set_ylabel(f"composed ε at δ = {delta:g}")
     ax.set_title("Per-instance privacy over training")
