@@ -106,6 +106,22 @@ def sum_rule(loaded, *, delta, orders, holder_b=None, rounding=SUM_RULE_ROUNDING
         f"q={mechanism.sample_rate:.4g}, Hölder b={holder_b:g}, Δ rounded up to {rounding:g}·Γ, delta={delta:g}")
 
 
+def _mean_rule_sizes(loaded, delta, kind, failure):
+    """The size model of one run's mean-rule rows and delta_fail of `kind` (§3.4), refusing rows of several
+    runs and a δ that T·delta_fail uses up."""
+    runs = run_key(loaded.rows).unique()
+    if len(runs) > 1:
+        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
+                         "keep one with --filter run=...")
+    sizes = mean_rule.size_model(loaded, failure)
+    fail = sizes.delta_fail(kind)
+    total_steps = loaded.mechanism.total_steps
+    if delta - total_steps * fail <= 0:
+        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
+                         "with a smaller --size-delta or report a larger --delta")
+    return sizes, fail
+
+
 def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=None, failure=None):
     """renyi_per_instance_sum_compo.py's mean rule: (rows, description). The per-step ρ of `kind`
     (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
@@ -114,16 +130,8 @@ def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=N
     total_steps = mechanism.total_steps
     if holder_exponent(holder_b or "inf", orders, total_steps) != math.inf:
         raise UsageError("--holder-b", "the mean rule is composed with b = inf only (allowed here: inf)")
-    runs = run_key(loaded.rows).unique()
-    if len(runs) > 1:
-        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
-                         "keep one with --filter run=...")
-    sizes = mean_rule.size_model(loaded, failure)
-    fail = sizes.delta_fail(kind)
+    sizes, fail = _mean_rule_sizes(loaded, delta, kind, failure)
     budget = delta - total_steps * fail
-    if budget <= 0:
-        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
-                         "with a smaller --size-delta or report a larger --delta")
     checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
     total = compose_mean_rule(checkpoint_rdp, checkpoints, baseline_step, total_steps)
     if checkpoints[0] > 0:
@@ -190,15 +198,7 @@ def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=
     _check_pld_holder(holder_b)
     mechanism = loaded.mechanism
     total_steps = mechanism.total_steps
-    runs = run_key(loaded.rows).unique()
-    if len(runs) > 1:
-        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
-                         "keep one with --filter run=...")
-    sizes = mean_rule.size_model(loaded, failure)
-    fail = sizes.delta_fail(kind)
-    if delta - total_steps * fail <= 0:
-        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
-                         "with a smaller --size-delta or report a larger --delta")
+    sizes, fail = _mean_rule_sizes(loaded, delta, kind, failure)
     if kind == Kind.CERTIFIED:
         statistics = mean_rule.require(mean_rule.statistics_of(loaded), kind, loaded)
         certified = mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
