@@ -369,10 +369,11 @@ def per_step_rdp(loaded, orders, failure=None):
         for column, alpha in enumerate(table.orders)]
     result = pd.concat(frames, ignore_index=True).assign(k_min=sizes.k_min, estimator="coupling")
     result["k_star_at_k_min"] = (result["k_star"] == sizes.k_min).astype(int)
-    flagged = result.loc[result["kind"] != Kind.BASELINE, "k_star_at_k_min"].sum()
-    if flagged:
-        warn(f"{flagged} values are dominated by the smallest size k_min: they mostly reflect the chosen δ_size, not "
-             "the data (column k_star_at_k_min)")
+    flagged = result[result["kind"] != Kind.BASELINE].groupby("kind")["k_star_at_k_min"].sum()
+    if flagged.any():
+        counts = ", ".join(f"{count} {kind}" for kind, count in flagged.items() if count)
+        warn(f"values dominated by the smallest size k_min (over every order): {counts}; they mostly reflect the "
+             "chosen δ_size, not the data (column k_star_at_k_min)")
     _warn_k_min_zero(sizes)
     return with_directions(result, mechanism.sample_rate), (
         f"per-step Rényi DP of {index.get_level_values('point').nunique()} points, mean rule (coupling), "
