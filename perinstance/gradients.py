@@ -283,7 +283,11 @@ def directional_derivatives(model, inputs, labels, direction):
     def logits_of(*params):
         return torch.func.functional_call(model, dict(zip(names, params)), (inputs,))
 
-    logits, tangent = torch.func.jvp(logits_of, values, tuple(part.to(values[0].dtype) for part in direction))
+    with warnings.catch_warnings():
+        # torch's first forward-mode pass loads its own decompositions through torch.jit.script, whose deprecation
+        # warning concerns torch, not this call.
+        warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
+        logits, tangent = torch.func.jvp(logits_of, values, tuple(part.to(values[0].dtype) for part in direction))
     # d/dt of cross_entropy(logits + t·tangent) is ⟨softmax(logits) − onehot(y), tangent⟩.
     residual = torch.softmax(logits, dim=1)
     residual[torch.arange(len(labels)), labels] -= 1
