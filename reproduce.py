@@ -63,9 +63,11 @@ COMPOSITION_HOLDER_B = math.inf
 # The designs of the sampling-rate experiment, as figure 3 and the report name them.
 DESIGN_EARLY, DESIGN_FINAL = "(a) fixed early checkpoint", "(a) fixed final checkpoint"
 DESIGN_MATCHED = "(b) matched steps"
+# Every figure the run writes; the last two are drawn by audit.py itself (its own figure of the bounds).
 FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
            "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
-           "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png"]
+           "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png", "7_audit_mean.png",
+           "9_gap_audit_bounds.png"]
 # The mean rule's whole-run ε are often tens to hundreds, converted best at orders close to 1: its compositions
 # take three orders below the composition grid's lowest.
 MEAN_RULE_ORDERS = (1.02, 1.05, 1.1, *accounting.COMPOSITION_ORDERS)
@@ -657,7 +659,7 @@ def attack_experiment(commands, config, preset, name, main_name, mean_name, gap_
     for rule, run_name, points in (("sum", main_name, config.audit_points),
                                    ("mean", f"{mean_name}-bs{mean_batch}", max(2, config.audit_points // 2))):
         out = os.path.join(RES_DIR, f"{run_name}_audit_{rule}.csv")
-        figure = os.path.join(out_dir, FIGURES[6]) if rule == "sum" else os.path.join(out_dir, f"7_audit_{rule}.png")
+        figure = os.path.join(out_dir, FIGURES[6] if rule == "sum" else FIGURES[9])
         audited = commands.account("audit.py", ["--run", run_name, "--spread", str(points), "--rule", rule,
                                                 "--trials", str(config.audit_trials), "--delta", str(config.delta),
                                                 "--figure", figure, "--device", device], out,
@@ -688,7 +690,7 @@ def gap_audit(commands, config, gap_name, out_dir, device):
     out = os.path.join(RES_DIR, f"{gap_name}_audit_mean.csv")
     rows = commands.account("audit.py", ["--run", gap_name, "--points", "all", "--stage", "final", "--rule", "mean",
                                          "--trials", str(config.gap_trials), "--delta", str(config.delta),
-                                         "--figure", os.path.join(out_dir, "9_gap_audit_bounds.png"), "--device", device],
+                                         "--figure", os.path.join(out_dir, FIGURES[10]), "--device", device],
                             out, runs.run_file(run_dir))
     mechanism = Mechanism.of_run(runs.load_run(run_dir))
     summary = audit_simulation.gap_summary(rows, mechanism)
@@ -697,7 +699,7 @@ def gap_audit(commands, config, gap_name, out_dir, device):
     audit_plots.plot_audit_gap(last["eps_lower"].to_numpy(), last["eps_upper"].to_numpy(),
                                last["correct"].to_numpy().astype(bool), summary[step]["sum_rule_eps"],
                                summary[step]["mean_baseline_eps"], os.path.join(out_dir, FIGURES[8]),
-                               title=f"Audit of {gap_name}, step {step}: the realised-size mean rule against the sum "
+                               title=f"Audit of {gap_name}, step {step}:\nthe realised-size mean rule against the sum "
                                      "rule's accounting")
     return {**summary[step], "step": step, "run": gap_name}
 
@@ -954,7 +956,7 @@ def write_report(out_dir, preset, config, argv, commands, main_run, findings, se
              "(\"cached\": the output of the same command on the same input was reused).", "", "```"]
     text += [f"{line}{'  # cached' if cached else ''}" for line, cached in commands.lines]
     text += ["```", "", "## Time and memory", "", *commands.timing_lines(seconds)]
-    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in FIGURES]
+    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in sorted(FIGURES)]
     path = os.path.join(out_dir, "report.md")
     fileio.write_text(path, "\n".join(text) + "\n")
     return path

@@ -261,7 +261,7 @@ def plot_sampling_rate_designs(designs, alpha, delta, path):
             "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
             "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
                                          f"{title}: whole run"),
-            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: relative to the mean rule's baseline"),
+            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
         }
     _save(fig, path)
     return drawn
