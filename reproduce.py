@@ -63,12 +63,9 @@ COMPOSITION_HOLDER_B = math.inf
 # The designs of the sampling-rate experiment, as figure 3 and the report name them.
 DESIGN_EARLY, DESIGN_FINAL = "(a) fixed early checkpoint", "(a) fixed final checkpoint"
 DESIGN_MATCHED = "(b) matched steps"
-# What "the whole run" means in each design's report line.
+# What "the whole run" means in the report line of a fixed-checkpoint design and of the matched-steps design.
 FIXED_WHOLE_RUN = "T steps at q, each charged at this one checkpoint: a what-if, not a trained run"
-WHOLE_RUN_MEANING = {
-    DESIGN_EARLY: FIXED_WHOLE_RUN, DESIGN_FINAL: FIXED_WHOLE_RUN,
-    DESIGN_MATCHED: "the run's own checkpoints; no estimate, its Δ_B are drawn at the final checkpoint only",
-}
+MATCHED_WHOLE_RUN = "the run's own checkpoints; no estimate, its Δ_B are drawn at the final checkpoint only"
 # Every figure the run writes; the last two are drawn by audit.py itself (its own figure of the bounds).
 FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
            "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
@@ -916,7 +913,7 @@ def mean_rule_lines(config, rates):
         ratio_text = ", ".join(f"q={rate:.4g}: certified/baseline {ratios['certified'][rate]:.3g}, estimate/baseline "
                                f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
         lines.append(f"mean rule, {design}: per-step Rényi DP at α={config.renyi_order:g} (medians) and ε over the "
-                     f"whole run (δ={config.delta:g}, b=∞; {WHOLE_RUN_MEANING[design]}): {per_rate}. Relative to the mean rule's baseline: "
+                     f"whole run (δ={config.delta:g}, b=∞; {MATCHED_WHOLE_RUN if design == DESIGN_MATCHED else FIXED_WHOLE_RUN}): {per_rate}. Relative to the mean rule's baseline: "
                      f"{ratio_text} — " + ("both fall as q grows" if verdicts[design] else
                                           "certified " + ("falls" if falls["certified"] else "does not fall")
                                           + ", estimate " + ("falls" if falls["estimate"] else "does not fall")

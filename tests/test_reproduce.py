@@ -87,6 +87,8 @@ def test_report_states_findings_with_numbers(image_runs):
     designs = findings[2:5]
     for design, name in zip(designs, ("(a) fixed early checkpoint", "(a) fixed final checkpoint", "(b) matched steps")):
         assert name in design and "certified" in design and "estimate" in design and "mean-rule baseline" in design
+    assert all(reproduce.FIXED_WHOLE_RUN in design for design in designs[:2])
+    assert reproduce.MATCHED_WHOLE_RUN in designs[2]
     assert "GLA's claim" in findings[5] and ("REPRODUCED" in findings[5] or "NOT reproduced" in findings[5])
     assert "RDP: median" in findings[7] and "PLD: median" in findings[7]
     assert "audit, sum rule" in findings[10] and "audit, mean rule" in findings[11]
