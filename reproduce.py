@@ -912,8 +912,10 @@ def mean_rule_lines(config, rates):
                          + f" over q = {', '.join(f'{rate:.4g}' for rate in ordered)}")
         ratio_text = ", ".join(f"q={rate:.4g}: certified/baseline {ratios['certified'][rate]:.3g}, estimate/baseline "
                                f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
+        whole_run_meaning = MATCHED_WHOLE_RUN if design == DESIGN_MATCHED else FIXED_WHOLE_RUN
         lines.append(f"mean rule, {design}: per-step Rényi DP at α={config.renyi_order:g} (medians) and ε over the "
-                     f"whole run (δ={config.delta:g}, b=∞; {MATCHED_WHOLE_RUN if design == DESIGN_MATCHED else FIXED_WHOLE_RUN}): {per_rate}. Relative to the mean rule's baseline: "
+                     f"whole run (δ={config.delta:g}, b=∞; {whole_run_meaning}): {per_rate}. Relative to the mean "
+                     "rule's baseline: "
                      f"{ratio_text} — " + ("both fall as q grows" if verdicts[design] else
                                           "certified " + ("falls" if falls["certified"] else "does not fall")
                                           + ", estimate " + ("falls" if falls["estimate"] else "does not fall")
