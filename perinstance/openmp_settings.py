@@ -1,0 +1,28 @@
+"""How torch's OpenMP threads wait, set before torch is first imported (perinstance/__init__.py imports
+this module first, and every script imports perinstance before torch).
+
+Why: torch's OpenMP runtime (libgomp) makes an idle thread spin on its core while it waits for the
+others. When another process holds one of the two cores, each parallel operation waits for a thread
+that is not running, while its partner spins. Measured on 2 cores, training then ran at 0.09× the
+one-thread speed. With a passive wait policy a waiting thread sleeps instead: 0.92× the one-thread
+speed with a core busy, at a cost of 8-19% on an idle machine (benchmarks/bench_shared_machine.py,
+README "Reliability"). libgomp reads these variables once, when `import torch` loads it, so
+they must be in the environment before that. Child processes inherit them.
+"""
+
+import os
+from collections.abc import Mapping
+
+# The variables that decide how libgomp waits; a user who sets any of them keeps their choice.
+WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+SHARED_MACHINE_SETTINGS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def settings_to_add(environ: Mapping[str, str]) -> dict[str, str]:
+    """The wait settings to add to `environ`: none if the user has set any wait variable."""
+    if any(name in environ for name in WAIT_VARIABLES):
+        return {}
+    return dict(SHARED_MACHINE_SETTINGS)
+
+
+os.environ.update(settings_to_add(os.environ))
