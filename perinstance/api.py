@@ -70,7 +70,10 @@ class IndividualAccountant:
             return None
         if isinstance(sensitivities, torch.Tensor):
             sensitivities = sensitivities.detach().cpu().numpy()
-        ratios = np.array(sensitivities, dtype=float)
+        try:
+            ratios = np.array(sensitivities, dtype=float)
+        except (TypeError, ValueError):
+            raise ValueError(f"sensitivities must be numbers Δ*/Γ, one per point, not {sensitivities!r:.60}") from None
         if ratios.shape != (self.num_points,):
             raise ValueError(f"sensitivities must have shape ({self.num_points},) (one Δ*/Γ per point), "
                              f"not {ratios.shape}")

@@ -254,7 +254,15 @@ def test_sensitivities_of_an_opacus_model_leave_its_hooks_and_mode(tiny_model):
 def test_bad_sensitivities_arguments_are_refused(tiny_model, arguments, name):
     model, inputs, labels = tiny_model
     refused(lambda: sensitivities(model, (inputs, labels), **arguments), name)
+
+
+def test_sensitivities_refuse_data_and_layers_they_cannot_read(tiny_model):
+    model, inputs, labels = tiny_model
     refused(lambda: sensitivities(model, inputs, 1.0), "data")
+    refused(lambda: sensitivities(model, (inputs, labels[:5]), 1.0), "data")
+    tokens = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 2))
+    refused(lambda: sensitivities(tokens, (torch.randint(0, 10, (6, 3)), torch.zeros(6, dtype=torch.long)), 1.0),
+            "Embedding")
 
 
 def test_sensitivities_equal_compute_sensitivity(tmp_path):
@@ -332,3 +340,22 @@ def test_example_bad_flags_are_one_line_and_write_nothing(tmp_path, flags, flag)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], result.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+# --- the snippets of README.md and docs/api.md run as written -----------------------------------
+
+def python_block(document, heading):
+    """The first ```python block after `heading` in `document` (indentation of a list item removed)."""
+    text = open(os.path.join(ROOT, document), encoding="utf-8").read()
+    after = text[text.index(heading):]
+    start = after.index("```python\n") + len("```python\n")
+    lines = after[start:after.index("```", start)].splitlines()
+    indent = min(len(line) - len(line.lstrip()) for line in lines if line.strip())
+    return "\n".join(line[indent:] for line in lines)
+
+
+@pytest.mark.parametrize("document, heading", [("README.md", "## Your own model"), ("docs/api.md", "## Example")])
+def test_snippet_runs_as_written(document, heading, capsys):
+    exec(compile(python_block(document, heading), document, "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.strip(), printed
