@@ -47,9 +47,10 @@ class SmallConvNet(nn.Module):
 
     def __init__(self, num_classes: int):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
+        self.features = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                                      nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GroupNorm(4, 32), nn.ReLU(),
                                       nn.AdaptiveAvgPool2d(4))
-        self.classifier = nn.Linear(8 * 4 * 4, num_classes)
+        self.classifier = nn.Linear(32 * 4 * 4, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images).flatten(1))
@@ -73,7 +74,7 @@ def build_parser() -> Parser:
                         help="expected Poisson batch size; sample rate = batch size / N (default 256)")
     parser.add_argument("--noise-multiplier", type=positive_float, default=1.1, help="σ (default 1.1)")
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="clip bound C (default 1)")
-    parser.add_argument("--lr", type=positive_float, default=0.5, help="SGD learning rate (default 0.5)")
+    parser.add_argument("--lr", type=positive_float, default=2.0, help="SGD learning rate (default 2)")
     parser.add_argument("--every", type=positive_int, default=50,
                         help="measure Δ* of every point every K steps, from step 0 (default 50)")
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ (default 1e-5)")

@@ -320,7 +320,7 @@ def test_example_eps_is_the_scripts_eps_on_the_same_run(tmp_path):
     saved = json.loads((tmp_path / "example.json").read_text())
     eps = np.array(saved["eps"])
     assert len(eps) == 128 and saved["total_steps"] == 8 and len(saved["accountant"]["history"]) == 4
-    assert eps.max() < saved["opacus_eps"] and eps.min() > 0
+    assert eps.max() <= saved["opacus_eps"] * (1 + 1e-12) and 0 < eps.min() < 0.9 * saved["opacus_eps"]
     result_file(tmp_path / "res" / "example.csv", saved)
     np.testing.assert_allclose(eps, scripts_eps(tmp_path, "--holder-b", "inf"), rtol=1e-6)
     accountant = IndividualAccountant(128)
