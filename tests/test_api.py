@@ -321,6 +321,9 @@ def test_example_eps_is_the_scripts_eps_on_the_same_run(tmp_path):
     eps = np.array(saved["eps"])
     assert len(eps) == 128 and saved["total_steps"] == 8 and len(saved["accountant"]["history"]) == 4
     assert eps.max() <= saved["opacus_eps"] * (1 + 1e-12) and 0 < eps.min() < 0.9 * saved["opacus_eps"]
+    again = run_in_process(EXAMPLE, "--smoke", "--save", tmp_path / "again.json", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    np.testing.assert_allclose(json.loads((tmp_path / "again.json").read_text())["eps"], eps, rtol=1e-12)  # same seed
     result_file(tmp_path / "res" / "example.csv", saved)
     np.testing.assert_allclose(eps, scripts_eps(tmp_path, "--holder-b", "inf"), rtol=1e-6)
     accountant = IndividualAccountant(128)
