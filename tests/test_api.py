@@ -245,6 +245,15 @@ def test_sensitivities_of_an_opacus_model_leave_its_hooks_and_mode(tiny_model):
     assert all(param.grad is None and getattr(param, "grad_sample", None) is None for param in wrapped.parameters())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sensitivities_on_cuda_equal_the_cpu(tiny_model):
+    model, inputs, labels = tiny_model
+    expected = sensitivities(model, (inputs, labels), 1.0, "psac", scale_r=0.1)
+    measured = sensitivities(copy.deepcopy(model).cuda(), (inputs, labels), 1.0, "psac", scale_r=0.1)
+    assert measured.device.type == "cpu"
+    np.testing.assert_allclose(measured.numpy(), expected.numpy(), rtol=1e-4)
+
+
 @pytest.mark.parametrize("arguments, name", [
     (dict(clip_bound=0.0), "clip_bound"), (dict(clip_bound=1.0, clipping="soft"), "clipping"),
     (dict(clip_bound=1.0, clipping="psac"), "scale_r"),
