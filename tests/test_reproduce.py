@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_usage_error, load_script, run_in_process, snapshot
 from PIL import Image
 
-from perinstance import storage
+from perinstance.files import storage
 
 # The tiny preset on a small image folder instead of its synthetic points (a dataset override),
 # with the sizes that need more points than the folder has overridden too.
