@@ -37,7 +37,7 @@ def time_table_path(ratios, checkpoint_steps, total_steps, holder_b, rounding):
     started = time.perf_counter()
     levels = rdp_composition.sensitivity_levels(rounding, ratios)
     table = rdp_composition.RdpTable(SAMPLE_RATE, NOISE_MULTIPLIER,
-                                rdp_composition.composition_orders(ORDERS, total_steps, holder_b), levels)
+                                     rdp_composition.composition_orders(ORDERS, total_steps, holder_b), levels)
     built = time.perf_counter()
     rdp = rdp_composition.compose_rdp(table, ratios, checkpoint_steps, total_steps, ORDERS, holder_b)
     composed = time.perf_counter()

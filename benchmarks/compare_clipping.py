@@ -57,7 +57,7 @@ VARIANTS = [
 
 def run_variant(flags, seed, epochs, models_dir, setting, points):
     args = run_plan.TrainingFlags.parse(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
-                                     str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
+                                         str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
                                      "--seed", str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq",
                                      "1000000", *flags])
     outcome = training.train(args, quiet=True)

@@ -362,7 +362,7 @@ def test_rdp_tables_remember_levels_and_give_the_same_numbers():
 def composed(sample_rate, noise_multiplier, ratios, steps, total_steps, orders, holder_b, rounding=0.01):
     levels = rdp_composition.sensitivity_levels(rounding, ratios)
     table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
-                                rdp_composition.composition_orders(orders, total_steps, holder_b), levels)
+                                     rdp_composition.composition_orders(orders, total_steps, holder_b), levels)
     return rdp_composition.compose_rdp(table, np.asarray(ratios, dtype=float), steps, total_steps, orders, holder_b)
 
 

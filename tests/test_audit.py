@@ -109,10 +109,10 @@ def test_a_null_pair_proves_nothing():
 def test_projected_release_by_hand():
     # Sum rule: Σ + own if joined, plus noise.
     np.testing.assert_allclose(audit_bounds.projected_release(np.array([1.0, 1.0]), np.array([3, 3]), np.array([True, False]),
-                                                       0.5, np.array([0.1, 0.1]), "sum"), [1.6, 1.1])
+                                                              0.5, np.array([0.1, 0.1]), "sum"), [1.6, 1.1])
     # Mean rule: (Σ + own)/(k + 1) if joined, Σ/k if not, 0 or own for an empty batch.
     released = audit_bounds.projected_release(np.array([3.0, 3.0, 0.0, 0.0]), np.array([3, 3, 0, 0]),
-                                       np.array([True, False, True, False]), 1.0, 0.0, "mean")
+                                              np.array([True, False, True, False]), 1.0, 0.0, "mean")
     np.testing.assert_allclose(released, [1.0, 1.0, 1.0, 0.0])
 
 

@@ -209,11 +209,11 @@ def test_more_levels_never_loosen_the_bound_much_and_beat_one():
 
     def eps(levels):
         bound, weights, _ = certified_radius.certified_mixture(*statistics, 1.0, grid, log_weights, delta_size,
-                                                         levels=levels)
+                                                               levels=levels)
         return float(exact_eps_delta.per_step_eps(bound / noise_std, 1e-5, rate, np.exp(weights), 2 * delta_size)[0])
 
     baseline = float(exact_eps_delta.per_step_eps(certified_radius.baseline_mean_sensitivity(1.0, grid)[None, :] / noise_std,
-                                             1e-5, rate, np.exp(log_weights), delta_size)[0])
+                                                  1e-5, rate, np.exp(log_weights), delta_size)[0])
     one, sixteen, many = eps(1), eps(16), eps(64)
     assert many <= sixteen <= one < baseline
     assert sixteen < 0.6 * baseline and sixteen <= 1.05 * many

@@ -113,7 +113,7 @@ def certified_components(target, others, clip_bound, sample_rate, failure):
     sizes = np.arange(len(others) + 1)
     log_weights = batch_sizes.size_log_pmf(sizes, len(others), sample_rate)
     bound, component_log_weights, _ = certified_radius.certified_mixture([center_distance], [spread], [deviation],
-                                                                   clip_bound, sizes, log_weights, failure)
+                                                                         clip_bound, sizes, log_weights, failure)
     size_failures = certified_radius.size_failures(np.where(sizes > 0, log_weights, -np.inf), failure)
     radius = certified_radius.concentration_radius([spread], [deviation], np.maximum(sizes, 1), size_failures)[0]
 
@@ -279,7 +279,7 @@ def test_at_n_64_the_mean_rule_leaks_far_more_than_the_sum_rules_accounting(othe
     sizes = np.arange(size)
     sensitivities = np.where(sizes > 0, abs(1.0 - others_value) / (sizes + 1), 1.0)
     coupling = exact_eps_delta.per_step_eps(sensitivities[None, :] / mechanism.noise_std, delta, sample_rate,
-                                       stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
+                                            stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
     assert exact > 5 * sum_rule
     assert exact <= coupling * (1 + 1e-6) and coupling <= baseline * (1 + 1e-9)
 

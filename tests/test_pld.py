@@ -98,7 +98,7 @@ def certified_inputs(distances, checkpoints, n=7999, batch=256, size_delta=8e-10
     log_weights = batch_sizes.lumped_size_log_weights(grid, n, rate)
     distance = np.repeat(distances, checkpoints)
     bound = certified_radius.certified_sensitivity(distance, np.full(distance.shape, 0.3), np.full(distance.shape, 1.5),
-                                             1.0, grid, delta_size)
+                                                   1.0, grid, delta_size)
     return bound.reshape(len(distances), checkpoints, -1), log_weights, delta_size, rate
 
 
@@ -149,7 +149,7 @@ def test_one_step_of_the_mean_rule_bounds_the_exact_mixture(seed):
         center = np.mean(others)
         sizes = np.arange(len(others) + 1)
         bound = certified_radius.certified_sensitivity([abs(target - center)], [np.mean((others - center) ** 2)],
-                                                 [np.max(np.abs(others - center))], clip_bound, sizes, failure)[0]
+                                                       [np.max(np.abs(others - center))], clip_bound, sizes, failure)[0]
         law = pld.step_law(bound, batch_sizes.size_log_pmf(sizes, len(others), sample_rate), math.log(1 - failure),
                            dominate=True)
         for delta in (1e-2, 5e-2):

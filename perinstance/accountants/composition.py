@@ -46,9 +46,9 @@ def compose_sum_rule(ratios, steps, mechanism, *, orders, delta, holder_b=math.i
     horizons = [mechanism.total_steps] if horizons is None else list(horizons)
     levels = rdp_composition.sensitivity_levels(rounding, ratios)
     table = rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier,
-                                rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
+                                     rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
     converted = [rdp_composition.rdp_to_eps(orders, rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b),
-                                       delta) for horizon in horizons]
+                                            delta) for horizon in horizons]
     return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
 
 
@@ -140,7 +140,7 @@ def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=N
     eps, best_order = rdp_composition.rdp_to_eps(orders, total, budget)
     baseline_fail = sizes.delta_fail(Kind.BASELINE)
     baseline_eps, baseline_order = rdp_composition.rdp_to_eps(orders, total_steps * baseline_step,
-                                                         delta - total_steps * baseline_fail)
+                                                              delta - total_steps * baseline_fail)
     warn_edge(best_order, orders)
     common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean", **RDP_COLUMNS)
     return pd.concat([

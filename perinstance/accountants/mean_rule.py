@@ -254,7 +254,7 @@ def estimate_rdp(table, samples, sizes, clip_bound, masks=(None,)):
     for mask in masks:
         absent = np.isnan(samples.values) if mask is None else np.isnan(samples.values) | ~mask
         means, counts = certified_radius.stratified_log_means(np.where(absent[..., None], np.nan, moments),
-                                                        samples.batch_sizes, samples.grid)
+                                                              samples.batch_sizes, samples.grid)
         rdp = np.stack([certified_radius.mixture_rdp(means[..., column], log_weights, log_mass, alpha)
                         for column, alpha in enumerate(table.orders)], axis=1)
         results.append((rdp, means, counts))
@@ -458,9 +458,9 @@ def certified_rdp(statistics, mechanism, orders, sizes):
     chunks = [statistics.iloc[start:start + CERTIFIED_CHUNK] for start in range(0, len(statistics), CERTIFIED_CHUNK)]
     levels = np.unique(np.concatenate([
         certified_radius.geometric_levels(certified_sensitivities(chunk, mechanism.clip_bound, sizes).sensitivities
-                                    / mechanism.clip_bound, COMPOSITION_LEVEL_STEP) for chunk in chunks]))
+                                          / mechanism.clip_bound, COMPOSITION_LEVEL_STEP) for chunk in chunks]))
     table = rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders,
-                                levels)
+                                     levels)
     return np.concatenate([
         mixture_rdp(table, certified_sensitivities(chunk, mechanism.clip_bound, sizes), sizes.log_mass(Kind.CERTIFIED),
                     mechanism.clip_bound, dominant_sizes=False)[0] for chunk in chunks])

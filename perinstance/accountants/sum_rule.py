@@ -27,7 +27,7 @@ def per_step_eps(loaded, delta, method="exact", holder_p="1e4", gaussian="analyt
     if method == "holder":
         holder_p = parse_holder(holder_p, mechanism.total_steps)
         eps = exact_eps_delta.eps_delta_holder(rows["value"].to_numpy()[:, None], mechanism.noise_std,
-                                          mechanism.sample_rate, delta, holder_p, gaussian)
+                                               mechanism.sample_rate, delta, holder_p, gaussian)
         baseline = exact_eps_delta.baseline_eps_delta(mechanism.noise_multiplier, mechanism.sample_rate, delta, gaussian)
         certified = dict.fromkeys((Direction.REMOVE, Direction.ADD, Direction.MAX), eps)
         worst = dict.fromkeys(certified, np.full(len(rows), baseline))

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.stats import beta
 
 CONFIDENCE = 0.95
@@ -29,7 +30,8 @@ SELECTION_CONFIDENCE = 0.999
 
 # --- Clopper–Pearson and the ε conversion ---------------------------------------------------
 
-def clopper_pearson(successes, trials, confidence=CONFIDENCE):
+def clopper_pearson(successes: ArrayLike, trials: ArrayLike, confidence: float = CONFIDENCE) -> tuple[np.ndarray,
+                                                                                                      np.ndarray]:
     """Exact two-sided binomial interval (Clopper & Pearson 1934), elementwise.
 
     Each end alone is a one-sided bound at level (1 + confidence)/2; this module uses the
@@ -49,7 +51,7 @@ def clopper_pearson(successes, trials, confidence=CONFIDENCE):
     return lower, upper
 
 
-def epsilon_from_rates(rate_in, rate_out, delta):
+def epsilon_from_rates(rate_in: ArrayLike, rate_out: ArrayLike, delta: float) -> np.ndarray:
     """ε ≥ log((rate_in − δ)/rate_out): the ε an event with these rates proves (§3.3's
     hockey-stick inequality solved for ε), floored at 0 (ε ≥ 0 always holds). `rate_in` is
     the event's probability under the law it favours, `rate_out` under the other."""
@@ -61,7 +63,8 @@ def epsilon_from_rates(rate_in, rate_out, delta):
     return np.where(excess > 0, np.maximum(eps, 0.0), 0.0)
 
 
-def epsilon_lower_bound(hits_in, hits_out, trials_in, trials_out, delta, confidence=CONFIDENCE):
+def epsilon_lower_bound(hits_in: ArrayLike, hits_out: ArrayLike, trials_in: ArrayLike, trials_out: ArrayLike,
+                        delta: float, confidence: float = CONFIDENCE) -> np.ndarray:
     """ε ≥ log((TPR_lo − δ)/FPR_hi) with Clopper–Pearson ends: holds with probability
     ≥ `confidence` for an event fixed before these trials were drawn."""
     rate_in, _ = clopper_pearson(hits_in, trials_in, confidence)
@@ -112,14 +115,14 @@ def _candidates(scores_in, scores_out, delta, confidence):
     }
 
 
-def event_counts(scores_in, scores_out, direction, threshold):
+def event_counts(scores_in: ArrayLike, scores_out: ArrayLike, direction: str, threshold: float) -> tuple[int, int]:
     """(hits under the favoured law, hits under the other) of the event of `direction`."""
     if direction == "remove":
         return int(np.sum(scores_in > threshold)), int(np.sum(scores_out > threshold))
     return int(np.sum(scores_out < threshold)), int(np.sum(scores_in < threshold))
 
 
-def audit_scores(scores_in, scores_out, delta, confidence=CONFIDENCE):
+def audit_scores(scores_in: ArrayLike, scores_out: ArrayLike, delta: float, confidence: float = CONFIDENCE) -> Outcome:
     """The ε lower bound of a threshold test on a statistic T (docs/audit.md).
 
     scores_in: T over trials with x* in the training set (law P); scores_out: without it
@@ -146,7 +149,8 @@ def audit_scores(scores_in, scores_out, delta, confidence=CONFIDENCE):
 
 # --- the released update, projected -------------------------------------------------------
 
-def projected_release(others_sum, others_count, joined, own_value, noise, rule):
+def projected_release(others_sum: ArrayLike, others_count: ArrayLike, joined: ArrayLike, own_value: ArrayLike,
+                      noise: ArrayLike, rule: str) -> np.ndarray:
     """⟨ũ, e⟩ of one DP-SGD step (accounting.md §1) from its parts, elementwise.
 
     others_sum: Σ_{i∈B} ⟨h_i, e⟩ over the other points' batch B, of size others_count;
@@ -163,7 +167,7 @@ def projected_release(others_sum, others_count, joined, own_value, noise, rule):
     return total / np.maximum(size, 1) + noise
 
 
-def fisher_directions(targets, basis, variances, noise_var):
+def fisher_directions(targets: ArrayLike, basis: ArrayLike, variances: ArrayLike, noise_var: float) -> np.ndarray:
     """Unit directions Σ⁻¹t/||Σ⁻¹t|| for Σ = noise_var·I + V·diag(variances)·Vᵀ (rows of `targets`).
 
     The shift t that x* adds, against Gaussian noise of covariance Σ, is best detected by
@@ -181,7 +185,8 @@ def fisher_directions(targets, basis, variances, noise_var):
 
 # --- which points to audit -------------------------------------------------------------------
 
-def spread_points(sensitivities, correct, count, misclassified_share=0.2):
+def spread_points(sensitivities: ArrayLike, correct: ArrayLike, count: int,
+                  misclassified_share: float = 0.2) -> np.ndarray:
     """`count` point indices spanning the range of Δ* (hence of the per-step ε, which grows
     with it): evenly spaced ranks among correctly classified points (easy to typical to
     hard), and a `misclassified_share` of them among misclassified points. Sorted."""
@@ -204,7 +209,7 @@ def spread_points(sensitivities, correct, count, misclassified_share=0.2):
 
 # --- Appendix D of Yu et al.: loss-threshold membership inference ------------------------------
 
-def best_loss_threshold(member_losses, nonmember_losses):
+def best_loss_threshold(member_losses: ArrayLike, nonmember_losses: ArrayLike) -> float:
     """The τ maximising the balanced accuracy of "member iff loss < τ" on these losses
     (Sablayrolles et al. 2019's loss attack); the smallest such τ among the observed values."""
     member_losses = np.sort(np.asarray(member_losses, dtype=float))
@@ -215,13 +220,14 @@ def best_loss_threshold(member_losses, nonmember_losses):
     return float(candidates[int(np.argmax(true_positive - false_positive))])
 
 
-def attack_rates(member_losses, nonmember_losses, threshold):
+def attack_rates(member_losses: ArrayLike, nonmember_losses: ArrayLike, threshold: float) -> tuple[float, float]:
     """(TPR, FPR) of "member iff loss < threshold"."""
     return (float(np.mean(np.asarray(member_losses) < threshold)),
             float(np.mean(np.asarray(nonmember_losses) < threshold)))
 
 
-def loss_threshold_attack(member_losses, nonmember_losses, rng, splits):
+def loss_threshold_attack(member_losses: ArrayLike, nonmember_losses: ArrayLike, rng: np.random.Generator,
+                          splits: int) -> tuple[float, float, float]:
     """Balanced accuracy and advantage (TPR − FPR) of the loss-threshold attack, the threshold
     chosen on a random half of each set and evaluated on the other half, over `splits`
     random splits. Returns (mean accuracy, mean advantage, standard deviation of the accuracy
@@ -242,7 +248,7 @@ def loss_threshold_attack(member_losses, nonmember_losses, rng, splits):
     return float(accuracies.mean()), float(advantages.mean()), float(accuracies.std())
 
 
-def pearson(x, y):
+def pearson(x: ArrayLike, y: ArrayLike) -> float:
     """Pearson r; nan for fewer than two values or a constant input."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:

@@ -5,6 +5,7 @@ No I/O and no torch; vectorised over points; everything that can overflow is com
 """
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.stats import binom
 
 from perinstance.accounting.numerics import check_sample_rate, log_sub
@@ -12,12 +13,12 @@ from perinstance.accounting.numerics import check_sample_rate, log_sub
 SIZE_TAIL = 1e-12
 
 
-def size_log_pmf(sizes, n, sample_rate):
+def size_log_pmf(sizes: ArrayLike, n: int, sample_rate: float) -> np.ndarray:
     """log π_k = log P(Bin(n, q) = k)."""
     return binom.logpmf(np.asarray(sizes), n, sample_rate)
 
 
-def size_threshold(n, sample_rate, size_delta):
+def size_threshold(n: int, sample_rate: float, size_delta: float) -> int:
     """§3.4: k_min, the largest k with δ_size = P(Bin(n, q) < k) ≤ size_delta (0 if none)."""
     check_sample_rate(sample_rate)
     if not 0 <= size_delta < 1:
@@ -31,17 +32,17 @@ def size_threshold(n, sample_rate, size_delta):
     return int(sizes[below <= size_delta].max())
 
 
-def size_failure(n, sample_rate, k_min):
+def size_failure(n: int, sample_rate: float, k_min: int) -> float:
     """§3.4: δ_size = P(Bin(n, q) < k_min)."""
     return 0.0 if k_min <= 0 else float(binom.cdf(k_min - 1, n, sample_rate))
 
 
-def size_upper(n, sample_rate):
+def size_upper(n: int, sample_rate: float) -> int:
     """k_hi: the smallest k with P(Bin(n, q) > k) ≤ SIZE_TAIL (§3.2)."""
     return int(binom.isf(SIZE_TAIL, n, sample_rate)) if sample_rate > 0 else 0
 
 
-def size_grid(n, sample_rate, k_min, max_sizes):
+def size_grid(n: int, sample_rate: float, k_min: int, max_sizes: int) -> np.ndarray:
     """§3.2: the sizes at which the mean rule is evaluated: every size in [k_min, k_hi] if there are at
     most max_sizes of them, else max_sizes sizes, denser near k_min where the bound is decided."""
     k_hi = max(size_upper(n, sample_rate), k_min)
@@ -57,7 +58,7 @@ def size_grid(n, sample_rate, k_min, max_sizes):
         count += max_sizes - len(grid)
 
 
-def lumped_size_log_weights(grid_sizes, n, sample_rate):
+def lumped_size_log_weights(grid_sizes: ArrayLike, n: int, sample_rate: float) -> np.ndarray:
     """log of each grid size's probability with the sizes up to the next grid size lumped onto it
     (the last takes the whole tail): a size is always evaluated at a grid size *below* it, where
     the sensitivity bound is larger, so the lumping keeps bounds valid (§3.2)."""

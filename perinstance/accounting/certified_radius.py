@@ -7,6 +7,7 @@ No I/O and no torch; vectorised over points; everything that can overflow is com
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.special import logsumexp
 
 from perinstance.accounting.numerics import check_orders, check_positive, log_sub
@@ -57,7 +58,7 @@ def _unit_radius(variance_ratio, sizes, failure):
     return np.minimum(np.minimum(mcdiarmid, length / sizes), 1.0)
 
 
-def concentration_radius(spread, max_deviation, sizes, failure):
+def concentration_radius(spread: ArrayLike, max_deviation: ArrayLike, sizes: ArrayLike, failure: float) -> np.ndarray:
     """§7.2: r with P(||m(B) − μ_X|| > r) <= β over uniform k-subsets B of X, for sizes k >= 1.
 
     spread v_X, max_deviation b_X: (P,) per point; sizes and failure β broadcast together to a shape S.
@@ -72,7 +73,8 @@ def concentration_radius(spread, max_deviation, sizes, failure):
     return max_deviation.reshape(column) * table[np.searchsorted(levels, ratio, side="left")]
 
 
-def certified_sensitivity(center_distance, spread, max_deviation, clip_bound, sizes, failure):
+def certified_sensitivity(center_distance: ArrayLike, spread: ArrayLike, max_deviation: ArrayLike, clip_bound: float,
+                          sizes: ArrayLike, failure: float) -> np.ndarray:
     """§3.2, §7.2 certified: Δ̄_k = min(2Γ, d* + r_k(β))/(k+1) with r_k(β) of concentration_radius, which
     bounds Δ_B with probability >= 1 − β over uniform k-subsets B; Δ̄_0 = Γ.
 
@@ -96,7 +98,7 @@ def certified_sensitivity(center_distance, spread, max_deviation, clip_bound, si
     return np.where(sizes > 0, bound, clip_bound)
 
 
-def size_failures(log_weights, failure):
+def size_failures(log_weights: ArrayLike, failure: float) -> np.ndarray:
     """§7.4: a failure probability β_j per grid size with Σ_j Π_j·β_j <= β (Π_j = exp(log_weights)).
 
     Shares of β proportional to 1/(j+1), j = 0 at k_min: the smallest sizes, rare and where the bound
@@ -121,8 +123,9 @@ def size_failures(log_weights, failure):
     return np.full(len(mass), SIZE_FAILURE_CAP)
 
 
-def certified_mixture(center_distance, spread, max_deviation, clip_bound, sizes, log_weights, failure,
-                      levels=CERTIFIED_LEVELS):
+def certified_mixture(center_distance: ArrayLike, spread: ArrayLike, max_deviation: ArrayLike, clip_bound: float,
+                      sizes: ArrayLike, log_weights: ArrayLike, failure: float,
+                      levels: int = CERTIFIED_LEVELS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """§7.3-§7.4: the certified bound as a mixture over grid sizes × tail levels.
 
     Grid size j (lumped probability Π_j = exp(log_weights[j])) gets the failure β_j of size_failures
@@ -147,7 +150,7 @@ def certified_mixture(center_distance, spread, max_deviation, clip_bound, sizes,
             np.repeat(sizes, levels))
 
 
-def dominant_size(log_terms, component_sizes):
+def dominant_size(log_terms: ArrayLike, component_sizes: ArrayLike) -> np.ndarray:
     """§3.2 k*: per point (rows), the size k whose components carry the largest part of a mixture
     (log_terms: log of weight × term per component, columns labelled by component_sizes)."""
     log_terms = np.asarray(log_terms, dtype=float)
@@ -156,14 +159,14 @@ def dominant_size(log_terms, component_sizes):
     return sizes[np.argmax(per_size, axis=1)]
 
 
-def baseline_mean_sensitivity(clip_bound, sizes):
+def baseline_mean_sensitivity(clip_bound: float, sizes: ArrayLike) -> np.ndarray:
     """§3.2 baseline of the mean rule: Δ̄_k = 2Γ/(k+1), Δ̄_0 = Γ (data-independent)."""
     check_positive("clip_bound", clip_bound)
     sizes = np.asarray(sizes, dtype=float)
     return np.where(sizes > 0, 2 * clip_bound / (sizes + 1), clip_bound)
 
 
-def mixture_rdp(log_moments, log_weights, log_mass, alpha):
+def mixture_rdp(log_moments: ArrayLike, log_weights: ArrayLike, log_mass: ArrayLike, alpha: float) -> np.ndarray:
     """§3.2: (1/(α−1))·(log Σ_k w_k·exp(M_k) − log mass), with M_k = (α−1)·RDP_SGM at component k.
 
     log_moments (..., K), log_weights broadcastable to it, log_mass the log of the probability the
@@ -175,7 +178,8 @@ def mixture_rdp(log_moments, log_weights, log_mass, alpha):
     return np.maximum((logsumexp(log_moments + log_weights, axis=-1) - log_mass) / (alpha - 1), 0.0)
 
 
-def stratified_log_means(log_moments, sizes, grid_sizes):
+def stratified_log_means(log_moments: ArrayLike, sizes: ArrayLike, grid_sizes: ArrayLike) -> tuple[np.ndarray,
+                                                                                                   np.ndarray]:
     """§3.2 estimate: log Ê_k = log mean exp(M_b) over the samples b of each grid size k.
 
     log_moments (P, S, ...) with NaN for absent samples (trailing axes, e.g. orders, are carried along), sizes
@@ -201,12 +205,12 @@ def stratified_log_means(log_moments, sizes, grid_sizes):
     return means, counts
 
 
-def add_direction_cap(sample_rate):
+def add_direction_cap(sample_rate: float) -> float:
     """§3.2: D_α(Q||P) ≤ log(1/(1−q)) for every α, because P ≥ (1−q)·Q pointwise."""
     return -math.log1p(-sample_rate) if sample_rate < 1 else math.inf
 
 
-def geometric_levels(sensitivity_ratio, relative_step):
+def geometric_levels(sensitivity_ratio: ArrayLike, relative_step: float) -> np.ndarray:
     """§5: each Δ/Γ rounded up onto the grid (1 + relative_step)^j; the distinct levels used, plus 0.
 
     Rounding a sensitivity up keeps every bound valid; the grid makes a table of a few thousand

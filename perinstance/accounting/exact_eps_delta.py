@@ -7,6 +7,7 @@ No I/O and no torch; vectorised over points; everything that can overflow is com
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.special import log_ndtr, logsumexp
 
 from perinstance.accounting.numerics import check_positive, check_probability, check_sample_rate, log_sub
@@ -35,7 +36,7 @@ def _analytic_gaussian_eps(ratio, delta):
     return high
 
 
-def gaussian_eps(sensitivity, noise_std, delta, method="analytic"):
+def gaussian_eps(sensitivity: ArrayLike, noise_std: float, delta: float, method: str = "analytic") -> np.ndarray:
     """§3.3 ε_G(Δ): the Gaussian mechanism's ε at δ for sensitivity Δ and noise std s (vectorised).
 
     method="analytic": exact (Balle & Wang 2018). method="classic": Δ·sqrt(2 ln(1.25/δ))/s, valid
@@ -57,7 +58,8 @@ def gaussian_eps(sensitivity, noise_std, delta, method="analytic"):
     return eps
 
 
-def eps_delta_holder(sensitivities, noise_std, sample_rate, delta, holder_p, method="analytic"):
+def eps_delta_holder(sensitivities: ArrayLike, noise_std: float, sample_rate: float, delta: float, holder_p: float,
+                     method: str = "analytic") -> np.ndarray:
     """§3.3: per-step (ε, δ) of one point from its sensitivity samples Δ_1..Δ_n (last axis).
 
     p < ∞: δ_G = δ/(2q), δ' = δ/2, M = logsumexp_i(p·ε_G(Δ_i)) − log n,
@@ -83,12 +85,12 @@ def eps_delta_holder(sensitivities, noise_std, sample_rate, delta, holder_p, met
     return np.logaddexp(np.log1p(-sample_rate) if sample_rate < 1 else -np.inf, math.log(sample_rate) + exponent)
 
 
-def baseline_eps_delta(noise_multiplier, sample_rate, delta, method="analytic"):
+def baseline_eps_delta(noise_multiplier: float, sample_rate: float, delta: float, method: str = "analytic") -> float:
     """§3.3 baseline: Δ = Γ, s = σΓ, p = ∞, i.e. log(1 + q·(exp(ε_G) − 1)) with ε_G at δ/q."""
     return float(eps_delta_holder([1.0], noise_multiplier, sample_rate, delta, math.inf, method))
 
 
-def delta_remove(eps, mu, sample_rate):
+def delta_remove(eps: ArrayLike, mu: ArrayLike, sample_rate: float) -> np.ndarray:
     """§3.3 remove direction: H_{e^ε}((1−q)N(0,1) + qN(μ,1) || N(0,1)), elementwise.
 
     δ = q·Φ̄(x₀ − μ) − (e^ε − 1 + q)·Φ̄(x₀), x₀ = log((e^ε − 1 + q)/q)/μ + μ/2; 0 at μ = 0.
@@ -106,7 +108,7 @@ def delta_remove(eps, mu, sample_rate):
     return np.where(moving, np.exp(log_delta), 0.0)
 
 
-def delta_add(eps, mu, sample_rate):
+def delta_add(eps: ArrayLike, mu: ArrayLike, sample_rate: float) -> np.ndarray:
     """§3.3 add direction: H_{e^ε}(N(0,1) || (1−q)N(0,1) + qN(μ,1)), elementwise.
 
     c = 1 − e^ε(1−q); δ = 0 if c ≤ 0, else c·Φ(x₁) − e^ε·q·Φ(x₁ − μ), x₁ = log(c/(e^ε q))/μ + μ/2.
@@ -130,7 +132,7 @@ def delta_add(eps, mu, sample_rate):
 DIRECTION_DELTAS = {"remove": delta_remove, "add": delta_add}
 
 
-def mixture_delta(eps, mu, weights, sample_rate, direction):
+def mixture_delta(eps: ArrayLike, mu: ArrayLike, weights: ArrayLike, sample_rate: float, direction: str) -> np.ndarray:
     """Σ_j w_j·δ_direction(ε; μ_j) over the last axis (absent samples: NaN μ or weight 0)."""
     mu = np.asarray(mu, dtype=float)
     present = ~np.isnan(mu)
@@ -144,7 +146,8 @@ def mixture_delta(eps, mu, weights, sample_rate, direction):
 EPS_CHUNK_ELEMENTS = 1 << 20
 
 
-def per_step_eps(mu, delta, sample_rate, weights=None, delta_fail=0.0, direction="max"):
+def per_step_eps(mu: ArrayLike, delta: float, sample_rate: float, weights: ArrayLike | None = None,
+                 delta_fail: float = 0.0, direction: str = "max") -> np.ndarray:
     """§3.3, §7.6: the smallest ε ≥ 0 with δ(ε) ≤ δ, by a bracketing search (δ(ε) is nonincreasing).
 
     δ(ε) = Σ_j w_j·δ_dir(ε; μ_j) + δ_fail for direction "remove" or "add"; "max" takes the larger

@@ -8,6 +8,7 @@ import enum
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
 from perinstance.accounting import exact_eps_delta
 
@@ -35,7 +36,8 @@ PAIR = (Direction.REMOVE, Direction.ADD)
 REPORTED = (Direction.REMOVE, Direction.ADD, Direction.MAX)
 
 
-def eps_by_direction(mu, delta, sample_rate, weights=None, delta_fail=0.0):
+def eps_by_direction(mu: ArrayLike, delta: float, sample_rate: float, weights: ArrayLike | None = None,
+                     delta_fail: float = 0.0) -> dict[Direction, np.ndarray]:
     """§3.3: ε per direction (remove, add) and their max for mixtures of one-dimensional pairs
     (exact_eps_delta.per_step_eps): {Direction: array}."""
     eps = {direction: exact_eps_delta.per_step_eps(mu, delta, sample_rate, weights, delta_fail, direction.value)
@@ -44,7 +46,8 @@ def eps_by_direction(mu, delta, sample_rate, weights=None, delta_fail=0.0):
     return eps
 
 
-def direction_rows(index, kind, eps_by_direction, delta, **columns):
+def direction_rows(index: pd.MultiIndex, kind: str, eps_by_direction: dict[Direction, np.ndarray], delta: float,
+                   **columns) -> pd.DataFrame:
     """Long rows of one kind: one per entry of `index` (a pandas MultiIndex) and direction remove,
     add, max, with `eps` from {Direction: values}; a column given as {Direction: values} takes
     each direction's values."""

@@ -8,6 +8,7 @@ Pure: numpy, scipy and Google's dp_accounting; no torch and no I/O.
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy import fft
 from scipy.special import logsumexp
 
@@ -30,7 +31,7 @@ from perinstance.accounting.pld_grid import (
 )
 
 
-def segment_counts(checkpoint_steps, total_steps):
+def segment_counts(checkpoint_steps: ArrayLike, total_steps: int) -> tuple[np.ndarray, int]:
     """§4: the number of steps charged to each checkpoint (the latest one ≤ t−1 for step t), and to
     the worst case before the first one: (counts per checkpoint (C,), steps before the first)."""
     counts = np.zeros(len(checkpoint_steps), dtype=np.int64)
@@ -43,8 +44,9 @@ def segment_counts(checkpoint_steps, total_steps):
     return counts, before_first
 
 
-def sum_rule_eps(sensitivity_ratio, checkpoint_steps, total_steps, *, sample_rate, noise_multiplier, delta,
-                 rounding=0.01, interval=DEFAULT_INTERVAL):
+def sum_rule_eps(sensitivity_ratio: ArrayLike, checkpoint_steps: ArrayLike, total_steps: int, *, sample_rate: float,
+                 noise_multiplier: float, delta: float,
+                 rounding: float = 0.01, interval: float = DEFAULT_INTERVAL) -> DirectionalEps:
     """§8.2: per point ε at δ of the T steps of the sum rule, composed by PLD, both directions.
 
     sensitivity_ratio (P, C): Δ*/Γ per point at each checkpoint (checkpoint_steps, sorted); step t
@@ -77,7 +79,7 @@ def sum_rule_eps(sensitivity_ratio, checkpoint_steps, total_steps, *, sample_rat
     return DirectionalEps(**eps)
 
 
-def step_law(sensitivities, log_weights, log_mass, *, dominate):
+def step_law(sensitivities: ArrayLike, log_weights: ArrayLike, log_mass: ArrayLike, *, dominate: bool) -> np.ndarray:
     """§8.4: the per-step mixture over components (sizes or Δ_B samples) as a probability law.
 
     w_j = exp(log_weights_j − log_mass) over the present components (NaN sensitivity: absent).
@@ -111,7 +113,7 @@ def step_law(sensitivities, log_weights, log_mass, *, dominate):
     return np.where(missing, np.nan, law)
 
 
-def estimate_log_weights(sample_sizes, grid_sizes, grid_log_weights):
+def estimate_log_weights(sample_sizes: ArrayLike, grid_sizes: ArrayLike, grid_log_weights: ArrayLike) -> np.ndarray:
     """§3.2 stratified estimate as a mixture: each sample of size k weighs π_k/n_k, with n_k the
     samples of its row at that size (sample_sizes (..., S), NaN: absent). Rows with a grid size
     without samples give NaN (their estimate is undefined, as in the RDP path)."""
@@ -135,8 +137,10 @@ def estimate_log_weights(sample_sizes, grid_sizes, grid_log_weights):
     return np.where((counts == 0).any(axis=-1, keepdims=True), np.nan, log_weights)
 
 
-def mean_rule_eps(sensitivities, weights, checkpoint_steps, total_steps, *, sample_rate, noise_std, delta,
-                  delta_fail, before_first=None, relative_step=1e-2, interval=DEFAULT_INTERVAL):
+def mean_rule_eps(sensitivities: ArrayLike, weights: ArrayLike, checkpoint_steps: ArrayLike, total_steps: int, *,
+                  sample_rate: float, noise_std: float, delta: float, delta_fail: float,
+                  before_first: tuple[ArrayLike, ArrayLike] | None = None, relative_step: float = 1e-2,
+                  interval: float = DEFAULT_INTERVAL) -> DirectionalEps:
     """§8.4: per point ε at δ of the T steps of the mean rule, composed by PLD, both directions.
 
     sensitivities (P, C, S): per point, checkpoint and mixture component (size k or Δ_B sample;

@@ -15,10 +15,12 @@ sensitivity level; this module composes them for every point at once:
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from dp_accounting.pld import pld_pmf, privacy_loss_mechanism
+from numpy.typing import ArrayLike
 from scipy import fft, signal
 from scipy.special import logsumexp
 
@@ -55,10 +57,10 @@ class LossPmf:
     infinity_mass: float
 
     @property
-    def upper(self):
+    def upper(self) -> int:
         return self.lower + len(self.probs) - 1
 
-    def log_mgf(self, orders, interval):
+    def log_mgf(self, orders: ArrayLike, interval: float) -> np.ndarray:
         """log E[e^{tL}; L finite] at each order t (Chernoff bounds of §8.3).
 
         Blocked: with i = b·a + r, Σ_i p_i e^{tℓ_i} = Σ_a e^{t(ℓ_0 + b·a·h)}·Σ_r p_{ba+r} e^{t·r·h}, the
@@ -73,7 +75,7 @@ class LossPmf:
         with np.errstate(divide="ignore"):
             return logsumexp(np.log(inner) + starts[:, None] * orders[None, :], axis=0)
 
-    def folded(self, length):
+    def folded(self, length: int) -> np.ndarray:
         """The masses on a circle of `length` bins: loss index i at i mod length."""
         positions = (self.lower + np.arange(len(self.probs))) % length
         return np.bincount(positions, weights=self.probs, minlength=length)
@@ -87,7 +89,7 @@ class DirectionalEps:
     add: np.ndarray
 
     @property
-    def max(self):
+    def max(self) -> np.ndarray:
         return np.maximum(self.remove, self.add)
 
 
@@ -121,7 +123,8 @@ def _connect_the_dots(noise_multiplier, sample_rate, interval, direction):
                    infinity_mass=float(dense._infinity_mass))
 
 
-def subsampled_gaussian_pmfs(noise_multipliers, sample_rate, interval=DEFAULT_INTERVAL):
+def subsampled_gaussian_pmfs(noise_multipliers: ArrayLike, sample_rate: float,
+                             interval: float = DEFAULT_INTERVAL) -> dict[str, list[LossPmf]]:
     """§8.1: {direction: [LossPmf per level]}, the pessimistic PLD of one step of the subsampled
     Gaussian with sensitivity 1 and noise std z (as dp_accounting.from_gaussian_mechanism builds
     it). z = inf (sensitivity 0) and q = 0 cost nothing: the PLD is a point mass at loss 0."""
@@ -138,7 +141,8 @@ def subsampled_gaussian_pmfs(noise_multipliers, sample_rate, interval=DEFAULT_IN
     return pmfs
 
 
-def epsilon_for_delta(probs, first, interval, infinity_mass, delta):
+def epsilon_for_delta(probs: ArrayLike, first: ArrayLike, interval: float, infinity_mass: ArrayLike,
+                      delta: float) -> np.ndarray:
     """The smallest ε ≥ 0 with δ(ε) = m_∞ + Σ_i p_i·(1 − e^{ε − ℓ_i})_+ ≤ δ, row by row (§8.1).
 
     probs (n, m): masses at the losses ℓ_i = (first + i)·interval, first ≥ 0 (masses below loss 0
@@ -188,7 +192,8 @@ def epsilon_for_delta(probs, first, interval, infinity_mass, delta):
     return np.where(infinity_mass <= delta, eps, np.inf)
 
 
-def window_bounds(log_mgf, hard_lower, hard_upper, interval, tail_mass):
+def window_bounds(log_mgf: ArrayLike, hard_lower: ArrayLike, hard_upper: ArrayLike, interval: float,
+                  tail_mass: float) -> tuple[np.ndarray, np.ndarray]:
     """Per point, loss indices [lower, upper] outside which the composed finite mass is at most
     tail_mass on each side, from log E[e^{tS}] at CHERNOFF_ORDERS (n, orders), within the hard
     support [hard_lower, hard_upper]."""
@@ -202,7 +207,7 @@ def window_bounds(log_mgf, hard_lower, hard_upper, interval, tail_mass):
     return lower.astype(np.int64), upper.astype(np.int64)
 
 
-def mass_above(log_mgf, hard_upper, window_upper, interval):
+def mass_above(log_mgf: ArrayLike, hard_upper: ArrayLike, window_upper: ArrayLike, interval: float) -> np.ndarray:
     """Chernoff bound on the composed finite mass above loss index window_upper (0 when the
     support ends there)."""
     positive = CHERNOFF_ORDERS > 0
@@ -211,7 +216,7 @@ def mass_above(log_mgf, hard_upper, window_upper, interval):
     return np.where(hard_upper <= window_upper, 0.0, np.minimum(bound, 1.0))
 
 
-def chunks(lower, upper):
+def chunks(lower: ArrayLike, upper: ArrayLike) -> Iterator[tuple[np.ndarray, int, int]]:
     """Points ordered by window width, in runs that fit CHUNK_ENTRIES; each with its window."""
     order = np.argsort(upper - lower, kind="stable")
     start = 0
@@ -229,7 +234,8 @@ def chunks(lower, upper):
         start = stop
 
 
-def read_window(composed, window_lower, interval, infinity_mass, delta):
+def read_window(composed: ArrayLike, window_lower: ArrayLike, interval: float, infinity_mass: ArrayLike,
+                delta: float) -> np.ndarray:
     """ε per row of circular composed PMFs (loss index s at s mod length), whose window starts at
     loss index window_lower."""
     length = composed.shape[1]
@@ -241,7 +247,7 @@ def read_window(composed, window_lower, interval, infinity_mass, delta):
     return epsilon_for_delta(window, first, interval, infinity_mass, delta)
 
 
-def level_spectra(pmfs, used, length):
+def level_spectra(pmfs: list[LossPmf], used: ArrayLike, length: int) -> np.ndarray:
     """rfft of each used level's PMF folded on a circle of `length` bins."""
     folded = np.stack([pmfs[level].folded(length) for level in used])
     return fft.rfft(folded, axis=1)
@@ -263,7 +269,7 @@ def _exp_spectrum(log_modulus, phase):
     return spectrum
 
 
-def compose_counts(pmfs, counts, interval, delta):
+def compose_counts(pmfs: list[LossPmf], counts: ArrayLike, interval: float, delta: float) -> np.ndarray:
     """ε of one direction for points whose composition charges counts[p, ℓ] steps to level ℓ
     (§8.3): S = Σ_ℓ counts·L_ℓ, spectrum exp(counts @ log F_ℓ)."""
     orders_mgf = np.stack([pmf.log_mgf(CHERNOFF_ORDERS, interval) for pmf in pmfs])

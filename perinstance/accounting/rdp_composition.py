@@ -9,6 +9,7 @@ import math
 import warnings
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from perinstance.accounting.numerics import check_holder_b, check_orders, check_probability
 from perinstance.accounting.renyi_step import opacus_rdp, rdp_sgm, rdp_sgm_levels
@@ -26,7 +27,7 @@ COMPOSITION_ORDERS = [1.25, 1.5, 1.75, 2, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7, 2.8
                       112, 128, 160, 192, 224, 256]
 
 
-def holder_orders(alpha, steps, holder_b):
+def holder_orders(alpha: float, steps: int, holder_b: float) -> np.ndarray:
     """§4: λ_k = 1 + (λ−1)·a^k for k = 0..steps−1 with a = b/(b−1); b = ∞ gives λ_k = λ."""
     check_holder_b(holder_b)
     check_orders([alpha])
@@ -35,7 +36,7 @@ def holder_orders(alpha, steps, holder_b):
     return alpha + (alpha - 1.0) * (growth ** np.arange(steps) - 1.0)
 
 
-def composition_orders(orders, total_steps, holder_b):
+def composition_orders(orders: ArrayLike, total_steps: int, holder_b: float) -> np.ndarray:
     """The orders at which composition evaluates RDP_SGM: the requested ones and, for finite b,
     a geometric grid (COMPOSITION_ORDER_RATIO) up to the largest λ_k (§4), integer from
     INTEGER_ORDERS_FROM on. Between two of them the chord of log A_λ is used (compose_rdp)."""
@@ -49,7 +50,7 @@ def composition_orders(orders, total_steps, holder_b):
     return np.unique(np.concatenate([orders, grid]))
 
 
-def sensitivity_levels(rounding, sensitivity_ratio):
+def sensitivity_levels(rounding: float, sensitivity_ratio: ArrayLike) -> np.ndarray:
     """§5: the Δ/Γ values at which composition computes RDP: each observed ratio rounded up to a
     multiple of `rounding` (0: the ratios themselves), plus 0 and 1 (the worst case Γ)."""
     if not 0 <= rounding <= 1:
@@ -102,7 +103,7 @@ class RdpTable:
     upper bound. Level 0 (Δ = 0) costs nothing.
     """
 
-    def __init__(self, sample_rate, noise_multiplier, orders, levels):
+    def __init__(self, sample_rate: float, noise_multiplier: float, orders: ArrayLike, levels: ArrayLike) -> None:
         check_orders(orders)
         if np.any(~(np.asarray(levels, dtype=float) >= 0)):
             raise ValueError("levels must be >= 0")
@@ -115,17 +116,17 @@ class RdpTable:
         self.log_moment = self.rdp * (self.orders - 1.0)
 
 
-    def level_index(self, sensitivity_ratio):
+    def level_index(self, sensitivity_ratio: ArrayLike) -> np.ndarray:
         """Index of the smallest level ≥ Δ/Γ (ratios above the largest level by rounding map to it)."""
         ratio = np.minimum(np.asarray(sensitivity_ratio, dtype=float), self.levels[-1])
         return np.searchsorted(self.levels, ratio, side="left")
 
-    def log_moments(self, sensitivity_ratio):
+    def log_moments(self, sensitivity_ratio: ArrayLike) -> np.ndarray:
         """(λ−1)·RDP_SGM at the level rounded up from each Δ/Γ: shape (*ratio.shape, orders)."""
         return self.log_moment[self.level_index(sensitivity_ratio)]
 
 
-def carry_forward(sensitivity_ratio):
+def carry_forward(sensitivity_ratio: ArrayLike) -> np.ndarray:
     """§4 for several runs whose checkpoints differ: (R, C, P) Δ/Γ at the union of checkpoint
     steps, NaN where a run has no checkpoint. Each run keeps its latest earlier checkpoint;
     before its first one, the worst case Δ = Γ (ratio 1)."""
@@ -136,7 +137,7 @@ def carry_forward(sensitivity_ratio):
     return np.where((latest < 0)[:, :, None], 1.0, carried)
 
 
-def step_segments(checkpoint_steps, total_steps):
+def step_segments(checkpoint_steps: ArrayLike, total_steps: int) -> list[tuple[int, int, int | None]]:
     """§4: steps 1..T grouped by the checkpoint they use, the latest one ≤ t−1.
 
     Returns (first_step, last_step, checkpoint_index) triples; index None marks the steps before
@@ -199,7 +200,8 @@ def _holder_mean(moment, holder_b):
     return largest + np.log(moment.mean(axis=0)) / holder_b
 
 
-def compose_rdp(table, sensitivity_ratio, checkpoint_steps, total_steps, orders, holder_b):
+def compose_rdp(table: RdpTable, sensitivity_ratio: ArrayLike, checkpoint_steps: ArrayLike, total_steps: int,
+                orders: ArrayLike, holder_b: float) -> np.ndarray:
     """§4: per point, an upper bound on D_λ(P||Q) over the T steps, at each order λ in `orders`.
 
     (λ−1)·D_λ ≤ Σ_t a^{−(T−t)}·(1/b)·log((1/R) Σ_r exp(b·(λ_{T−t}−1)·ρ_{r,t}(λ_{T−t}))),
@@ -232,7 +234,7 @@ def compose_rdp(table, sensitivity_ratio, checkpoint_steps, total_steps, orders,
     return total / (orders - 1.0)
 
 
-def rdp_to_eps(orders, rdp, delta):
+def rdp_to_eps(orders: ArrayLike, rdp: ArrayLike, delta: float) -> tuple[np.ndarray, np.ndarray]:
     """RDP curve(s) → (ε, δ) with Opacus's get_privacy_spent (§4); rdp: (..., O).
 
     Returns (eps, best_order) arrays of shape (...). ε is floored at 0.
@@ -253,7 +255,7 @@ def rdp_to_eps(orders, rdp, delta):
     return np.maximum(eps, 0.0).reshape(rdp.shape[:-1]), best_order.reshape(rdp.shape[:-1])
 
 
-def baseline_rdp(noise_multiplier, sample_rate, orders, steps=1):
+def baseline_rdp(noise_multiplier: float, sample_rate: float, orders: ArrayLike, steps: int = 1) -> np.ndarray:
     """Data-independent baseline (§3.1, §4): Opacus's RDP for (q, σ) over `steps` steps."""
     return steps * _remembered_rdp_sgm(float(sample_rate), float(noise_multiplier),
                                        tuple(np.atleast_1d(np.asarray(orders, dtype=float)).tolist()))

@@ -12,6 +12,7 @@ import os
 import sys
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.special import gammaln, gammasgn, log_ndtr, logsumexp
 
 from perinstance.accounting.numerics import check_noise, check_orders, check_positive, check_sample_rate, log_sub
@@ -40,7 +41,7 @@ opacus_rdp = _load_opacus_rdp()
 LARGEST_OPACUS_ORDER = 512
 
 
-def rdp_sgm(sample_rate, noise_multiplier, orders):
+def rdp_sgm(sample_rate: float, noise_multiplier: float, orders: ArrayLike) -> np.ndarray:
     """RDP_SGM(q, z, λ) for one step at each order (§3, §9): rdp_sgm_levels at one noise multiplier."""
     check_sample_rate(sample_rate)
     check_noise(noise_multiplier)
@@ -111,7 +112,7 @@ def _log_erfc(value):
     return math.log(2) + log_ndtr(-value * math.sqrt(2))
 
 
-def rdp_sgm_levels(sample_rate, noise_multipliers, orders):
+def rdp_sgm_levels(sample_rate: float, noise_multipliers: ArrayLike, orders: ArrayLike) -> np.ndarray:
     """RDP_SGM(q, z, λ) for many noise multipliers z at once (§3, §9): (Z, orders), as Opacus computes it
     (`opacus.accountants.analysis.rdp`), made robust and evaluated for every z together.
 
@@ -164,7 +165,8 @@ def _rdp_of_live_levels(sample_rate, sigma, live, orders, rdp):
     return rdp
 
 
-def rdp_sum_rule(grad_norm, clip_bound, noise_multiplier, sample_rate, orders):
+def rdp_sum_rule(grad_norm: ArrayLike, clip_bound: float, noise_multiplier: float, sample_rate: float,
+                 orders: ArrayLike) -> np.ndarray:
     """§3.1: ρ(λ) = RDP_SGM(q, σ·Γ/Δ*, λ) per point (rows) and order (columns); 0 at Δ* = 0.
 
     Δ* above Γ by rounding only (the caller validates) is taken as Γ.
@@ -183,7 +185,7 @@ def rdp_sum_rule(grad_norm, clip_bound, noise_multiplier, sample_rate, orders):
     return table[position.reshape(-1)]
 
 
-def renyi_statistic(sample_means, target_mean):
+def renyi_statistic(sample_means: ArrayLike, target_mean: ArrayLike) -> np.ndarray:
     """§2: S = Σ_j ||m_j||² − (α−1)·||m_0||² − ||Σ_j m_j − (α−1)·m_0||².
 
     sample_means: (..., α, d) the updates m(B_1..B_α); target_mean: (..., d) the update m(B_0).
@@ -200,7 +202,8 @@ def _log_mean_exp(log_terms):
     return logsumexp(log_terms) - math.log(log_terms.size)
 
 
-def rdp_mean_rule(statistics, noise_std, alpha, aggregate="joint", target_batch=None):
+def rdp_mean_rule(statistics: ArrayLike, noise_std: float, alpha: float, aggregate: str = "joint",
+                  target_batch: ArrayLike | None = None) -> float:
     """§3.2: Monte-Carlo Rényi bound of the mean rule at integer order α from K values of S.
 
     aggregate="joint": ρ̂ = (logsumexp_k(−S_k/(2 s_m²)) − log K)/(α−1), the estimator of the bound.

@@ -384,8 +384,8 @@ def gap_summary(rows, mechanism, size_delta=None):
         # step's points together with probability >= c. The evaluation half has trials − ⌊trials/2⌋.
         counted = group["trials"].to_numpy() - group["trials"].to_numpy() // 2
         jointly = audit_bounds.epsilon_lower_bound(np.round(group["tpr"].to_numpy() * counted),
-                                            np.round(group["fpr"].to_numpy() * counted), counted, counted, delta,
-                                            1 - (1 - float(group["confidence"].iloc[0])) / len(group))
+                                                   np.round(group["fpr"].to_numpy() * counted), counted, counted, delta,
+                                                   1 - (1 - float(group["confidence"].iloc[0])) / len(group))
         summary[int(step)] = {
             "points": len(group), "trials": int(group["trials"].iloc[0]), "delta": delta,
             "noise_multiplier": mechanism.noise_multiplier, "sample_rate": mechanism.sample_rate,

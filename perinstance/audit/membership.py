@@ -83,7 +83,7 @@ def attack_by_class(run, step, members, splits, seed, device):
         rng = sampling.stream_rng(seed, sampling.MEMBERSHIP_STREAM, label, 1)
         if len(member_rows) >= 2 and nonmember.sum() >= 2:
             accuracy, advantage, spread = audit_bounds.loss_threshold_attack(train_losses[member_rows],
-                                                                      test_losses[nonmember], rng, splits)
+                                                                             test_losses[nonmember], rng, splits)
         else:
             accuracy = advantage = spread = np.nan
         rows.append({"class": label, "members": len(member_rows), "nonmembers": int(nonmember.sum()),
