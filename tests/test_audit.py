@@ -268,7 +268,7 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
 def test_a_too_small_upper_bound_is_flagged(audit_run, monkeypatch):
     # Hand the audit the accountant's bound for Δ*/4 instead of Δ*: it must prove that bound wrong.
     exact = exact_eps_delta.per_step_eps
-    monkeypatch.setattr(audit_simulation.accounting, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
+    monkeypatch.setattr(audit_simulation.exact_eps_delta, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
     result, rows = audit_run("--points", "0-3", "--trials", "200000")
     assert result.returncode == 1 and (rows["violated"] == 1).all()
     assert (rows["eps_lower"] > rows["eps_upper"]).all()
