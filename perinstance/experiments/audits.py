@@ -10,12 +10,14 @@ import os
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.audit import audit_simulation
-from perinstance.experiments.commands import FIGURES, RES_DIR
+from perinstance.experiments.commands import FIGURES, RES_DIR, Commands
+from perinstance.experiments.config import ReproduceConfig
 from perinstance.plots import audit_plots
 from perinstance.train import runs
 
 
-def audit_rules(commands, config, main_name, mean_name, out_dir, device):
+def audit_rules(commands: Commands, config: ReproduceConfig, main_name: str, mean_name: str, out_dir: str,
+                device: str) -> dict[str, dict]:
     """Finding 8: {rule: audit summary}, the sum rule audited on the main run and the mean rule on the
     matched-steps run at the batch size nearest the main run's."""
     audits = {}
@@ -32,7 +34,7 @@ def audit_rules(commands, config, main_name, mean_name, out_dir, device):
     return audits
 
 
-def gap_audit(commands, config, gap_name, out_dir, device):
+def gap_audit(commands: Commands, config: ReproduceConfig, gap_name: str, out_dir: str, device: str) -> dict:
     """Finding 10 and figure 9 (docs/audit.md §1): a realised-size mean-rule run on the first gap_points training
     points, audited at its last checkpoint; every point's empirical lower bound against the sum rule's per-step
     ε at the same σ and q and the mean rule's own baseline (audit_simulation.gap_summary)."""

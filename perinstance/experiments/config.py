@@ -97,11 +97,11 @@ GAP_RUN_FIELDS = ("model", "gap_points", "gap_batch_size", "gap_sigma", "gap_epo
 NODP_RUN_FIELDS = ("model", "batch_size", "epochs", "nodp_lr")
 
 
-def field_types():
+def field_types() -> dict[str, type]:
     return {field.name: field.type for field in dataclasses.fields(ReproduceConfig)}
 
 
-def parse_field(name, text):
+def parse_field(name: str, text: str) -> object:
     """The value of field `name` from its command-line text; ValueError when it does not fit the type."""
     kind = field_types()[name]
     if typing.get_origin(kind) is tuple:
@@ -120,7 +120,7 @@ def parse_field(name, text):
     return value
 
 
-def type_name(kind):
+def type_name(kind: type) -> str:
     if typing.get_origin(kind) is tuple:
         return f"comma-separated {typing.get_args(kind)[0].__name__}s"
     if typing.get_origin(kind) is typing.Literal:
@@ -128,7 +128,7 @@ def type_name(kind):
     return kind.__name__
 
 
-def apply_overrides(config, assignments):
+def apply_overrides(config: ReproduceConfig, assignments: list[str]) -> ReproduceConfig:
     """`config` with each `FIELD=VALUE` of --set applied in order, every value checked against its field's type."""
     types = field_types()
     allowed = f"fields: {', '.join(types)}"
@@ -147,18 +147,18 @@ def apply_overrides(config, assignments):
     return dataclasses.replace(config, **changes)
 
 
-def field_text(value):
+def field_text(value: object) -> str:
     """A field's value as --set and the scripts' flags take it."""
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-def overridden(config, preset):
+def overridden(config: ReproduceConfig, preset: str) -> dict[str, object]:
     """{field: value} of the fields where `config` differs from the preset's configuration."""
     base = PRESETS[preset]
     return {name: getattr(config, name) for name in field_types() if getattr(config, name) != getattr(base, name)}
 
 
-def variant_tag(config, preset, fields):
+def variant_tag(config: ReproduceConfig, preset: str, fields: tuple[str, ...]) -> str:
     """'' when `fields` keep the preset's values, else '-' and a hash of the changed ones, so that a run
     or result file of another configuration never shares a name with the preset's."""
     changed = {name: field_text(value) for name, value in overridden(config, preset).items() if name in fields}
@@ -167,7 +167,7 @@ def variant_tag(config, preset, fields):
     return "-" + hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def training_flags(config, device):
+def training_flags(config: ReproduceConfig, device: str) -> list[str]:
     """The flags of train_dpsgd.py (and compute_sensitivity.py) for the run `config` describes."""
     save_steps = ["--save-steps", config.save_steps] if config.save_steps else []
     return ["--dataset", config.dataset, "--model", config.model, "--batch-size", str(config.batch_size),
@@ -175,7 +175,7 @@ def training_flags(config, device):
             "--save-freq", str(config.save_freq), *save_steps, "--device", device]
 
 
-def check_dataset(config, preset, flag):
+def check_dataset(config: ReproduceConfig, preset: str, flag: str) -> None:
     """Load a dataset other than the preset's once, so that a bad one fails before any work."""
     if config.dataset == PRESETS[preset].dataset:
         return
@@ -186,7 +186,7 @@ def check_dataset(config, preset, flag):
         raise UsageError(flag, message) from None
 
 
-def check_config(config):
+def check_config(config: ReproduceConfig) -> None:
     """Fields whose domain their type does not say, refused with the field named (--set)."""
     checks = [(all(0 < rate <= 1 for rate in config.fixed_sample_rates),
                f"fixed_sample_rates={field_text(config.fixed_sample_rates)}: every rate must be in (0, 1]"),

@@ -5,26 +5,29 @@ perinstance/plots/).
 import os
 
 import numpy as np
+import pandas as pd
 
 from perinstance.accountants import composition
 from perinstance.accounting import rdp_composition
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.experiments.commands import FIGURES
-from perinstance.experiments.config import DATA_ROOT
+from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B
 from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED
 from perinstance.files import checkpoints
 from perinstance.plots import plots
 from perinstance.train import training
 from perinstance.train.data import load_dataset
+from perinstance.train.runs import RunConfig
 
 
-def final_rows(frame, step):
+def final_rows(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     return frame[frame["step"] == step]
 
 
-def draw_figures(out_dir, config, main_run, run_dir, sensitivities, per_step, composed, composed_pld, tracked,
-                 mean_results, device):
+def draw_figures(out_dir: str, config: ReproduceConfig, main_run: RunConfig, run_dir: str, sensitivities: pd.DataFrame,
+                 per_step: pd.DataFrame, composed: pd.DataFrame, composed_pld: pd.DataFrame, tracked: pd.DataFrame,
+                 mean_results: dict, device: str) -> dict:
     final_step = max(checkpoints.saved_steps(run_dir))
     at_end = final_rows(sensitivities, final_step).set_index("point")
     findings = {}
@@ -81,7 +84,7 @@ def draw_figures(out_dir, config, main_run, run_dir, sensitivities, per_step, co
     return findings
 
 
-def draw_mean_rule(mean_results, config, path):
+def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> dict:
     """Figure 3 and its numbers: both designs' per-step and whole-run guarantees of the mean rule by sampling rate."""
     designs, facts = {}, {}
     for label, step in ((DESIGN_EARLY, "early"), (DESIGN_FINAL, "final")):
@@ -100,7 +103,7 @@ def draw_mean_rule(mean_results, config, path):
     return {design: {**values, "facts": facts[design]} for design, values in drawn.items()}
 
 
-def pick_points(eps, correct):
+def pick_points(eps: pd.Series, correct: pd.Series) -> dict[str, int]:
     """An easy (lowest ε), a hard (highest ε) correctly classified point, and a misclassified one."""
     chosen = {}
     right = eps[correct.to_numpy()]
@@ -114,7 +117,8 @@ def pick_points(eps, correct):
     return chosen
 
 
-def composition_curves(run, sensitivities, chosen, delta):
+def composition_curves(run: RunConfig, sensitivities: pd.DataFrame, chosen: dict[str, int],
+                       delta: float) -> tuple[dict, tuple[np.ndarray, np.ndarray], np.ndarray]:
     """Composed ε after every step t = 0..T (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞) for the chosen
     points, by the accountant's own composition (composition.compose_sum_rule, its default rounding), and
     the worst case; also the checkpoint steps whose Δ* charge the steps after them."""

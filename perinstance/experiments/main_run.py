@@ -10,17 +10,21 @@ figures.py.
 import math
 import os
 
-from perinstance.experiments.commands import RES_DIR, result_file
-from perinstance.experiments.config import MAIN_RUN_FIELDS, training_flags, variant_tag
+import pandas as pd
+
+from perinstance.experiments.commands import RES_DIR, Commands, result_file
+from perinstance.experiments.config import MAIN_RUN_FIELDS, ReproduceConfig, training_flags, variant_tag
 from perinstance.files import storage
 from perinstance.train import runs
+from perinstance.train.runs import RunConfig
 
 # Composition along the run uses Hölder b = ∞: plain composition along the one observed trajectory
 # (accounting.md §4), in the accountant and in the curves of figure 4 alike.
 COMPOSITION_HOLDER_B = math.inf
 
 
-def train_and_measure(commands, config, preset, name, device):
+def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, name: str,
+                      device: str) -> tuple[str, str, RunConfig, pd.DataFrame]:
     """The main run (sum rule) with per-step norms of the tracked points (figure 6), then Δ* of every training point
     at every checkpoint: (run name, run folder, RunConfig, sensitivity rows)."""
     main_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS)}-sum"
@@ -33,7 +37,8 @@ def train_and_measure(commands, config, preset, name, device):
     return main_name, run_dir, main_run, storage.read_frame(result_file(main_name))
 
 
-def account_main_run(commands, config, main_name, run_dir, total_steps):
+def account_main_run(commands: Commands, config: ReproduceConfig, main_name: str, run_dir: str,
+                     total_steps: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(per-step (ε, δ) at the final checkpoint, composed ε from checkpoints by RDP and by PLD, composed ε from the
     tracked points' every-step norms)."""
     source = result_file(main_name)
@@ -54,7 +59,7 @@ def account_main_run(commands, config, main_name, run_dir, total_steps):
             guarantees(composed_pld, ["point"]), guarantees(tracked, ["point"]))
 
 
-def guarantees(rows, index):
+def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the certified
     guarantee (the max over directions where rows have one), `baseline_eps` the baseline, and `delta`."""
     if "direction" in rows:
@@ -64,5 +69,5 @@ def guarantees(rows, index):
     return table.join(rows.groupby(index)["delta"].first()).reset_index()
 
 
-def holder_text(exponent):
+def holder_text(exponent: float) -> str:
     return "∞" if exponent == math.inf else f"{exponent:g}"

@@ -8,10 +8,12 @@ membership_inference.py.
 import os
 
 from perinstance.audit import membership
-from perinstance.experiments.commands import FIGURES, RES_DIR
+from perinstance.experiments.commands import FIGURES, RES_DIR, Commands
+from perinstance.experiments.config import ReproduceConfig
 
 
-def membership_attack(commands, config, main_name, nodp_name, out_dir, device):
+def membership_attack(commands: Commands, config: ReproduceConfig, main_name: str, nodp_name: str, out_dir: str,
+                      device: str) -> dict:
     """membership_inference.py on both runs (cached by its command); the summary per model."""
     eps_csv = os.path.join(RES_DIR, f"{main_name}_compo.csv")
     membership_rows = commands.account("membership_inference.py", ["--run", main_name, "--nondp-run", nodp_name,

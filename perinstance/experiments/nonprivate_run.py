@@ -6,10 +6,11 @@ No finding or figure of its own: finding 10 and figure 8 compare it with the mai
 
 import dataclasses
 
-from perinstance.experiments.config import NODP_RUN_FIELDS, training_flags, variant_tag
+from perinstance.experiments.commands import Commands
+from perinstance.experiments.config import NODP_RUN_FIELDS, ReproduceConfig, training_flags, variant_tag
 
 
-def train_nonprivate(commands, config, preset, name, device):
+def train_nonprivate(commands: Commands, config: ReproduceConfig, preset: str, name: str, device: str) -> str:
     """Train the non-private run (skipped by train_dpsgd.py when it is there already); its name."""
     nodp_name = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp"
     nodp = dataclasses.replace(config, lr=config.nodp_lr, save_steps="")

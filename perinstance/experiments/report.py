@@ -4,14 +4,15 @@
 import os
 import shlex
 
-from perinstance.experiments.commands import FIGURES
-from perinstance.experiments.config import field_text, field_types, overridden
+from perinstance.experiments.commands import FIGURES, Commands
+from perinstance.experiments.config import ReproduceConfig, field_text, field_types, overridden
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, holder_text
 from perinstance.experiments.sampling_rates import DESIGN_MATCHED, FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
 from perinstance.files import fileio
+from perinstance.train.runs import RunConfig
 
 
-def finding_lines(config, findings):
+def finding_lines(config: ReproduceConfig, findings: dict) -> list[str]:
     """The numbered findings of the report, every setting quoted from `config` and the constants."""
     hist, corr, rates = findings["histogram"], findings["correctness"], findings["rates"]
     individual, estimate = findings["individual"], findings["estimate"]
@@ -43,7 +44,7 @@ def finding_lines(config, findings):
     ]
 
 
-def mean_rule_lines(config, rates):
+def mean_rule_lines(config: ReproduceConfig, rates: dict) -> list[str]:
     """Findings 3 and 4: the mean rule per sampling rate in both designs, per step and over the whole run, and
     GLA's sampling-rate claim judged on the per-step data-dependent values relative to the mean rule's baseline."""
     lines, verdicts, spans = [], {}, {}
@@ -88,11 +89,11 @@ def mean_rule_lines(config, rates):
     return [*lines, verdict]
 
 
-def decreasing(values):
+def decreasing(values: list[float]) -> bool:
     return all(first > second for first, second in zip(values, values[1:]))
 
 
-def configuration_lines(preset, config):
+def configuration_lines(preset: str, config: ReproduceConfig) -> list[str]:
     """A table of every field of the configuration; the ones overridden on the command line are marked."""
     changed = overridden(config, preset)
     lines = ["| field | value |", "| --- | --- |"]
@@ -101,7 +102,8 @@ def configuration_lines(preset, config):
     return lines
 
 
-def write_report(out_dir, preset, config, argv, commands, main_run, findings, seconds):
+def write_report(out_dir: str, preset: str, config: ReproduceConfig, argv: list[str], commands: Commands,
+                 main_run: RunConfig, findings: dict, seconds: float) -> str:
     text = [f"# Per-instance privacy of DP-SGD: preset `{preset}`", "",
             f"`{shlex.join(['python', 'reproduce.py', *argv])}` took {seconds:.0f} s. Main run `{main_run.run}` "
             f"on `{main_run.dataset}`: sigma = {main_run.noise_multiplier:.4g}, q = {main_run.sample_rate:.4g}, "
@@ -119,7 +121,7 @@ def write_report(out_dir, preset, config, argv, commands, main_run, findings, se
     return path
 
 
-def attack_lines(findings):
+def attack_lines(findings: dict) -> list[str]:
     """The audits, the mean rule's gap audit and the membership attack as report lines."""
     lines = []
     for rule, summary in findings["audit"].items():

@@ -10,16 +10,20 @@ import dataclasses
 import math
 import os
 
+import numpy as np
+import pandas as pd
+
 from perinstance.accountants import accountants, composition
 from perinstance.accounting import rdp_composition, renyi_step
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.experiments.commands import RES_DIR, account, result_file
-from perinstance.experiments.config import DATA_ROOT, training_flags
+from perinstance.experiments.commands import RES_DIR, Commands, account, result_file
+from perinstance.experiments.config import DATA_ROOT, ReproduceConfig, training_flags
 from perinstance.files import results, storage
 from perinstance.measure import measurement
 from perinstance.train import run_plan, runs
 from perinstance.train.options import parse_points
+from perinstance.train.runs import RunConfig
 
 # The designs of the sampling-rate experiment, as figure 3 and the report name them.
 DESIGN_EARLY, DESIGN_FINAL = "(a) fixed early checkpoint", "(a) fixed final checkpoint"
@@ -34,17 +38,19 @@ MEAN_RULE_ORDERS = (1.02, 1.05, 1.1, *rdp_composition.COMPOSITION_ORDERS)
 FIXED_MC_BLOCKS, FIXED_MAX_SIZES = 4, 32
 
 
-def rdp_table(rows, kind):
+def rdp_table(rows: pd.DataFrame, kind: str) -> pd.DataFrame:
     """The direction-max Rényi DP of `kind` from renyi_per_instance_mean.py's rows as a (points, orders) frame."""
     chosen = rows[(rows["kind"] == kind) & (rows["direction"] == "max")]
     return chosen.pivot_table(index="point", columns="alpha", values="rdp", aggfunc="first")
 
 
-def at_order(table, alpha):
+def at_order(table: pd.DataFrame, alpha: float) -> np.ndarray:
     return table[alpha].to_numpy()
 
 
-def fixed_checkpoint_design(commands, config, main_name, mean_name, main_run, sensitivities, device):
+def fixed_checkpoint_design(commands: Commands, config: ReproduceConfig, main_name: str, mean_name: str,
+                            main_run: RunConfig, sensitivities: pd.DataFrame, device: str) -> dict[str, dict[float,
+                            tuple[dict, dict, dict]]]:
     """Design (a) of the sampling-rate experiment: {checkpoint label: {q: (per-step series, whole-run series,
     facts)}}. One trained model, its final checkpoint and an early one, each analysed as one step of the mean
     rule at every q of fixed_sample_rates, σ_q calibrated so that the sum rule's worst case over the
@@ -102,7 +108,8 @@ def fixed_checkpoint_design(commands, config, main_name, mean_name, main_run, se
     return by_rate
 
 
-def fixed_series(mechanism, steps, rows, whole, norms, config, step):
+def fixed_series(mechanism: Mechanism, steps: int, rows: pd.DataFrame, whole: dict, norms: np.ndarray,
+                 config: ReproduceConfig, step: int) -> tuple[dict, dict, dict]:
     """One rate of design (a): per-step Rényi DP at config.renyi_order and ε over the T_q steps of a run at q
     (each charged at this checkpoint), per series; the sum rule from the points' Δ* at the same σ_q (§3.1)."""
     alpha, orders = config.renyi_order, rdp_composition.COMPOSITION_ORDERS
@@ -125,7 +132,8 @@ def fixed_series(mechanism, steps, rows, whole, norms, config, step):
     return per_step, whole_run, facts
 
 
-def matched_steps_design(commands, config, mean_name, main_run, device):
+def matched_steps_design(commands: Commands, config: ReproduceConfig, mean_name: str, main_run: RunConfig,
+                         device: str) -> dict[float, tuple[dict, dict, dict]]:
     """Design (b) of the sampling-rate experiment: {q: (per-step series, whole-run series, facts)}. One mean-rule
     run per batch size, each trained for the main run's T steps (not its epochs) to the same target ε (σ per q)
     and checkpointed mean_checkpoints times: d*, v_X, b_X of every point at every checkpoint (certified bound,
@@ -162,7 +170,8 @@ def matched_steps_design(commands, config, mean_name, main_run, device):
     return by_rate
 
 
-def matched_series(run, config, certified, estimate, sum_rule, composed):
+def matched_series(run: RunConfig, config: ReproduceConfig, certified: pd.DataFrame, estimate: pd.DataFrame,
+                   sum_rule: pd.DataFrame, composed: pd.DataFrame) -> tuple[dict, dict, dict]:
     """The numbers figure 3 draws for one rate of design (b), from the accountants' labelled outputs."""
     final_step = run.total_steps
     sum_mechanism = Mechanism.of_run(run, "sum")
