@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -23,11 +24,11 @@ ESCAPE_SEQUENCE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 FLAG = "--save-name"
 
 
-def checkpoint_path(run_dir, step):
+def checkpoint_path(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, f"step_{step:07d}.pt")
 
 
-def saved_steps(run_dir):
+def saved_steps(run_dir: str) -> list[int]:
     """Steps of the checkpoints present in `run_dir`, ascending."""
     if not os.path.isdir(run_dir):
         return []
@@ -41,11 +42,11 @@ def saved_steps(run_dir):
 CHECKPOINT_KEYS = ("step", "model", "test_accuracy")
 
 
-def save_checkpoint(run_dir, step, payload):
+def save_checkpoint(run_dir: str, step: int, payload: dict) -> None:
     fileio.save_torch(checkpoint_path(run_dir, step), payload, flag="--models-dir")
 
 
-def load_checkpoint(run_dir, step, device="cpu"):
+def load_checkpoint(run_dir: str, step: int, device: str = "cpu") -> dict:
     path = checkpoint_path(run_dir, step)
     try:
         with warnings.catch_warnings():
@@ -67,7 +68,7 @@ def load_checkpoint(run_dir, step, device="cpu"):
 
 
 @contextmanager
-def restoring(run_dir, step):
+def restoring(run_dir: str, step: int) -> Iterator[None]:
     """Around loading checkpoint `step` into a model or optimizer: one that does not fit (another
     architecture, foreign or missing tensors, another optimizer) is a one-line error naming it."""
     try:

@@ -18,6 +18,7 @@ import secrets
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -41,7 +42,7 @@ NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 # --- folders ----------------------------------------------------------------------------------
 
-def check_folder(directory, flag=None, must_exist=False):
+def check_folder(directory: str, flag: str | None = None, must_exist: bool = False) -> None:
     """Refuse a destination folder that we could not write in, creating nothing.
 
     One-line UsageError naming `flag` and the path: a regular file where the folder (or one of
@@ -63,7 +64,7 @@ def check_folder(directory, flag=None, must_exist=False):
         raise UsageError(flag, f"cannot create folder {directory}: {ancestor} is read-only")
 
 
-def writable_folder(directory, flag=None):
+def writable_folder(directory: str, flag: str | None = None) -> None:
     """check_folder, then create the folder if it is missing."""
     directory = directory or "."
     check_folder(directory, flag)
@@ -86,7 +87,7 @@ def _existing_ancestor(directory):
 
 # --- temp files of killed writes ----------------------------------------------------------------
 
-def remove_stale_temps(directory):
+def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temps that our killed writes left in `directory`; returns their names.
 
     A temp is stale when its writer (same host, pid in the name) no longer runs, when it comes
@@ -139,7 +140,7 @@ def _process_runs(pid):
 
 # --- atomic writes ------------------------------------------------------------------------------
 
-def write_error(path, error, flag=None):
+def write_error(path: str, error: OSError, flag: str | None = None) -> UsageError:
     """The UsageError for an OSError raised while writing `path`."""
     if error.errno in NO_SPACE:
         return OutOfSpace(path)
@@ -147,7 +148,7 @@ def write_error(path, error, flag=None):
 
 
 @contextmanager
-def atomic_path(path, flag=None):
+def atomic_path(path: str, flag: str | None = None) -> Iterator[str]:
     """Yield a temporary path next to `path`; rename it over `path` only on success.
 
     Creates the folder if needed and first removes the stale temps in it. Any OSError (a full
@@ -190,7 +191,7 @@ def _sync_folder(directory):
         os.close(handle)
 
 
-def write_bytes(path, data, flag=None):
+def write_bytes(path: str, data: bytes, flag: str | None = None) -> None:
     with atomic_path(path, flag) as temp_path:
         with open(temp_path, "wb") as handle:
             handle.write(data)
@@ -198,11 +199,11 @@ def write_bytes(path, data, flag=None):
             os.fsync(handle.fileno())
 
 
-def write_text(path, text, flag=None):
+def write_text(path: str, text: str, flag: str | None = None) -> None:
     write_bytes(path, text.encode("utf-8"), flag)
 
 
-def write_json(path, data, flag=None):
+def write_json(path: str, data: object, flag: str | None = None) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n", flag)
 
 
@@ -210,7 +211,7 @@ def write_json(path, data, flag=None):
 CSV_FLOAT_FORMAT = "%.10g"
 
 
-def csv_text(frame):
+def csv_text(frame: pd.DataFrame) -> str:
     """A pandas DataFrame as CSV text, floats in CSV_FLOAT_FORMAT (NaN as an empty field).
 
     The same bytes as `frame.to_csv(float_format=CSV_FLOAT_FORMAT)`, faster: a float64 column's distinct values
@@ -229,11 +230,11 @@ def csv_text(frame):
     return formatted.to_csv(index=False, float_format=CSV_FLOAT_FORMAT, lineterminator="\n")
 
 
-def write_csv(path, frame, flag=None):
+def write_csv(path: str, frame: pd.DataFrame, flag: str | None = None) -> None:
     write_text(path, csv_text(frame), flag)
 
 
-def save_torch(path, obj, flag=None):
+def save_torch(path: str, obj: object, flag: str | None = None) -> None:
     """torch.save atomically; serialised in memory first so that a full disk is an OSError we can name."""
     import torch
 
@@ -242,7 +243,7 @@ def save_torch(path, obj, flag=None):
     write_bytes(path, buffer.getvalue(), flag)
 
 
-def sha256_of(path):
+def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -252,12 +253,12 @@ def sha256_of(path):
 
 # --- locked read-modify-write ---------------------------------------------------------------------
 
-def lock_path(path):
+def lock_path(path: str) -> str:
     return os.fspath(path) + ".lock"
 
 
 @contextmanager
-def locked(path, flag=None):
+def locked(path: str, flag: str | None = None) -> Iterator[None]:
     """Hold an exclusive lock for `path` (fcntl.flock on `<path>.lock` beside it).
 
     Every process that reads, merges into and rewrites `path` does it inside this block, so

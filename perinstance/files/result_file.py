@@ -16,7 +16,7 @@ ROW_ORDER = COMBINATION_COLUMNS + ["quantity", "block", "target_batch", "sample"
 TEXT_COLUMNS = ["run", "exp", "reduction", "direction", "quantity", "dataset", "model", "clipping", "update_rule"]
 
 
-def cell_text(value):
+def cell_text(value: object) -> str:
     """A cell as the CSV writes it, so that values read back compare equal to fresh ones."""
     if isinstance(value, float | np.floating):
         return "" if math.isnan(value) else f"{value:.10g}"
@@ -53,7 +53,7 @@ class ResultFile:
         return np.asarray([cell_text(value) for value in distinct] or [""], dtype=object)[codes]
 
     @classmethod
-    def open(cls, path, overwrite, config, automatic=False):
+    def open(cls, path: str, overwrite: bool, config, automatic: bool = False) -> "ResultFile":
         """The file's rows (none with --overwrite 1), refusing rows of another run configuration.
 
         Checks first that its folder can take the file, and removes the temps that killed
@@ -90,7 +90,7 @@ class ResultFile:
                             not in self.done]
                 for direction in request.directions}
 
-    def add(self, rows):
+    def add(self, rows: pd.DataFrame) -> None:
         """Merge `rows` into the file as it is now and rewrite it atomically, in a fixed row order,
         all under the file's lock; a row that another writer added meanwhile is kept once."""
         stem = os.path.splitext(self.path)[0]
@@ -125,7 +125,7 @@ class ResultFile:
         ending = storage.PARQUET if rows > storage.AUTO_PARQUET_ROWS or stays else storage.CSV
         return os.path.splitext(self.path)[0] + ending
 
-    def describe(self):
+    def describe(self) -> str:
         """The file's path, and why an automatic name is Parquet (for the summary line)."""
         if not (self.automatic and storage.extension(self.path) == storage.PARQUET):
             return self.path

@@ -57,7 +57,7 @@ CONFIG_COLUMNS = [
 ]
 
 
-def results_path(res_name, res_dir="res", flag="--res-name"):
+def results_path(res_name: str, res_dir: str = "res", flag: str = "--res-name") -> str:
     """res/<res-name> as named when the name ends in .csv or .parquet (the format); without an
     extension the one of res/<res-name>.csv and res/<res-name>.parquet that exists (CSV when
     neither does), since such a file turns Parquet when it grows (storage.AUTO_PARQUET_ROWS).
@@ -71,7 +71,7 @@ def results_path(res_name, res_dir="res", flag="--res-name"):
     return parquet_path if os.path.exists(parquet_path) else csv_path
 
 
-def format_paths(res_name, res_dir="res"):
+def format_paths(res_name: str, res_dir: str = "res") -> tuple[str, str]:
     """(res/<name>.csv, res/<name>.parquet) for a result named without an extension."""
     return tuple(os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))
 
@@ -81,7 +81,7 @@ REQUIRED_NUMBERS = ["seed", "step", "point", "value", "total_steps", "sigma", "c
                     "batch_size", "dataset_size", "noise_std"]
 
 
-def read_results(path, flag="--res-file"):
+def read_results(path: str, flag: str = "--res-file") -> pd.DataFrame:
     """Read a sensitivity CSV (or Parquet); a missing, unreadable, foreign or damaged file is a
     UsageError naming the file, and the line and column where it is damaged: a line cut off
     (no newline at the end of the file) or with another number of fields than the header, or a
@@ -147,7 +147,7 @@ def _check_numbers(frame, path, flag, unit):
     raise UsageError(flag, f"{path} {unit} {position} (column {column}): {shown} is not a finite number")
 
 
-def run_columns(run, reduction):
+def run_columns(run, reduction: str) -> dict:
     """The columns of a result row that come from the training run (a runs.RunConfig), analysed
     under `reduction`."""
     return {
@@ -170,7 +170,7 @@ def run_columns(run, reduction):
     }
 
 
-def result_rows(run, reduction, step, columns):
+def result_rows(run, reduction: str, step: int, columns: dict) -> pd.DataFrame:
     """Long-format rows of one checkpoint: `columns` (per-row arrays, or one value for every row),
     the run's columns, the stage, and NaN in every column that does not apply (a float column
     whatever the run)."""

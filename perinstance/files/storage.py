@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
 from perinstance.errors import UsageError
 from perinstance.files import fileio
@@ -46,13 +47,13 @@ PARQUET_INSTALL_HINT = "Parquet result files need pyarrow: pip install pyarrow"
 AUTO_PARQUET_ROWS = 100_000
 
 
-def extension(path):
+def extension(path: str) -> str | None:
     """`.csv` or `.parquet` if `path` ends in one (case-insensitive), else None."""
     ending = os.path.splitext(os.fspath(path))[1].lower()
     return ending if ending in EXTENSIONS else None
 
 
-def read_errors():
+def read_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "not a readable table" (pyarrow's only when it is installed)."""
     errors = (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError)
     try:
@@ -62,7 +63,7 @@ def read_errors():
     return errors + (pyarrow.ArrowException,)
 
 
-def read_frame(path):
+def read_frame(path: str) -> pd.DataFrame:
     """The table at `path`, in the format of its extension (CSV when it has none)."""
     if extension(path) == PARQUET:
         parquet = _parquet()
@@ -70,7 +71,7 @@ def read_frame(path):
     return pd.read_csv(path, keep_default_na=False, na_values=[""])
 
 
-def write_frame(path, frame, flag=None):
+def write_frame(path: str, frame: pd.DataFrame, flag: str | None = None) -> None:
     """Write `frame` atomically to `path`, in the format of its extension (CSV when it has none);
     a failed write is a UsageError naming `flag`."""
     if extension(path) != PARQUET:
@@ -87,7 +88,7 @@ def write_frame(path, frame, flag=None):
                             column_encoding=encodings)
 
 
-def as_read_from_csv(frame):
+def as_read_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` as fileio.write_csv + read_frame would give it back: same values (floats at ten
     significant digits, parsed by pandas' own parser), same dtypes. Only each column's distinct
     values go through the text (a configuration column has one), and the parser infers the same
@@ -102,7 +103,7 @@ def as_read_from_csv(frame):
     return pd.DataFrame(columns, index=pd.RangeIndex(len(frame)))
 
 
-def column_encodings(frame):
+def column_encodings(frame: pd.DataFrame) -> tuple[list[str], dict[str, str]]:
     """(columns to dictionary-encode, {column: encoding} for the rest), as explained at the top."""
     dictionary, encodings = [], {}
     for column in frame.columns:
@@ -117,7 +118,7 @@ def column_encodings(frame):
 
 # --- Δ_B histograms (accounting.md §5: rounding a sensitivity up keeps every bound valid) --------
 
-def round_up(values, bound, precision):
+def round_up(values: ArrayLike, bound: ArrayLike, precision: float) -> np.ndarray:
     """Each value rounded up onto the grid bound·(1+precision)^−j, j = 0, ±1, ±2, ...: the result
     is >= the value and < value·(1+precision) (up to one rounding of exp), a value <= bound stays
     <= bound, 0 stays 0 and NaN stays NaN. Equal grid points come out as equal floats."""
@@ -132,7 +133,7 @@ def round_up(values, bound, precision):
     return np.where(positive, rounded, values)
 
 
-def histogram_rows(rows, precision, quantity="batch_sensitivity"):
+def histogram_rows(rows: pd.DataFrame, precision: float, quantity: str = "batch_sensitivity") -> pd.DataFrame:
     """`rows` with the `quantity` rows replaced by their histogram: values rounded up onto the grid
     clip_bound·(1+precision)^−j (round_up), one row per distinct value among rows equal in every
     other column but `sample`, with its `count`; `sample` then numbers those rows within each
