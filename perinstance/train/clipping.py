@@ -11,14 +11,15 @@ import torch
 CLIPPING_CHOICES = ("flat", "psac", "psasc")
 
 
-def clip_bound(clipping, clip_norm, scale_s=1.0):
+def clip_bound(clipping: str, clip_norm: float, scale_s: float = 1.0) -> float:
     """Γ: the bound on ||h(g)|| for every g (accounting.md §1 table)."""
     if clipping == "psasc":
         return clip_norm / scale_s
     return clip_norm
 
 
-def scale_weights(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
+def scale_weights(grad_norm: torch.Tensor, clipping: str, clip_norm: float, scale_r: float = None,
+                  scale_s: float = None) -> torch.Tensor:
     """w(||g||) such that h(g) = w·g, for a tensor of per-sample gradient norms."""
     if clipping == "flat":
         # C / max(||g||, C) is min(1, C/||g||) without dividing by a zero norm.
@@ -31,7 +32,8 @@ def scale_weights(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
     raise ValueError(f"unknown clipping {clipping!r}")
 
 
-def transformed_norm(grad_norm, clipping, clip_norm, scale_r=None, scale_s=None):
+def transformed_norm(grad_norm: torch.Tensor, clipping: str, clip_norm: float, scale_r: float = None,
+                     scale_s: float = None) -> torch.Tensor:
     """||h(g)|| from ||g||: the sum-rule sensitivity Δ* of accounting.md §2.
 
     w·||g|| can round one ulp above Γ for large norms; the mathematical value never
@@ -51,18 +53,18 @@ class Transform:
     scale_s: float | None = None
 
     @classmethod
-    def of_run(cls, run):
+    def of_run(cls, run) -> "Transform":
         """The transform of a runs.RunConfig."""
         return cls(run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 
     @property
-    def bound(self):
+    def bound(self) -> float:
         """Γ, the hard bound on ||h(g)||."""
         return clip_bound(self.clipping, self.clip_norm, self.scale_s)
 
-    def weights(self, grad_norms):
+    def weights(self, grad_norms: torch.Tensor) -> torch.Tensor:
         return scale_weights(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)
 
-    def norms(self, grad_norms):
+    def norms(self, grad_norms: torch.Tensor) -> torch.Tensor:
         """Δ* = ||h(g)||, capped at Γ against one-ulp rounding (transformed_norm)."""
         return transformed_norm(grad_norms, self.clipping, self.clip_norm, self.scale_r, self.scale_s)

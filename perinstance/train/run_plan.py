@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
 from perinstance.train import clipping
+from perinstance.train.data import Dataset
 from perinstance.train.options import Parser, add_training_args, parse_points
 from perinstance.train.runs import RUN_FILE, RunConfig, load_run, run_file, save_run
 
@@ -86,22 +88,22 @@ class TrainingFlags:
     track_points: list | None
 
     @classmethod
-    def from_flags(cls, flags):
+    def from_flags(cls, flags: Mapping[str, object]) -> "TrainingFlags":
         """The training flags among parsed flags (a mapping of destination to value)."""
         return cls(**{field.name: flags[field.name] for field in dataclasses.fields(cls)})
 
     @classmethod
-    def parse(cls, argv=()):
+    def parse(cls, argv: Iterable[str] = ()) -> "TrainingFlags":
         """The training flags of a command line of training flags only (their defaults when empty)."""
         parser = Parser()
         add_training_args(parser)
         return cls.from_flags(vars(parser.parse_args(list(argv))))
 
-    def as_dict(self):
+    def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def resolve_training_args(args):
+def resolve_training_args(args: TrainingFlags) -> TrainingFlags:
     """The TrainingFlags `args` with their derived defaults filled in, bad ones refused (no dataset needed).
 
     The parser's types (options.py) refuse NaN, ±inf and out-of-domain numbers already; the
@@ -187,13 +189,13 @@ def _resolve_scaling(args):
     return args
 
 
-def identity_args(args):
+def identity_args(args: TrainingFlags) -> dict:
     """The flags that determine what is trained (a resumed run must agree on all of them)."""
     return {key: value for key, value in sorted(args.as_dict().items())
             if key not in NON_IDENTITY_FLAGS and not (key in LATER_FLAGS and value is None)}
 
 
-def default_save_name(args):
+def default_save_name(args: TrainingFlags) -> str:
     """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
     parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
@@ -205,11 +207,11 @@ def default_save_name(args):
     return re.sub(r"[^A-Za-z0-9_.=-]+", "-", "_".join(parts)).strip("-") + f"_{digest}"
 
 
-def run_dir_for(args):
+def run_dir_for(args: TrainingFlags) -> str:
     return os.path.join(args.models_dir, args.save_name or default_save_name(args))
 
 
-def plan_run(args, dataset):
+def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
     """The run the training flags describe on `dataset`: every derived quantity, as run.json records it."""
     dataset_size = len(dataset.train_y)
     if not 0 < args.batch_size <= dataset_size:
@@ -264,7 +266,7 @@ def plan_run(args, dataset):
 
 
 @functools.lru_cache(maxsize=256)
-def calibrated_noise_multiplier(target_eps, delta, sample_rate, steps):
+def calibrated_noise_multiplier(target_eps: float, delta: float, sample_rate: float, steps: int) -> float:
     """σ for which Opacus's RDP accountant gives the sum rule ε = target_eps at δ over `steps` steps at
     sampling rate q (what --eps trains with). Remembered: every command that names a run plans it again, and
     Opacus's search takes seconds at large q."""
@@ -279,7 +281,7 @@ def calibrated_noise_multiplier(target_eps, delta, sample_rate, steps):
                                       f"over {steps} steps (sigma would exceed Opacus's bound)") from None
 
 
-def analysed_config(run, batch_size, calibration_steps, target_eps):
+def analysed_config(run: RunConfig, batch_size: int, calibration_steps: int, target_eps: float) -> RunConfig:
     """`run` (a RunConfig) analysed under the mean rule with expected batch size `batch_size`, σ calibrated so that
     the sum rule's worst case over `calibration_steps` steps at that sampling rate is `target_eps` at the run's δ:
     the mechanism of one step that one of its checkpoints is analysed under (reproduce.py's fixed-checkpoint
@@ -291,7 +293,7 @@ def analysed_config(run, batch_size, calibration_steps, target_eps):
         target_eps=target_eps, update_rule="mean")
 
 
-def checkpoint_schedule(save_freq, save_steps, total_steps):
+def checkpoint_schedule(save_freq: int | None, save_steps: str | None, total_steps: int) -> list[int]:
     """The steps a run saves: 0 and T always; every `save_freq` steps; the steps of --save-steps. Without
     either flag, every ceil(T / DEFAULT_CHECKPOINTS) steps."""
     steps = {0, total_steps}
@@ -304,7 +306,7 @@ def checkpoint_schedule(save_freq, save_steps, total_steps):
     return sorted(steps)
 
 
-def run_differences(existing, planned):
+def run_differences(existing: RunConfig, planned: RunConfig) -> list[str]:
     """What differs between a run on disk and the run the flags describe (RunConfigs): flag names,
     and the dataset."""
     differing = sorted(key for key in set(existing.flags) | set(planned.flags)
@@ -314,7 +316,7 @@ def run_differences(existing, planned):
     return differing
 
 
-def prepare_run_dir(args, run_dir, config):
+def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> None:
     """Create the run folder, or check that an existing one holds this same run.
 
     Checks first that the folder can be written (unless the run is finished: then nothing is

@@ -66,17 +66,17 @@ class RunConfig:
     versions: dict
 
     @property
-    def private(self):
+    def private(self) -> bool:
         return self.dp == 1
 
-    def to_json(self):
+    def to_json(self) -> dict:
         fields = dataclasses.asdict(self)
         for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
             fields[name] = None if fields[name] is None else list(fields[name])
         return {"format": RUN_FORMAT, **fields}
 
     @classmethod
-    def from_json(cls, data, path):
+    def from_json(cls, data: dict, path: str) -> "RunConfig":
         """The run that `data` (run.json of any format up to RUN_FORMAT) describes; a UsageError
         naming `path` and the problem when it is not one."""
         if not isinstance(data, dict):
@@ -102,11 +102,11 @@ class RunConfig:
         return cls(**values)
 
 
-def run_file(run_dir):
+def run_file(run_dir: str) -> str:
     return os.path.join(run_dir, RUN_FILE)
 
 
-def load_run(run_dir):
+def load_run(run_dir: str) -> RunConfig:
     """The RunConfig of `run_dir`'s run.json, checked (a one-line error naming the file otherwise)."""
     path = run_file(run_dir)
     try:
@@ -121,7 +121,7 @@ def load_run(run_dir):
     return RunConfig.from_json(data, path)
 
 
-def save_run(run_dir, config):
+def save_run(run_dir: str, config: RunConfig) -> None:
     fileio.write_json(run_file(run_dir), config.to_json(), flag="--models-dir")
 
 
@@ -212,37 +212,37 @@ class OpenRun:
     train_y: object
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.config.run
 
     @property
-    def less_point(self):
+    def less_point(self) -> int | None:
         return self.config.less_point
 
     @property
-    def universe(self):
+    def universe(self) -> int:
         return len(self.dataset.train_y)
 
     @property
-    def train_columns(self):
+    def train_columns(self) -> np.ndarray:
         """Indices (in the full dataset) of the run's training points, in training-row order."""
         columns = np.arange(self.universe)
         return columns if self.less_point is None else np.delete(columns, self.less_point)
 
-    def train_rows(self, points):
+    def train_rows(self, points: np.ndarray) -> np.ndarray:
         """Each point's row in the run's training set, -1 for the --less-point point."""
         points = np.asarray(points)
         if self.less_point is None:
             return points
         return np.where(points == self.less_point, -1, points - (points > self.less_point))
 
-    def saved_steps(self):
+    def saved_steps(self) -> list[int]:
         """The planned checkpoints present in the folder, ascending."""
         planned = set(self.config.checkpoint_steps)
         return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
 
 
-def run_folder(name, models_dir, flag="--run"):
+def run_folder(name: str, models_dir: str, flag: str = "--run") -> str:
     """The folder of the run that `name` (--run) means: a folder holding run.json, else a run name
     in `models_dir` (which may not exist yet). A path that holds no run is an error: it names no run."""
     if os.path.isfile(run_file(name)):
@@ -253,7 +253,7 @@ def run_folder(name, models_dir, flag="--run"):
     return os.path.join(models_dir, name)
 
 
-def open_run(name, models_dir, data_root, flag="--run"):
+def open_run(name: str, models_dir: str, data_root: str, flag: str = "--run") -> OpenRun:
     """The trained run `name` (run_folder) with its datasets, checked against the dataset
     fingerprint in run.json."""
     run_dir = run_folder(name, models_dir, flag)

@@ -27,17 +27,17 @@ RENYI_TARGET_KEY, RENYI_SET_KEY, COUPLING_KEY = 2, 3, 4
 TRIAL_KEY, UPPER_KEY, WHITENING_KEY = 0, 1, 2
 
 
-def stream_rng(seed, stream, *key):
+def stream_rng(seed: int, stream: int, *key: int) -> np.random.Generator:
     """A numpy Generator for one (seed, stream, key...)."""
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(stream), *map(int, key)]))
 
 
-def init_seed(seed):
+def init_seed(seed: int) -> int:
     """The seed of a run's initial weights (torch.manual_seed), from the run's seed alone."""
     return int(np.random.SeedSequence([int(seed), INIT_STREAM]).generate_state(1)[0])
 
 
-def torch_generator(seed, stream, step, device="cpu"):
+def torch_generator(seed: int, stream: int, step: int, device: str = "cpu"):
     """A torch Generator for one (seed, stream, step), on `device`."""
     import torch  # only training draws with torch; the accountants read the stream names without it
 
@@ -47,18 +47,19 @@ def torch_generator(seed, stream, step, device="cpu"):
     return generator
 
 
-def poisson_masks(rng, count, size, sample_rate):
+def poisson_masks(rng: np.random.Generator, count: int, size: int, sample_rate: float) -> np.ndarray:
     """`count` independent Poisson_q subsets of range(size) as a boolean (count, size) mask: one
     uniform per index, in row-major order."""
     return rng.random((count, size)) < sample_rate
 
 
-def poisson_batch(seed, step, dataset_size, sample_rate):
+def poisson_batch(seed: int, step: int, dataset_size: int, sample_rate: float) -> np.ndarray:
     """Indices of the Poisson batch of training step `step`: each point in independently with prob q."""
     return np.flatnonzero(poisson_masks(stream_rng(seed, BATCH_STREAM, step), 1, dataset_size, sample_rate)[0])
 
 
-def poisson_members(rng, count, size, sample_rate, width=None):
+def poisson_members(rng: np.random.Generator, count: int, size: int, sample_rate: float,
+                    width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`count` independent Poisson_q subsets of range(size) as their members, for many batches at a
     small q (the audit's millions of trials), where one uniform per index would cost `size` draws
     per batch: the gaps between consecutive members of a Bernoulli(q) sequence are i.i.d.
@@ -85,7 +86,7 @@ def poisson_members(rng, count, size, sample_rate, width=None):
     return positions[inside], inside.sum(axis=1)
 
 
-def members_mask(members, sizes, size):
+def members_mask(members: np.ndarray, sizes: np.ndarray, size: int) -> np.ndarray:
     """The boolean (batches, size) mask of batches given as (members, sizes)."""
     mask = np.zeros((len(sizes), size), dtype=bool)
     mask[np.repeat(np.arange(len(sizes)), sizes), members] = True
