@@ -20,10 +20,21 @@ import time
 import numpy as np
 import pandas as pd
 
-from perinstance import audit_plots, audit_simulation, fileio, runs, sensitivity_cli
+from perinstance.accountants import sensitivity_cli
+from perinstance.accounting.mechanism import Mechanism
+from perinstance.audit import audit_simulation
 from perinstance.errors import UsageError, run_main
-from perinstance.mechanism import Mechanism
-from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int, parse_points, probability
+from perinstance.files import fileio
+from perinstance.plots import audit_plots
+from perinstance.train import runs
+from perinstance.train.options import (
+    HELP_FORMAT,
+    Parser,
+    add_device_argument,
+    non_negative_int,
+    parse_points,
+    probability,
+)
 
 
 def build_parser():

@@ -16,7 +16,7 @@ an interrupted run resumes, and another --mc-seed adds an independent set of row
     torchrun --nproc-per-node 4 compute_sensitivity.py --points all --stage all --res-name x ...
 
 splits the checkpoints × chunks of --part-points points over the processes; each writes its own
-part files and the last to finish merges them into the result file (perinstance/sharded.py).
+part files and the last to finish merges them into the result file (perinstance/accountants/sharded.py).
 """
 
 import sys
@@ -24,10 +24,13 @@ import time
 
 import pandas as pd
 
-from perinstance import distributed, measurement, results, sensitivity_cli, sharded
+from perinstance.accountants import sensitivity_cli, sharded
 from perinstance.errors import run_main
-from perinstance.options import HELP_FORMAT, Parser, parse_points
-from perinstance.result_file import ResultFile
+from perinstance.files import results
+from perinstance.files.result_file import ResultFile
+from perinstance.measure import measurement
+from perinstance.train import distributed
+from perinstance.train.options import HELP_FORMAT, Parser, parse_points
 
 # The result file is rewritten whole on each write, so rows are written at most this often (and at the end or
 # on an interruption): a kill loses at most this much measuring, and many checkpoints do not cost a quadratic

@@ -15,9 +15,10 @@ the reported δ includes delta_fail (§3.4).
 
 from dataclasses import dataclass
 
-from perinstance import accountants, mean_rule, report, results, sum_rule
+from perinstance.accountants import accountants, mean_rule, report, sum_rule
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser
+from perinstance.files import results
+from perinstance.train.options import HELP_FORMAT, Parser
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
            "k_min", "samples", "method"]

@@ -18,9 +18,12 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from perinstance import audit_plots, fileio, membership, sensitivity_cli
+from perinstance.accountants import sensitivity_cli
+from perinstance.audit import membership
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
+from perinstance.files import fileio
+from perinstance.plots import audit_plots
+from perinstance.train.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
 
 COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accuracy", "attack_advantage",
            "accuracy_std", "test_accuracy", "mean_eps", "splits", "step", "run"]

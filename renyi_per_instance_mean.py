@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance import accountants, mean_rule, report, results
+from perinstance.accountants import accountants, mean_rule, report
 from perinstance.errors import run_main
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
+from perinstance.files import results
+from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
            "k_star_at_k_min", "delta_fail", "estimator"]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance import accountants, report, sum_rule
+from perinstance.accountants import accountants, report, sum_rule
 from perinstance.errors import run_main
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument
+from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp"]
 KEYS = ["point", "step", "alpha"]

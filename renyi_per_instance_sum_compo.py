@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance import accountants, accounting, composition, pld, report, results
+from perinstance.accountants import accountants, composition, report
+from perinstance.accounting import pld_grid, rdp_composition
+from perinstance.accounting.guarantees import Kind
 from perinstance.errors import UsageError, run_main
-from perinstance.guarantees import Kind
-from perinstance.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
+from perinstance.files import results
+from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     accountants.add_input_arguments(parser)
     accountants.add_delta_argument(parser)
-    add_alpha_argument(parser, accounting.COMPOSITION_ORDERS,
+    add_alpha_argument(parser, rdp_composition.COMPOSITION_ORDERS,
                        "Rényi orders α > 1 to convert from (default 1.25..256, 47 orders)")
     parser.add_argument("--holder-b", default=None,
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
@@ -57,9 +59,9 @@ def build_parser():
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
                         help="compose by Rényi DP (§4, default) or by privacy loss distributions (§8: dp_accounting, "
                              "pessimistic, both directions, b = inf)")
-    parser.add_argument("--pld-interval", type=positive_float, default=pld.DEFAULT_INTERVAL,
+    parser.add_argument("--pld-interval", type=positive_float, default=pld_grid.DEFAULT_INTERVAL,
                         help=f"--accountant pld: discretisation of the privacy loss (dp_accounting's "
-                             f"value_discretization_interval; default {pld.DEFAULT_INTERVAL:g})")
+                             f"value_discretization_interval; default {pld_grid.DEFAULT_INTERVAL:g})")
     return parser
 
 

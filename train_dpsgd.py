@@ -14,10 +14,11 @@ of --seeds / --less-points resumes on its own).
 import dataclasses
 import time
 
-from perinstance import checkpoints, distributed, runs, training
-from perinstance.data import load_dataset
 from perinstance.errors import UsageError, run_main
-from perinstance.options import HELP_FORMAT, Parser, add_training_args, parse_points, parse_seeds
+from perinstance.files import checkpoints
+from perinstance.train import distributed, run_plan, training
+from perinstance.train.data import load_dataset
+from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_points, parse_seeds
 
 # Runs named in a rank's summary line before it says "and N more".
 RUNS_NAMED = 8
@@ -38,7 +39,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     world = distributed.World.from_env()
-    planned = run_list(args.seeds, args.less_points, runs.TrainingFlags.from_flags(vars(args)))
+    planned = run_list(args.seeds, args.less_points, run_plan.TrainingFlags.from_flags(vars(args)))
     distributed.make_deterministic(args.device)
 
     started = time.time()
@@ -56,7 +57,7 @@ def main(argv=None):
 
 
 def run_list(seeds, less_points, flags):
-    """The training flags (runs.TrainingFlags) of every run asked for: one per (seed, left-out point)
+    """The training flags (run_plan.TrainingFlags) of every run asked for: one per (seed, left-out point)
     of --seeds and --less-points, in a fixed order; each is the run `--seed S --less-point I` names."""
     seeds = [flags.seed] if seeds is None else parse_seeds(seeds)
     left_out = [flags.less_point]

@@ -5,8 +5,8 @@ import dataclasses
 
 import torch.nn.functional as F
 
-from perinstance.data import load_dataset
-from perinstance.nets import LENET_IMAGE_SIZE
+from perinstance.train.data import load_dataset
+from perinstance.train.nets import LENET_IMAGE_SIZE
 
 SMOKE_TRAIN_SIZE = 128
 

@@ -7,8 +7,8 @@ import time
 import torch
 from _smoke import synthetic_lenet_dataset
 
-from perinstance.data import Dataset, load_dataset
-from perinstance.nets import build_model
+from perinstance.train.data import Dataset, load_dataset
+from perinstance.train.nets import build_model
 
 CIFAR_SHAPE = (3, 32, 32)
 CIFAR_CLASSES = 10

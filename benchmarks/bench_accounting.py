@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting  # noqa: E402
+from perinstance.accounting import rdp_composition, renyi_step
 
-ORDERS = np.array(accounting.COMPOSITION_ORDERS)
+ORDERS = np.array(rdp_composition.COMPOSITION_ORDERS)
 # MNIST-like (batch 1024 of 60,000, σ = 1), the setting of Yu et al.'s MNIST experiments.
 SAMPLE_RATE, NOISE_MULTIPLIER, DELTA = 1024 / 60000, 1.0, 1e-5
 # --smoke: the same cases at a size that runs in seconds, so CI sees the benchmark break. A coarser
@@ -35,13 +35,13 @@ SMOKE_SIZES = {"points": 20, "steps": 30, "every": 10, "rounding": 0.1}
 def time_table_path(ratios, checkpoint_steps, total_steps, holder_b, rounding):
     """Seconds for (table, composition, conversion) and the resulting ε per point."""
     started = time.perf_counter()
-    levels = accounting.sensitivity_levels(rounding, ratios)
-    table = accounting.RdpTable(SAMPLE_RATE, NOISE_MULTIPLIER,
-                                accounting.composition_orders(ORDERS, total_steps, holder_b), levels)
+    levels = rdp_composition.sensitivity_levels(rounding, ratios)
+    table = rdp_composition.RdpTable(SAMPLE_RATE, NOISE_MULTIPLIER,
+                                     rdp_composition.composition_orders(ORDERS, total_steps, holder_b), levels)
     built = time.perf_counter()
-    rdp = accounting.compose_rdp(table, ratios, checkpoint_steps, total_steps, ORDERS, holder_b)
+    rdp = rdp_composition.compose_rdp(table, ratios, checkpoint_steps, total_steps, ORDERS, holder_b)
     composed = time.perf_counter()
-    eps, _ = accounting.rdp_to_eps(ORDERS, rdp, DELTA)
+    eps, _ = rdp_composition.rdp_to_eps(ORDERS, rdp, DELTA)
     converted = time.perf_counter()
     return (built - started, composed - built, converted - composed, len(table.orders)), eps
 
@@ -56,18 +56,18 @@ def time_direct_per_step(ratios, checkpoint_steps, total_steps, holder_b, points
         for step in range(1, steps + 1):
             orders = 1 + (ORDERS - 1) * growth ** (total_steps - step)
             noise = NOISE_MULTIPLIER / max(float(ratios[0, checkpoint_of_step[step - 1], point]), 1e-12)
-            accounting.opacus_rdp.compute_rdp(q=SAMPLE_RATE, noise_multiplier=noise, steps=1, orders=list(orders))
+            renyi_step.opacus_rdp.compute_rdp(q=SAMPLE_RATE, noise_multiplier=noise, steps=1, orders=list(orders))
     return (time.perf_counter() - started) / (points * steps)
 
 
 def unrounded_eps(ratios, checkpoint_steps, total_steps, point):
     """ε of one point with b = ∞ and no rounding: Σ over segments of (steps)·RDP_SGM at the exact Δ*."""
     rdp = np.zeros(len(ORDERS))
-    for first, last, checkpoint in accounting.step_segments(checkpoint_steps, total_steps):
+    for first, last, checkpoint in rdp_composition.step_segments(checkpoint_steps, total_steps):
         ratio = 1.0 if checkpoint is None else float(ratios[0, checkpoint, point])
         if ratio > 0:
-            rdp += (last - first + 1) * accounting.rdp_sgm(SAMPLE_RATE, NOISE_MULTIPLIER / ratio, ORDERS)
-    return float(accounting.rdp_to_eps(ORDERS, rdp, DELTA)[0])
+            rdp += (last - first + 1) * renyi_step.rdp_sgm(SAMPLE_RATE, NOISE_MULTIPLIER / ratio, ORDERS)
+    return float(rdp_composition.rdp_to_eps(ORDERS, rdp, DELTA)[0])
 
 
 def main():

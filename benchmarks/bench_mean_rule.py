@@ -30,11 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _smoke import synthetic_lenet_dataset  # noqa: E402
 
-from perinstance import coupling, poisson_batches, sampling  # noqa: E402
-from perinstance.clipping import Transform  # noqa: E402
-from perinstance.data import load_dataset  # noqa: E402
-from perinstance.gradient_rows import checkpoint_gradients  # noqa: E402
-from perinstance.nets import build_model  # noqa: E402
+from perinstance.measure import coupling, poisson_batches
+from perinstance.measure.gradient_rows import checkpoint_gradients
+from perinstance.train import sampling
+from perinstance.train.clipping import Transform
+from perinstance.train.data import load_dataset
+from perinstance.train.nets import build_model
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 BATCH_SIZE, EPOCHS, DELTA, MC_BLOCKS, MAX_SIZES = 256, 8, 1e-5, 4, 32

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOAL_BYTES = 2 * 10**9  # issue 10: the quick preset under 2 GB resident
 RUN_NAME = "bench-memory"
 
-# The quick preset's sizes (reproduce.PRESETS["quick"]), and the tiny preset's for --smoke.
+# The quick preset's sizes (perinstance/experiments/config.py: PRESETS["quick"]), and the tiny preset's for --smoke.
 FULL = {"training": ["--dataset", "mnist-embedded", "--model", "lenet5", "--batch-size", "256", "--lr", "2.0",
                      "--epochs", "0.1", "--track-points", "random:200"],
         "mean_points": "random:100", "num_batches": "1024", "audit_points": 50, "audit_trials": "300000"}

@@ -3,7 +3,7 @@
 quick run: 8,000 points × 14 checkpoints (steps 0, 10, ..., 120 and T = 125), q = 256/8000, σ
 calibrated by Opacus for ε = 10 at δ = 1e-5 over T steps, Γ = 1.
 
-RDP: accounting.sensitivity_levels + RdpTable + compose_rdp (b = inf, one run) + rdp_to_eps, as
+RDP: rdp_composition.sensitivity_levels + RdpTable + compose_rdp (b = inf, one run) + rdp_to_eps, as
 renyi_per_instance_sum_compo.py --accountant rdp computes it. PLD: pld.sum_rule_eps, both
 directions, as --accountant pld. Both round Δ*/Γ up to multiples of --rounding.
 
@@ -31,12 +31,13 @@ import pandas as pd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, mean_rule, pld  # noqa: E402
-from perinstance.guarantees import Kind  # noqa: E402
-from perinstance.mechanism import Mechanism  # noqa: E402
+from perinstance.accountants import mean_rule
+from perinstance.accounting import batch_sizes, pld, pld_grid, rdp_composition
+from perinstance.accounting.guarantees import Kind
+from perinstance.accounting.mechanism import Mechanism
 
 TARGET_EPS, DELTA = 10.0, 1e-5
-ORDERS = np.array(accounting.COMPOSITION_ORDERS)
+ORDERS = np.array(rdp_composition.COMPOSITION_ORDERS)
 CLIPPED_SHARE = 0.08
 SMOKE_SIZES = {"points": 400, "batch_size": 32, "epochs": 1.0, "every": 4, "check_points": 2, "mean_points": 2}
 
@@ -67,21 +68,21 @@ def timed(function):
 
 
 def rdp_eps(ratios, checkpoints, steps, sample_rate, sigma, rounding):
-    levels = accounting.sensitivity_levels(rounding, ratios)
-    table = accounting.RdpTable(sample_rate, sigma, ORDERS, levels)
-    rdp = accounting.compose_rdp(table, ratios.T[None], checkpoints, steps, ORDERS, math.inf)
-    return accounting.rdp_to_eps(ORDERS, rdp, DELTA)[0]
+    levels = rdp_composition.sensitivity_levels(rounding, ratios)
+    table = rdp_composition.RdpTable(sample_rate, sigma, ORDERS, levels)
+    rdp = rdp_composition.compose_rdp(table, ratios.T[None], checkpoints, steps, ORDERS, math.inf)
+    return rdp_composition.rdp_to_eps(ORDERS, rdp, DELTA)[0]
 
 
 def mean_rule_case(mechanism, checkpoints, count, rng):
     """Seconds and ε of the mean rule's certified bound by RDP and by PLD for `count` points, each along the path
     renyi_per_instance_sum_compo.py takes (composition.mean_rule_composed and composition.mean_rule_pld)."""
     n, rate, steps = mechanism.dataset_size - 1, mechanism.sample_rate, mechanism.total_steps
-    k_min = accounting.size_threshold(n, rate, DELTA / (10 * steps))
-    delta_size = accounting.size_failure(n, rate, k_min)
-    grid = accounting.size_grid(n, rate, k_min, mean_rule.CERTIFIED_SIZES)
+    k_min = batch_sizes.size_threshold(n, rate, DELTA / (10 * steps))
+    delta_size = batch_sizes.size_failure(n, rate, k_min)
+    grid = batch_sizes.size_grid(n, rate, k_min, mean_rule.CERTIFIED_SIZES)
     sizes = mean_rule.SizeModel(n=n, sample_rate=rate, k_min=k_min, delta_size=delta_size, failure=delta_size,
-                                grid=grid, log_weights=accounting.lumped_size_log_weights(grid, n, rate))
+                                grid=grid, log_weights=batch_sizes.lumped_size_log_weights(grid, n, rate))
     fail = sizes.delta_fail(Kind.CERTIFIED)
     rows = count * len(checkpoints)
     statistics = pd.DataFrame({"center_distance": rng.uniform(0.05, 1.5, size=rows), "spread": np.full(rows, 0.3),
@@ -91,7 +92,7 @@ def mean_rule_case(mechanism, checkpoints, count, rng):
     def by_rdp():
         per_step = mean_rule.certified_rdp(statistics, mechanism, ORDERS, sizes)
         total = np.einsum("c,pco->po", charged, per_step.reshape(count, len(checkpoints), -1))
-        return accounting.rdp_to_eps(ORDERS, total, DELTA - steps * fail)[0]
+        return rdp_composition.rdp_to_eps(ORDERS, total, DELTA - steps * fail)[0]
 
     def by_pld():
         mixture = mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
@@ -116,7 +117,7 @@ def main():
     parser.add_argument("--epochs", type=float, default=4.0, help="T = epochs·N/batch size steps (default 4: T = 125)")
     parser.add_argument("--every", type=int, default=10, help="checkpoint spacing in steps (plus step T)")
     parser.add_argument("--rounding", type=float, default=0.01, help="Δ*/Γ rounded up to multiples of this")
-    parser.add_argument("--interval", type=float, default=pld.DEFAULT_INTERVAL, help="PLD discretisation")
+    parser.add_argument("--interval", type=float, default=pld_grid.DEFAULT_INTERVAL, help="PLD discretisation")
     parser.add_argument("--check-points", type=int, default=10,
                         help="points recomputed at a 10x finer discretisation (its effect on ε)")
     parser.add_argument("--mean-points", type=int, default=500, help="points of the mean rule's certified case")

@@ -34,10 +34,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests
 from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
-from perinstance import gradient_rows, gradients, poisson_batches  # noqa: E402
-from perinstance.clipping import Transform  # noqa: E402
-from perinstance.poisson_batches import Pool  # noqa: E402
-from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
+from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
+from perinstance.measure.poisson_batches import Pool  # noqa: E402
+from perinstance.train import gradients  # noqa: E402
+from perinstance.train.clipping import Transform  # noqa: E402
+from perinstance.train.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
 
 TRANSFORM = Transform("flat", clip_norm=1.0)
 CHUNK = gradient_rows.ROW_CHUNK

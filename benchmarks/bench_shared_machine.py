@@ -23,8 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _workloads import workloads  # noqa: E402
 
-from perinstance import gradient_rows, openmp_settings, runs, training  # noqa: E402
-from perinstance.clipping import Transform  # noqa: E402
+from perinstance import openmp_settings  # noqa: E402
+from perinstance.measure import gradient_rows  # noqa: E402
+from perinstance.train import run_plan, training  # noqa: E402
+from perinstance.train.clipping import Transform  # noqa: E402
 
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "points": 64, "repeats": 1}
 # The settings compared: what each adds to the environment, the variables it removes first.
@@ -41,10 +43,10 @@ SPIN = "while True: pass"
 def time_work(smoke, steps, batch_size, points):
     """Training steps/s and Δ* norms points/s of LeNet-5 in this process (after one warm-up of each)."""
     workload = workloads(smoke, resnet_points=1)[0]
-    args = runs.resolve_training_args(runs.TrainingFlags.parse([
+    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([
         "--model", workload.model_name, "--sigma", "1", "--cn", "1", "--batch-size", str(batch_size),
         "--lr", "0.5", "--models-dir", "/tmp/bench"]))
-    trainer = training.Trainer(runs.plan_run(args, workload.dataset), workload.dataset)
+    trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset)
     trainer.step(1)
     started = time.perf_counter()
     for step in range(2, steps + 2):

@@ -1,4 +1,4 @@
-"""Bytes per stored value of a result file, CSV against Parquet (perinstance/storage.py), at paper scale.
+"""Bytes per stored value of a result file, CSV against Parquet (perinstance/files/storage.py), at paper scale.
 
 Long-format tables with every column of results.COLUMNS, as compute_sensitivity.py writes them:
 - sum rule: Δ* of every CIFAR-10 training point (50,000) at 20 checkpoints = 1,000,000 values;
@@ -31,7 +31,8 @@ import pandas as pd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, results, storage  # noqa: E402
+from perinstance.accounting import batch_sizes
+from perinstance.files import results, storage
 
 # CIFAR-10 at batch 512, σ = 1, C = 1: the configuration columns every row repeats.
 METADATA = {
@@ -92,8 +93,8 @@ def result_table(reduction, points, checkpoints, samples, rng):
 def coupling_samples(points, checkpoints, samples, rng):
     """k_min, and each draw's size k and Δ_B = ||a + e||/(k+1) (see the top), point-major."""
     n, rate = METADATA["dataset_size"] - 1, METADATA["sample_rate"]
-    k_min = accounting.size_threshold(n, rate, METADATA["delta"] / (10 * METADATA["total_steps"]))
-    grid = accounting.size_grid(n, rate, k_min, 32)
+    k_min = batch_sizes.size_threshold(n, rate, METADATA["delta"] / (10 * METADATA["total_steps"]))
+    grid = batch_sizes.size_grid(n, rate, k_min, 32)
     k = np.tile(grid[np.arange(samples) % len(grid)], points * checkpoints)
     center = np.repeat(np.exp(rng.uniform(*np.log(CENTER_DISTANCES), points * checkpoints)), samples)
     scale = np.sqrt(SPREAD * (1 / k - 1 / n) / DIMENSION)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
 
-from perinstance import runs, training  # noqa: E402
+from perinstance.train import run_plan, training
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
@@ -35,10 +35,10 @@ NOISE_MULTIPLIER, CLIP_NORM, LEARNING_RATE = 1.0, 1.0, 0.5
 
 
 def time_this_trainer(workload, steps, batch_size, clock):
-    args = runs.resolve_training_args(runs.TrainingFlags.parse([
+    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([
         "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
         "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench"]))
-    trainer = training.Trainer(runs.plan_run(args, workload.dataset), workload.dataset)
+    trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset)
     trainer.step(1)  # warm-up
     started = clock()
     for step in range(2, steps + 2):

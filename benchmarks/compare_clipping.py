@@ -20,10 +20,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance import accounting, clipping, gradient_rows, runs, training  # noqa: E402
-from perinstance.data import load_dataset  # noqa: E402
-from perinstance.mechanism import Mechanism  # noqa: E402
-from perinstance.options import parse_points  # noqa: E402
+from perinstance.accounting import exact_eps_delta
+from perinstance.accounting.mechanism import Mechanism
+from perinstance.measure import gradient_rows
+from perinstance.train import clipping, run_plan, training
+from perinstance.train.data import load_dataset
+from perinstance.train.options import parse_points
 
 SIGMA = 0.6  # about ε = 10 at δ = 1e-5 for 4 epochs of q = 0.032 (Opacus calibration: 0.608)
 DELTA = 1e-5
@@ -54,8 +56,8 @@ VARIANTS = [
 
 
 def run_variant(flags, seed, epochs, models_dir, setting, points):
-    args = runs.TrainingFlags.parse(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
-                                     str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
+    args = run_plan.TrainingFlags.parse(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
+                                         str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
                                      "--seed", str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq",
                                      "1000000", *flags])
     outcome = training.train(args, quiet=True)
@@ -65,8 +67,8 @@ def run_variant(flags, seed, epochs, models_dir, setting, points):
     norms, _ = gradient_rows.transformed_norms(model, dataset.train_x[points], dataset.train_y[points],
                                                clipping.Transform.of_run(run))
     noise_std = Mechanism.of_run(run, "sum").noise_std
-    eps = accounting.eps_delta_holder(norms[:, None], noise_std, run.sample_rate, DELTA, np.inf)
-    baseline = accounting.baseline_eps_delta(run.noise_multiplier, run.sample_rate, DELTA)
+    eps = exact_eps_delta.eps_delta_holder(norms[:, None], noise_std, run.sample_rate, DELTA, np.inf)
+    baseline = exact_eps_delta.baseline_eps_delta(run.noise_multiplier, run.sample_rate, DELTA)
     return payload["test_accuracy"], float(np.median(eps)), baseline, float(norms.max() / run.clip_bound)
 
 

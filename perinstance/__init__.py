@@ -1,7 +1,19 @@
 """Per-instance privacy accounting of DP-SGD (see docs/accounting.md; the Python API: docs/api.md).
 
-The API is imported on first use (PEP 562), so that importing a pure-math module of the package
-does not import torch.
+The package is layered; imports flow one way, lowest layer first (tests/test_layers.py holds this):
+
+    accounting/   pure math (numpy/scipy, no torch): imports no other subpackage
+    files/        file formats, atomic writes, result files, checkpoints
+    train/        datasets, models, DP-SGD training, runs, the shared flags, torchrun ranks
+    measure/      per-sample gradient rows, Poisson batches, coupling, the measurement
+    accountants/  the accountants' command side, the report, compute_sensitivity's command
+    audit/        the simulated audit and the membership attack
+    plots/        figures
+    experiments/  reproduce.py's experiments, presets and report
+
+errors.py, console.py and openmp_settings.py stay here at the package top: the base every layer may
+import. api.py is the public Python API on top of every layer; it is imported on first use (PEP
+562), so that importing a pure-math module of the package does not import torch.
 """
 
 # First, before any module of the package imports torch: torch's OpenMP threads must not spin-wait on a

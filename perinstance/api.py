@@ -16,14 +16,15 @@ from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from perinstance import accounting, composition, pld
-from perinstance.clipping import CLIPPING_CHOICES, Transform
-from perinstance.gradient_rows import transformed_norms
+from perinstance.accountants import composition
+from perinstance.accounting import pld, pld_grid, rdp_composition
+from perinstance.measure.gradient_rows import transformed_norms
+from perinstance.train.clipping import CLIPPING_CHOICES, Transform
 
 ACCOUNTANTS = ("rdp", "pld")
 # The scripts' orders and Opacus's RDPAccountant's: ε at every sensitivity 1 is then never above Opacus's own,
 # and never above the scripts' at their default --alpha.
-DEFAULT_ORDERS = tuple(np.unique(np.concatenate([accounting.COMPOSITION_ORDERS, RDPAccountant.DEFAULT_ALPHAS])))
+DEFAULT_ORDERS = tuple(np.unique(np.concatenate([rdp_composition.COMPOSITION_ORDERS, RDPAccountant.DEFAULT_ALPHAS])))
 # A clipped norm Δ* = min(||g||, C) divided by C can land a few float32 ulps above 1; such ratios count as 1.
 RATIO_TOLERANCE = 1e-6
 
@@ -133,7 +134,7 @@ class IndividualAccountant:
     def get_epsilon(self, delta: float, *, accountant: str = "rdp", holder_b: float = math.inf,
                     rounding: float = composition.SUM_RULE_ROUNDING,
                     orders: Sequence[float] = DEFAULT_ORDERS,
-                    pld_interval: float = pld.DEFAULT_INTERVAL) -> np.ndarray:
+                    pld_interval: float = pld_grid.DEFAULT_INTERVAL) -> np.ndarray:
         """ε of every point at `delta` after the steps so far (float64 array of num_points values).
 
         accountant "rdp": §4, Rényi DP of each step composed with Hölder exponent `holder_b` (math.inf:
@@ -173,21 +174,21 @@ class IndividualAccountant:
                                     noise_multiplier=noise_multiplier, delta=delta, rounding=rounding,
                                     interval=pld_interval).max
         rdp = sum(self._composed_rdp(mechanism, orders, holder_b, rounding) for mechanism in mechanisms)
-        eps, _ = accounting.rdp_to_eps(orders, rdp, delta)
+        eps, _ = rdp_composition.rdp_to_eps(orders, rdp, delta)
         return eps
 
     @staticmethod
     def _composed_rdp(mechanism, orders, holder_b, rounding):
         """composition.compose_sum_rule's RDP of one (σ, q) before conversion, for one run (R = 1)."""
         noise_multiplier, sample_rate, checkpoints, ratios, total_steps = mechanism
-        largest = accounting.holder_orders(orders[-1], total_steps, holder_b)[-1]
+        largest = rdp_composition.holder_orders(orders[-1], total_steps, holder_b)[-1]
         if not largest <= composition.LARGEST_ORDER:
             raise ValueError(f"holder_b={holder_b:g} inflates order {orders[-1]:g} to {largest:.3g} over "
                              f"{total_steps} steps; use a larger holder_b such as 3 * num_steps")
-        levels = accounting.sensitivity_levels(rounding, ratios)
-        table = accounting.RdpTable(sample_rate, noise_multiplier,
-                                    accounting.composition_orders(orders, total_steps, holder_b), levels)
-        return accounting.compose_rdp(table, ratios[None], checkpoints, total_steps, orders, holder_b)
+        levels = rdp_composition.sensitivity_levels(rounding, ratios)
+        table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
+                                    rdp_composition.composition_orders(orders, total_steps, holder_b), levels)
+        return rdp_composition.compose_rdp(table, ratios[None], checkpoints, total_steps, orders, holder_b)
 
     def state_dict(self) -> dict:
         """Plain data (ints, floats, lists, None): saves with json or torch.save, loads with

@@ -1,6 +1,7 @@
 """User-facing errors: one line that names the flag, a non-zero exit, no traceback."""
 
 import sys
+from collections.abc import Callable
 
 
 class UsageError(Exception):
@@ -23,7 +24,7 @@ class OutOfSpace(UsageError):
 EXIT_USAGE = 2
 
 
-def run_main(main, argv=None):
+def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Run a script's `main(argv)`, turning UsageError into a one-line message and exit 2."""
     try:
         result = main(argv)

@@ -1,12 +1,12 @@
 """Test oracles: the quantities of accounting.md §2 by one forward/backward per batch, as the paper
-repository computed them, against which the engine (perinstance/gradient_rows.py and the modules
+repository computed them, against which the engine (perinstance/measure/gradient_rows.py and the modules
 built on it) is checked; benchmarks/bench_sensitivity.py times them as the obvious alternative."""
 
 import numpy as np
 import torch
 
-from perinstance import gradients
-from perinstance.gradient_rows import parameter_count, training_mode
+from perinstance.measure.gradient_rows import parameter_count, training_mode
+from perinstance.train import gradients
 
 
 def reference_batch_means(model, inputs, labels, transform, batches, device="cpu"):

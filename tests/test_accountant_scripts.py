@@ -20,8 +20,8 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize, stats
 from scipy.special import logsumexp
 
-from perinstance import accounting
-from perinstance.results import COLUMNS
+from perinstance.accounting import batch_sizes, exact_eps_delta, renyi_step
+from perinstance.files.results import COLUMNS
 
 SIGMA, CLIP, RATE, BATCH, SIZE, STEPS = 1.2, 2.0, 0.02, 20, 1000, 60
 DIRECTIONS = ("remove", "add", "max")
@@ -85,7 +85,7 @@ def coupling_rows(gradients, points, batch, size_delta, draws, step=0, blocks=2,
     count = len(gradients)
     n, rate = count - 1, batch / count
     if k_min is None:
-        k_min = accounting.size_threshold(n, rate, size_delta)
+        k_min = batch_sizes.size_threshold(n, rate, size_delta)
     rng = np.random.default_rng(seed + step)
     base = dict(MEAN, step=step, exp="coupling", sample_rate=rate, batch_size=batch, dataset_size=count,
                 noise_std=SIGMA * CLIP / batch, mc_seed=0, k_min=k_min)
@@ -311,10 +311,10 @@ def test_eps_delta_sum_rule_holder(tmp_path, run, results):
     frame = pd.read_csv(tmp_path / "holder.csv")
     assert list(frame.columns) == EPS_DELTA_COLUMNS and set(frame["method"]) == {"holder p=10000"}
     for record in frame[frame["kind"] == "certified"].itertuples():
-        expected = accounting.eps_delta_holder([norm_of(record.point, record.step)], SIGMA * CLIP, RATE, 1e-5, 1e4)
+        expected = exact_eps_delta.eps_delta_holder([norm_of(record.point, record.step)], SIGMA * CLIP, RATE, 1e-5, 1e4)
         assert record.eps == pytest.approx(float(expected), rel=1e-8)
     assert values_of(frame, "certified", "max").loc[1].max() < 1e-3  # Δ* = 0: only the Hölder term remains
-    assert np.allclose(values_of(frame, "baseline"), accounting.baseline_eps_delta(SIGMA, RATE, 1e-5))
+    assert np.allclose(values_of(frame, "baseline"), exact_eps_delta.baseline_eps_delta(SIGMA, RATE, 1e-5))
     # GLA's formula is never tighter than the exact per-step ε (§3.3).
     for kind in ("certified", "baseline"):
         assert np.all(values_of(exact, kind, "max") <= values_of(frame, kind, "max") * (1 + 1e-9))
@@ -360,7 +360,7 @@ def test_eps_delta_mean_rule(tmp_path, run, results, mean_rows):
     every_size = np.arange(k_min, n + 1)
     probabilities = stats.binom.pmf(every_size, n, rate)
     certified_sizes = np.arange(k_min, size_upper(n, rate) + 1)
-    assert list(accounting.size_grid(n, rate, k_min, 64)) == list(certified_sizes)
+    assert list(batch_sizes.size_grid(n, rate, k_min, 64)) == list(certified_sizes)
     for direction in ("remove", "add"):
         for record in frame[(frame["kind"] == "estimate") & (frame["direction"] == direction)].itertuples():
             # The reported δ includes delta_fail: Σ_b w_b·δ(ε; Δ_b/s) + δ_size = δ, from the file's own rows.
@@ -431,7 +431,7 @@ def test_renyi_sum_rule(tmp_path, run, results):
     assert len(frame) == 18 * 2 * 2 and set(frame["direction"]) == {"max"}
     certified = values_of(frame, "certified", value="rdp")
     for (point, step, alpha), rdp in certified.items():
-        expected = accounting.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, [alpha])
+        expected = renyi_step.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, [alpha])
         assert rdp == pytest.approx(float(expected[0, 0]), rel=1e-8)
     assert np.all(certified.loc[1] == 0)
     baseline = values_of(frame, "baseline", value="rdp")
@@ -457,7 +457,7 @@ def test_renyi_mean_rule_coupling_from_the_file(tmp_path, run, results, mean_row
     delta_size = stats.binom.cdf(k_min - 1, n, rate)
     every_size = np.arange(k_min, size_upper(n, rate) + 1)  # P(k > k_hi) <= 1e-12 is left out: a lower value
     probabilities = stats.binom.pmf(every_size, n, rate)
-    assert list(accounting.size_grid(n, rate, k_min, 64)) == list(every_size)
+    assert list(batch_sizes.size_grid(n, rate, k_min, 64)) == list(every_size)
     remove = frame[frame["direction"] == "remove"].set_index(["kind", "point", "step", "alpha"])
 
     def bracket(rdp_at, reported, rounding=1.001):
@@ -617,7 +617,7 @@ def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
     # b = inf with one run, no rounding: Σ_t ρ_t(λ), 20 steps at each checkpoint's Δ*.
     inf, _ = compo(run, tmp_path, "checkpoints", "--holder-b", "inf", "--rounding", "0")
     for point in range(4):
-        rdp = sum(20 * accounting.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, ORDERS)[0]
+        rdp = sum(20 * renyi_step.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, ORDERS)[0]
                   for step in (0, 20, 40))
         assert values_of(inf, "certified").loc[point] == pytest.approx(opacus_eps(rdp, ORDERS, 1e-5), rel=1e-9)
 
@@ -680,7 +680,7 @@ def test_composition_of_the_mean_rule(tmp_path, run, results):
     # rounded up by at most 1% (§5): its ε lies between the exact ones at Δ̄ and at 1.01·Δ̄ on those sizes. For
     # the baseline, the lower end is every size in [k_min, k_hi] (P(k > k_hi) <= 1e-12 left out).
     every_size = np.arange(k_min, size_upper(n, rate) + 1)
-    grid = accounting.size_grid(n, rate, k_min, 64)
+    grid = batch_sizes.size_grid(n, rate, k_min, 64)
     assert len(grid) < len(every_size)
     lumped = np.diff(stats.binom.cdf(np.append(grid - 1, n), n, rate))
 

@@ -12,10 +12,13 @@ from conftest import assert_usage_error, run_in_process, snapshot
 from reference import reference_batch_means, reference_batch_sensitivities
 from scipy.stats import beta, binom, binomtest
 
-from perinstance import accounting, audit, audit_simulation, poisson_batches, runs, sampling, training
-from perinstance.clipping import Transform
-from perinstance.data import load_dataset
-from perinstance.mechanism import Mechanism
+from perinstance.accounting import audit_bounds, exact_eps_delta
+from perinstance.accounting.mechanism import Mechanism
+from perinstance.audit import audit_simulation
+from perinstance.measure import poisson_batches
+from perinstance.train import runs, sampling, training
+from perinstance.train.clipping import Transform
+from perinstance.train.data import load_dataset
 
 # psac: every point has its own Δ* (flat clipping gives Γ to most points this early).
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -28,7 +31,7 @@ DELTA = 1e-5
 @pytest.mark.parametrize("successes, trials", [(0, 10), (1, 10), (5, 10), (10, 10), (3, 100000), (49_000, 100_000)])
 def test_clopper_pearson_is_scipys_exact_interval(successes, trials):
     interval = binomtest(successes, trials).proportion_ci(confidence_level=0.95, method="exact")
-    lower, upper = audit.clopper_pearson(successes, trials)
+    lower, upper = audit_bounds.clopper_pearson(successes, trials)
     assert lower == pytest.approx(interval.low, rel=1e-7, abs=1e-15)
     assert upper == pytest.approx(interval.high, rel=1e-7, abs=1e-15)
 
@@ -37,20 +40,20 @@ def test_clopper_pearson_covers_at_its_level():
     # Each end alone is a 97.5% one-sided bound: with p = 0.3 and n = 50, the exact probability
     # (summed over every outcome) that the lower end is above p is at most 2.5%.
     outcomes = np.arange(51)
-    lower, upper = audit.clopper_pearson(outcomes, 50)
+    lower, upper = audit_bounds.clopper_pearson(outcomes, 50)
     weights = binom.pmf(outcomes, 50, 0.3)
     assert weights[lower > 0.3].sum() <= 0.025 and weights[upper < 0.3].sum() <= 0.025
 
 
 def test_epsilon_conversion_by_hand():
     # TPR 0.5, FPR 0.05, δ 0.01: ε ≥ log(0.49/0.05).
-    assert audit.epsilon_from_rates(0.5, 0.05, 0.01) == pytest.approx(math.log(9.8))
-    assert audit.epsilon_from_rates(0.01, 0.001, 0.01) == 0  # nothing above δ: nothing proved
-    assert audit.epsilon_from_rates(0.3, 0.4, 0.0) == 0  # a bad test proves only ε ≥ 0
-    assert audit.epsilon_from_rates(0.2, 0.0, 1e-5) == np.inf
+    assert audit_bounds.epsilon_from_rates(0.5, 0.05, 0.01) == pytest.approx(math.log(9.8))
+    assert audit_bounds.epsilon_from_rates(0.01, 0.001, 0.01) == 0  # nothing above δ: nothing proved
+    assert audit_bounds.epsilon_from_rates(0.3, 0.4, 0.0) == 0  # a bad test proves only ε ≥ 0
+    assert audit_bounds.epsilon_from_rates(0.2, 0.0, 1e-5) == np.inf
     # 500 of 1000 hits under P, 50 of 1000 under Q: the 2.5% lower end of one, the 97.5% upper end of the other.
     expected = math.log((beta.ppf(0.025, 500, 501) - 0.01) / beta.ppf(0.975, 51, 950))
-    assert audit.epsilon_lower_bound(500, 50, 1000, 1000, 0.01) == pytest.approx(expected, rel=1e-9)
+    assert audit_bounds.epsilon_lower_bound(500, 50, 1000, 1000, 0.01) == pytest.approx(expected, rel=1e-9)
     assert expected < math.log(0.49 / 0.05)
 
 
@@ -64,9 +67,9 @@ def _gaussian_pair(mu, sample_rate, trials, seed, shift=0.0):
 def test_audit_of_the_gaussian_pair_stays_below_the_exact_bound_and_catches_a_smaller_one():
     mu, sample_rate = 2.0, 0.05
     scores_in, scores_out = _gaussian_pair(mu, sample_rate, 400_000, 0)
-    outcome = audit.audit_scores(scores_in, scores_out, DELTA)
-    exact = accounting.per_step_eps([[mu]], DELTA, sample_rate)[0]
-    quarter = accounting.per_step_eps([[mu / 4]], DELTA, sample_rate)[0]
+    outcome = audit_bounds.audit_scores(scores_in, scores_out, DELTA)
+    exact = exact_eps_delta.per_step_eps([[mu]], DELTA, sample_rate)[0]
+    quarter = exact_eps_delta.per_step_eps([[mu / 4]], DELTA, sample_rate)[0]
     assert outcome.direction == "remove" and quarter < outcome.eps_lower <= exact
     assert outcome.eps_lower > 0.4 * exact  # a strong test: M = 4e5 trials get this close
 
@@ -75,10 +78,10 @@ def test_the_add_direction_is_found_when_it_is_the_one_that_leaks():
     # Mirror the pair: the law without x* is the mixture shifted down, so the lower tail
     # {T < τ} tells them apart, and it is the law Q that it favours (accounting.md §1 "add").
     scores_mixture, scores_plain = _gaussian_pair(-2.0, 0.05, 400_000, 1)
-    outcome = audit.audit_scores(scores_plain, scores_mixture, DELTA)
+    outcome = audit_bounds.audit_scores(scores_plain, scores_mixture, DELTA)
     assert outcome.direction == "add"
-    assert accounting.per_step_eps([[0.5]], DELTA, 0.05)[0] < outcome.eps_lower <= \
-        accounting.per_step_eps([[2.0]], DELTA, 0.05)[0]
+    assert exact_eps_delta.per_step_eps([[0.5]], DELTA, 0.05)[0] < outcome.eps_lower <= \
+        exact_eps_delta.per_step_eps([[2.0]], DELTA, 0.05)[0]
 
 
 def test_the_threshold_is_chosen_on_the_first_half_and_counted_on_the_second():
@@ -87,17 +90,17 @@ def test_the_threshold_is_chosen_on_the_first_half_and_counted_on_the_second():
     # First half: a perfect separation that a test chosen on it would exploit; second half: none.
     scores_in = np.concatenate([rng.normal(5, 1, half), rng.normal(0, 1, half)])
     scores_out = np.concatenate([rng.normal(0, 1, half), rng.normal(0, 1, half)])
-    outcome = audit.audit_scores(scores_in, scores_out, DELTA)
+    outcome = audit_bounds.audit_scores(scores_in, scores_out, DELTA)
     assert outcome.threshold in set(scores_out[:half]) | set(scores_in[:half])
-    hits_in, hits_out = audit.event_counts(scores_in[half:], scores_out[half:], outcome.direction, outcome.threshold)
+    hits_in, hits_out = audit_bounds.event_counts(scores_in[half:], scores_out[half:], outcome.direction, outcome.threshold)
     assert (outcome.hits_in, outcome.hits_out, outcome.trials) == (hits_in, hits_out, half)
-    assert outcome.eps_lower == audit.epsilon_lower_bound(hits_in, hits_out, half, half, DELTA)
+    assert outcome.eps_lower == audit_bounds.epsilon_lower_bound(hits_in, hits_out, half, half, DELTA)
     assert outcome.eps_lower < 0.1
 
 
 def test_a_null_pair_proves_nothing():
     rng = np.random.default_rng(3)
-    outcome = audit.audit_scores(rng.standard_normal(200_000), rng.standard_normal(200_000), DELTA)
+    outcome = audit_bounds.audit_scores(rng.standard_normal(200_000), rng.standard_normal(200_000), DELTA)
     assert outcome.eps_lower < 0.05
 
 
@@ -105,11 +108,11 @@ def test_a_null_pair_proves_nothing():
 
 def test_projected_release_by_hand():
     # Sum rule: Σ + own if joined, plus noise.
-    np.testing.assert_allclose(audit.projected_release(np.array([1.0, 1.0]), np.array([3, 3]), np.array([True, False]),
-                                                       0.5, np.array([0.1, 0.1]), "sum"), [1.6, 1.1])
+    np.testing.assert_allclose(audit_bounds.projected_release(np.array([1.0, 1.0]), np.array([3, 3]), np.array([True, False]),
+                                                              0.5, np.array([0.1, 0.1]), "sum"), [1.6, 1.1])
     # Mean rule: (Σ + own)/(k + 1) if joined, Σ/k if not, 0 or own for an empty batch.
-    released = audit.projected_release(np.array([3.0, 3.0, 0.0, 0.0]), np.array([3, 3, 0, 0]),
-                                       np.array([True, False, True, False]), 1.0, 0.0, "mean")
+    released = audit_bounds.projected_release(np.array([3.0, 3.0, 0.0, 0.0]), np.array([3, 3, 0, 0]),
+                                              np.array([True, False, True, False]), 1.0, 0.0, "mean")
     np.testing.assert_allclose(released, [1.0, 1.0, 1.0, 0.0])
 
 
@@ -123,7 +126,7 @@ def test_fisher_directions_solve_the_covariance():
     expected = np.linalg.solve(covariance, targets.T).T
     norms = np.linalg.norm(expected, axis=1, keepdims=True)
     expected = np.divide(expected, norms, out=np.zeros_like(expected), where=norms > 0)
-    np.testing.assert_allclose(audit.fisher_directions(targets, basis, variances, 0.3), expected, atol=1e-12)
+    np.testing.assert_allclose(audit_bounds.fisher_directions(targets, basis, variances, 0.3), expected, atol=1e-12)
     # Fisher's direction has the best signal-to-noise ratio tᵀe / sqrt(eᵀΣe) of all directions.
     def ratio(direction):
         return targets[0] @ direction / math.sqrt(direction @ covariance @ direction)
@@ -135,10 +138,10 @@ def test_spread_points_span_the_range():
     sensitivities = np.arange(100) / 100.0
     correct = np.ones(100, dtype=bool)
     correct[[5, 50, 95]] = False
-    chosen = audit.spread_points(sensitivities, correct, 10)
+    chosen = audit_bounds.spread_points(sensitivities, correct, 10)
     assert len(chosen) == 10 and set(chosen) >= {0, 99} and set(chosen) >= {5, 95}
     assert np.all(np.diff(chosen) > 0)
-    assert len(audit.spread_points(sensitivities, correct, 500)) == 100
+    assert len(audit_bounds.spread_points(sensitivities, correct, 500)) == 100
 
 
 # --- exact Poisson batches ----------------------------------------------------------------------
@@ -248,7 +251,7 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
     metadata, model, dataset, norms = reference_norms(models, rows["point"], 16)
     np.testing.assert_allclose(rows["sensitivity"], norms, rtol=1e-5)
     noise_std = metadata.noise_multiplier * metadata.clip_bound
-    expected = accounting.per_step_eps(norms[:, None] / noise_std, DELTA, metadata.sample_rate)
+    expected = exact_eps_delta.per_step_eps(norms[:, None] / noise_std, DELTA, metadata.sample_rate)
     np.testing.assert_allclose(rows["eps_upper"], expected, rtol=1e-5)
     np.testing.assert_allclose(rows["ratio"], rows["eps_lower"] / rows["eps_upper"])
     points = rows["point"].to_list()
@@ -264,8 +267,8 @@ def test_sum_rule_audit_holds_and_its_upper_bound_is_the_accountants(audit_run, 
 
 def test_a_too_small_upper_bound_is_flagged(audit_run, monkeypatch):
     # Hand the audit the accountant's bound for Δ*/4 instead of Δ*: it must prove that bound wrong.
-    exact = accounting.per_step_eps
-    monkeypatch.setattr(audit_simulation.accounting, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
+    exact = exact_eps_delta.per_step_eps
+    monkeypatch.setattr(audit_simulation.exact_eps_delta, "per_step_eps", lambda mu, *args, **kw: exact(mu / 4, *args, **kw))
     result, rows = audit_run("--points", "0-3", "--trials", "200000")
     assert result.returncode == 1 and (rows["violated"] == 1).all()
     assert (rows["eps_lower"] > rows["eps_upper"]).all()
@@ -349,7 +352,7 @@ def test_missing_and_non_private_runs_are_refused(models, tmp_path):
 def test_gap_summary_by_hand():
     mechanism = Mechanism(noise_multiplier=1.0, clip_bound=1.0, sample_rate=4 / 64, batch_size=4, dataset_size=64,
                           total_steps=32, rule="mean")
-    sum_rule = accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0]
+    sum_rule = exact_eps_delta.per_step_eps([[1.0]], DELTA, 4 / 64)[0]
     # Evaluation halves of 500 trials (trials − ⌊trials/2⌋) with these event counts.
     hits_in, hits_out = np.array([10, 400, 500, 100]), np.array([10, 2, 0, 30])
     rows = pd.DataFrame({"step": [0, 0, 0, 8], "rule": "mean", "eps_lower": [0.0, 2.0, 20.0, 1.0],
@@ -397,7 +400,7 @@ def test_the_audit_catches_the_mean_rule_above_the_sum_rules_accounting(gap_mode
     assert result.returncode == 0, result.stderr
     mechanism = Mechanism.of_run(runs.load_run(gap_models / "gap"))
     [gap] = audit_simulation.gap_summary(rows, mechanism).values()
-    assert gap["sum_rule_eps"] == pytest.approx(accounting.per_step_eps([[1.0]], DELTA, 4 / 64)[0], rel=1e-12)
+    assert gap["sum_rule_eps"] == pytest.approx(exact_eps_delta.per_step_eps([[1.0]], DELTA, 4 / 64)[0], rel=1e-12)
     assert (gap["k_min"], gap["delta_size"], gap["points"], gap["trials"]) == (0, 0.0, 8, 200_000)
     # Every bound holds; most points prove more than the sum rule's accounting allows.
     assert (rows["eps_lower"] <= rows["eps_upper"]).all() and gap["above_baseline"] == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from perinstance import accounting
+from perinstance.accounting import batch_sizes, certified_radius, exact_eps_delta
 
 
 def bernstein_radius(spread, deviation, size, failure):
@@ -56,7 +56,7 @@ CASES = [(spread, deviation, size, failure) for spread, deviation in ((0.967, 1.
 
 @pytest.mark.parametrize("spread, deviation, size, failure", CASES)
 def test_radius_never_above_the_closed_forms(spread, deviation, size, failure):
-    radius = float(accounting.concentration_radius([spread], [deviation], size, failure)[0])
+    radius = float(certified_radius.concentration_radius([spread], [deviation], size, failure)[0])
     assert 0 < radius <= deviation
     assert radius <= mcdiarmid_radius(spread, deviation, size, failure) * (1 + 1e-12)
     assert radius <= bennett_radius(spread, deviation, size, failure) * (1 + 1e-9)
@@ -67,7 +67,7 @@ def test_radius_never_above_the_closed_forms(spread, deviation, size, failure):
 def test_radius_is_where_the_tail_bound_reaches_the_failure(spread, deviation, size, failure):
     """Where Pinelis's radius is the smaller one, the tail bound evaluated at it is β (the smallest such radius,
     up to the rounding of v/b² by 1e-4); otherwise the radius is McDiarmid's or b."""
-    radius = float(accounting.concentration_radius([spread], [deviation], size, failure)[0])
+    radius = float(certified_radius.concentration_radius([spread], [deviation], size, failure)[0])
     others = min(mcdiarmid_radius(spread, deviation, size, failure), deviation)
     if radius < others * (1 - 1e-9):
         assert pinelis_tail(spread, deviation, size, radius) <= failure * (1 + 1e-9)
@@ -79,21 +79,21 @@ def test_radius_is_where_the_tail_bound_reaches_the_failure(spread, deviation, s
 def test_radius_is_monotone():
     sizes = np.arange(1, 400)
     for failure in (0.3, 1e-4, 1e-12):
-        radius = accounting.concentration_radius([0.4], [1.0], sizes, failure)[0]
+        radius = certified_radius.concentration_radius([0.4], [1.0], sizes, failure)[0]
         assert np.all(np.diff(radius) <= 1e-15)
     levels = np.geomspace(0.99, 1e-15, 60)
     for size in (1, 30, 1000):
-        radius = accounting.concentration_radius([0.4], [1.0], size, levels)[0]
+        radius = certified_radius.concentration_radius([0.4], [1.0], size, levels)[0]
         assert np.all(np.diff(radius) >= -1e-15)
     spreads = np.linspace(1e-4, 1.0, 50)
-    radius = accounting.concentration_radius(spreads, np.ones(50), 40, 1e-6)
+    radius = certified_radius.concentration_radius(spreads, np.ones(50), 40, 1e-6)
     assert np.all(np.diff(radius) >= -1e-15)
     # An upper bound on b_X (what compute_sensitivity.py records) gives a larger radius: still a bound.
     deviations = np.linspace(0.6, 3.0, 50)
     for size, failure in ((1, 0.5), (40, 1e-6), (2000, 1e-12)):
-        radius = accounting.concentration_radius(np.full(50, 0.3), deviations, size, failure)
+        radius = certified_radius.concentration_radius(np.full(50, 0.3), deviations, size, failure)
         assert np.all(np.diff(radius) >= -1e-15)
-    assert float(accounting.concentration_radius([0.0], [0.0], 10, 1e-6)[0]) == 0
+    assert float(certified_radius.concentration_radius([0.0], [0.0], 10, 1e-6)[0]) == 0
 
 
 # --- Monte Carlo: identity 6 on adversarial populations ---------------------------------------
@@ -139,7 +139,7 @@ def test_radius_fails_at_most_at_its_rate_on_adversarial_populations(population)
     for size in (1, 5, 20, 60):
         means = np.stack([points[rng.choice(len(points), size, replace=False)].mean(axis=0) for _ in range(trials)])
         distances = np.linalg.norm(means - center, axis=1)
-        radius = accounting.concentration_radius([spread], [largest], size, levels)[0]
+        radius = certified_radius.concentration_radius([spread], [largest], size, levels)[0]
         counts = np.sum(distances[:, None] > radius[None, :], axis=0)
         assert np.all(counts <= stats.binom.ppf(0.999, trials, levels)), (size, counts / trials, levels)
         exceeded_at_half |= bool(np.any(np.mean(distances[:, None] > 0.5 * radius[None, :], axis=0) > levels))
@@ -150,22 +150,22 @@ def test_radius_fails_at_most_at_its_rate_on_adversarial_populations(population)
 
 def test_size_failures_spend_the_budget_front_loaded():
     n, rate = 511, 0.125
-    k_min = accounting.size_threshold(n, rate, 1e-7)
-    grid = accounting.size_grid(n, rate, k_min, 64)
-    log_weights = accounting.lumped_size_log_weights(grid, n, rate)
+    k_min = batch_sizes.size_threshold(n, rate, 1e-7)
+    grid = batch_sizes.size_grid(n, rate, k_min, 64)
+    log_weights = batch_sizes.lumped_size_log_weights(grid, n, rate)
     mass = np.exp(log_weights)
     for failure in (1e-9, 1e-7, 1e-3):
-        failures = accounting.size_failures(log_weights, failure)
-        assert np.all(failures > 0) and np.all(failures <= accounting.SIZE_FAILURE_CAP)
+        failures = certified_radius.size_failures(log_weights, failure)
+        assert np.all(failures > 0) and np.all(failures <= certified_radius.SIZE_FAILURE_CAP)
         spent = mass * failures
         assert np.sum(spent) <= failure and np.sum(spent) == pytest.approx(failure, rel=1e-6)
-        uncapped = failures < accounting.SIZE_FAILURE_CAP
+        uncapped = failures < certified_radius.SIZE_FAILURE_CAP
         # Shares ∝ 1/(j+1) among the sizes that are not capped.
         index = np.flatnonzero(uncapped)
         np.testing.assert_allclose(spent[index] * (index + 1), spent[index[0]] * (index[0] + 1), rtol=1e-9)
     # A budget no size can use up: every size at the cap, within the budget.
-    failures = accounting.size_failures(np.log([1e-3, 1e-3]), 0.5)
-    np.testing.assert_array_equal(failures, accounting.SIZE_FAILURE_CAP)
+    failures = certified_radius.size_failures(np.log([1e-3, 1e-3]), 0.5)
+    np.testing.assert_array_equal(failures, certified_radius.SIZE_FAILURE_CAP)
 
 
 def test_certified_mixture_weights_and_levels():
@@ -173,47 +173,47 @@ def test_certified_mixture_weights_and_levels():
     its tail β_j^{(l/L)²}; one level is the single radius at β_j; size 0 gets Γ and no failure mass."""
     n, rate = 99, 0.05
     sizes = np.arange(0, 15)
-    log_weights = accounting.lumped_size_log_weights(sizes, n, rate)
+    log_weights = batch_sizes.lumped_size_log_weights(sizes, n, rate)
     statistics = ([0.3, 1.2], [0.2, 0.5], [0.9, 1.1])
-    bound, component_log_weights, component_sizes = accounting.certified_mixture(*statistics, 1.0, sizes, log_weights,
+    bound, component_log_weights, component_sizes = certified_radius.certified_mixture(*statistics, 1.0, sizes, log_weights,
                                                                                 1e-4, levels=5)
     assert bound.shape == (2, 15 * 5) and list(component_sizes) == list(np.repeat(sizes, 5))
     per_size = np.exp(component_log_weights).reshape(15, 5).sum(axis=1)
     np.testing.assert_allclose(per_size, np.exp(log_weights), rtol=1e-12)
-    failures = accounting.size_failures(np.where(sizes > 0, log_weights, -np.inf), 1e-4)
-    assert failures[0] == accounting.SIZE_FAILURE_CAP  # size 0 spends nothing: Π_0·β_0 is not charged
+    failures = certified_radius.size_failures(np.where(sizes > 0, log_weights, -np.inf), 1e-4)
+    assert failures[0] == certified_radius.SIZE_FAILURE_CAP  # size 0 spends nothing: Π_0·β_0 is not charged
     assert np.sum(np.exp(log_weights[1:]) * failures[1:]) <= 1e-4
     tails = failures[:, None] ** ((np.arange(1, 6) / 5) ** 2)[None, :]
-    expected = accounting.certified_sensitivity(*statistics, 1.0, sizes[:, None], tails)
+    expected = certified_radius.certified_sensitivity(*statistics, 1.0, sizes[:, None], tails)
     np.testing.assert_allclose(bound, expected.reshape(2, -1), rtol=1e-12)
     np.testing.assert_array_equal(bound[:, :5], 1.0)
-    single, single_log_weights, _ = accounting.certified_mixture(*statistics, 1.0, sizes, log_weights, 1e-4, levels=1)
-    np.testing.assert_allclose(single, accounting.certified_sensitivity(*statistics, 1.0, sizes, failures), rtol=1e-12)
+    single, single_log_weights, _ = certified_radius.certified_mixture(*statistics, 1.0, sizes, log_weights, 1e-4, levels=1)
+    np.testing.assert_allclose(single, certified_radius.certified_sensitivity(*statistics, 1.0, sizes, failures), rtol=1e-12)
     np.testing.assert_allclose(single_log_weights, log_weights)
 
 
 def test_dominant_size_sums_the_levels():
     log_terms = np.log([[0.3, 0.3, 0.5, 1e-300], [0.1, 0.1, 0.05, 0.6]])
-    assert list(accounting.dominant_size(log_terms, np.array([4, 4, 7, 7]))) == [4, 7]
+    assert list(certified_radius.dominant_size(log_terms, np.array([4, 4, 7, 7]))) == [4, 7]
 
 
 def test_more_levels_never_loosen_the_bound_much_and_beat_one():
     """The mixture's (ε, δ) with 16 levels is far below the single-radius version on a population with v ≈ b²
     (the synthetic MLP's first checkpoint) and within a few percent of 64 levels."""
     n, rate, noise_std = 511, 0.125, 1 / 64
-    k_min = accounting.size_threshold(n, rate, 1e-7)
-    delta_size = accounting.size_failure(n, rate, k_min)
-    grid = accounting.size_grid(n, rate, k_min, 64)
-    log_weights = accounting.lumped_size_log_weights(grid, n, rate)
+    k_min = batch_sizes.size_threshold(n, rate, 1e-7)
+    delta_size = batch_sizes.size_failure(n, rate, k_min)
+    grid = batch_sizes.size_grid(n, rate, k_min, 64)
+    log_weights = batch_sizes.lumped_size_log_weights(grid, n, rate)
     statistics = ([0.985], [0.967], [1.02])
 
     def eps(levels):
-        bound, weights, _ = accounting.certified_mixture(*statistics, 1.0, grid, log_weights, delta_size,
-                                                         levels=levels)
-        return float(accounting.per_step_eps(bound / noise_std, 1e-5, rate, np.exp(weights), 2 * delta_size)[0])
+        bound, weights, _ = certified_radius.certified_mixture(*statistics, 1.0, grid, log_weights, delta_size,
+                                                               levels=levels)
+        return float(exact_eps_delta.per_step_eps(bound / noise_std, 1e-5, rate, np.exp(weights), 2 * delta_size)[0])
 
-    baseline = float(accounting.per_step_eps(accounting.baseline_mean_sensitivity(1.0, grid)[None, :] / noise_std,
-                                             1e-5, rate, np.exp(log_weights), delta_size)[0])
+    baseline = float(exact_eps_delta.per_step_eps(certified_radius.baseline_mean_sensitivity(1.0, grid)[None, :] / noise_std,
+                                                  1e-5, rate, np.exp(log_weights), delta_size)[0])
     one, sixteen, many = eps(1), eps(16), eps(64)
     assert many <= sixteen <= one < baseline
     assert sixteen < 0.6 * baseline and sixteen <= 1.05 * many

@@ -11,12 +11,13 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_usage_error, load_script, run_script
+from conftest import assert_usage_error, run_script
 from PIL import Image
 
-from perinstance import data
-from perinstance.data import load_dataset
 from perinstance.errors import UsageError
+from perinstance.experiments.config import PRESETS, training_flags
+from perinstance.train import data
+from perinstance.train.data import load_dataset
 
 CLASSES, TRAIN_PER_CLASS, TEST_PER_CLASS, SIDE = 3, 10, 4, 16
 # imagefolder: resizes every image to 32×32 (data.IMAGE_SIZE); the ScatterNet samples every 4 pixels.
@@ -123,11 +124,10 @@ def test_preset_trains_and_measures_every_point_at_every_checkpoint(folder, tmp_
     """The preset's training flags, shrunk to the tiny folder, through train_dpsgd.py and
     compute_sensitivity.py; Δ* of every point at every checkpoint equals ||∇ loss|| (C is set above
     it) computed here from the saved weights with the closed form of a linear layer's gradient."""
-    reproduce = load_script("reproduce.py")
-    config = dataclasses.replace(reproduce.PRESETS["cifar10-cpu"], dataset=f"scatternet:imagefolder:{folder}",
+    config = dataclasses.replace(PRESETS["cifar10-cpu"], dataset=f"scatternet:imagefolder:{folder}",
                                  batch_size=10, epochs=2.0, save_freq=3)
     # A clipping norm above every gradient norm, so that Δ* is the norm itself and the check below can fail.
-    flags = [*reproduce.training_flags(config, "cpu"), "--save-name", "cifar", "--cn", "1000"]
+    flags = [*training_flags(config, "cpu"), "--save-name", "cifar", "--cn", "1000"]
     assert flags[flags.index("--model") + 1] == "linear"
     trained = run_script("train_dpsgd.py", *flags, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from perinstance import clipping
+from perinstance.train import clipping
 
 NORMS = torch.logspace(-8, 8, 161, dtype=torch.float64)
 

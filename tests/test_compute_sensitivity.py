@@ -12,12 +12,16 @@ import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, run_script, snapshot
 from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
-from perinstance import accounting, coupling, measurement, results, runs, sensitivity_cli, training
-from perinstance.clipping import Transform
-from perinstance.data import load_dataset
-from perinstance.gradient_rows import transformed_norms
-from perinstance.poisson_batches import Pool
-from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
+from perinstance.accountants import sensitivity_cli
+from perinstance.accounting import batch_sizes
+from perinstance.files import results
+from perinstance.measure import coupling, measurement
+from perinstance.measure.gradient_rows import transformed_norms
+from perinstance.measure.poisson_batches import Pool
+from perinstance.train import runs, training
+from perinstance.train.clipping import Transform
+from perinstance.train.data import load_dataset
+from perinstance.train.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
 # psac: every point's Δ* differs (flat clipping would give C for most of them).
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
@@ -106,7 +110,7 @@ def test_mean_rule_coupling_rows_match_the_reference(measure, models):
     metadata, model, _ = checkpoint(models, rows["run"][0], 16)
     # accounting.md §3.4: k_min from δ_size = δ/(10·T), n = N − 1.
     plan = coupling.coupling_plan(5, 16, 511, 32 / 512, 1e-5 / 160, 300, 4, 32)
-    assert plan.k_min == accounting.size_threshold(511, 32 / 512, 1e-5 / 160) > 0
+    assert plan.k_min == batch_sizes.size_threshold(511, 32 / 512, 1e-5 / 160) > 0
     assert (rows["k_min"] == plan.k_min).all()
     dataset = load_dataset("synthetic")
     transform = Transform.of_run(metadata)

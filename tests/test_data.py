@@ -10,9 +10,9 @@ import torchvision.datasets.cifar
 import torchvision.datasets.mnist
 from PIL import Image
 
-from perinstance import data
-from perinstance.data import load_dataset
 from perinstance.errors import UsageError
+from perinstance.train import data
+from perinstance.train.data import load_dataset
 
 # Pinned so that a change in the shipped files, the split or the preprocessing shows up.
 EMBEDDED_FINGERPRINT = "4e36ecd65c91d677a28ff6a3d53b231d6f45c1f0a83dba7a29fd139b399f9511"

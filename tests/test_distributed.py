@@ -1,4 +1,4 @@
-"""Work spread over torchrun's processes (perinstance/distributed.py) on CPU with Gloo: training runs
+"""Work spread over torchrun's processes (perinstance/train/distributed.py) on CPU with Gloo: training runs
 over seeds, and sensitivities sharded into per-rank parts merged once into the single-process result."""
 
 import os
@@ -14,9 +14,10 @@ import pytest
 import torch
 from conftest import ROOT, assert_usage_error, run_in_process
 
-from perinstance import checkpoints, distributed, runs
 from perinstance.errors import UsageError
-from perinstance.options import parse_seeds
+from perinstance.files import checkpoints
+from perinstance.train import distributed, runs
+from perinstance.train.options import parse_seeds
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
        "--save-freq", "8", "--clipping", "psac", "--sigma", "1.0"]  # --sigma: no calibration, fast

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perinstance import gradients
-from perinstance.nets import build_model
+from perinstance.train import gradients
+from perinstance.train.nets import build_model
 
 COUNT = 6
 

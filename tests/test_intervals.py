@@ -1,4 +1,4 @@
-"""The report's intervals (perinstance/intervals.py, accounting.md §10) against independent computations:
+"""The report's intervals (perinstance/accounting/intervals.py, accounting.md §10) against independent computations:
 coverage over many seeds, an exact enumeration of a small bootstrap, Fisher's and Student's intervals."""
 
 import itertools
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from perinstance import intervals
+from perinstance.accounting import intervals
 
 
 def coverage(make_interval, truth, seeds):

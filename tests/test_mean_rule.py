@@ -18,9 +18,9 @@ from dp_accounting.pld import pld_privacy_accountant
 from scipy import integrate, stats
 from scipy.special import logsumexp
 
-from perinstance import accounting
-from perinstance.mechanism import Mechanism
-from perinstance.results import COLUMNS
+from perinstance.accounting import batch_sizes, certified_radius, exact_eps_delta, rdp_composition, renyi_step
+from perinstance.accounting.mechanism import Mechanism
+from perinstance.files.results import COLUMNS
 
 # --- exact enumeration (identity 5) ---------------------------------------------------------
 
@@ -93,7 +93,7 @@ def batch_sensitivities(target, others, sample_rate):
 
 def coupling_rdp_exact(target, others, sample_rate, noise_std, alpha):
     """§3.2 coupling bound with the exact expectation over every batch (k_min = 0)."""
-    terms = [math.log(probability) + (alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / delta, [alpha])[0])
+    terms = [math.log(probability) + (alpha - 1) * float(renyi_step.rdp_sgm(sample_rate, noise_std / delta, [alpha])[0])
              if delta > 0 else math.log(probability)
              for delta, _, probability in batch_sensitivities(target, others, sample_rate)]
     return logsumexp(terms) / (alpha - 1)
@@ -111,11 +111,11 @@ def certified_components(target, others, clip_bound, sample_rate, failure):
     certified event's test keep(B): ||m(B) − μ_X|| within the radius at its size's failure β_k."""
     center_distance, spread, deviation = population_statistics(target, others)
     sizes = np.arange(len(others) + 1)
-    log_weights = accounting.size_log_pmf(sizes, len(others), sample_rate)
-    bound, component_log_weights, _ = accounting.certified_mixture([center_distance], [spread], [deviation],
-                                                                   clip_bound, sizes, log_weights, failure)
-    size_failures = accounting.size_failures(np.where(sizes > 0, log_weights, -np.inf), failure)
-    radius = accounting.concentration_radius([spread], [deviation], np.maximum(sizes, 1), size_failures)[0]
+    log_weights = batch_sizes.size_log_pmf(sizes, len(others), sample_rate)
+    bound, component_log_weights, _ = certified_radius.certified_mixture([center_distance], [spread], [deviation],
+                                                                         clip_bound, sizes, log_weights, failure)
+    size_failures = certified_radius.size_failures(np.where(sizes > 0, log_weights, -np.inf), failure)
+    radius = certified_radius.concentration_radius([spread], [deviation], np.maximum(sizes, 1), size_failures)[0]
 
     def keep(batch):
         return len(batch) == 0 or abs(np.mean(batch) - np.mean(others)) <= radius[len(batch)]
@@ -125,21 +125,21 @@ def certified_components(target, others, clip_bound, sample_rate, failure):
 def certified_rdp(target, others, clip_bound, sample_rate, noise_std, alpha, failure):
     """§3.2 certified bound (§7's mixture) with k_min = 0 and every size evaluated."""
     bound, weights, _ = certified_components(target, others, clip_bound, sample_rate, failure)
-    moments = np.array([(alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
+    moments = np.array([(alpha - 1) * float(renyi_step.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
                         for value in bound])
-    return float(accounting.mixture_rdp(moments, np.log(weights), math.log(1 - failure), alpha))
+    return float(certified_radius.mixture_rdp(moments, np.log(weights), math.log(1 - failure), alpha))
 
 
 def baseline_rdp(clip_bound, n, sample_rate, noise_std, alpha):
     sizes = np.arange(n + 1)
-    return mixture_bound(accounting.baseline_mean_sensitivity(clip_bound, sizes), sizes, n, sample_rate, noise_std,
+    return mixture_bound(certified_radius.baseline_mean_sensitivity(clip_bound, sizes), sizes, n, sample_rate, noise_std,
                          alpha, 0.0)
 
 
 def mixture_bound(bound, sizes, n, sample_rate, noise_std, alpha, log_mass):
-    moments = np.array([(alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
+    moments = np.array([(alpha - 1) * float(renyi_step.rdp_sgm(sample_rate, noise_std / value, [alpha])[0])
                         for value in bound])
-    return float(accounting.mixture_rdp(moments, accounting.size_log_pmf(sizes, n, sample_rate), log_mass, alpha))
+    return float(certified_radius.mixture_rdp(moments, batch_sizes.size_log_pmf(sizes, n, sample_rate), log_mass, alpha))
 
 
 def toys(count, seed=0):
@@ -179,12 +179,12 @@ def test_exact_renyi_below_coupling_certified_and_baseline(alpha):
             kept = [(delta, probability) for (delta, _, probability), (batch, _) in
                     zip(batch_sensitivities(target, others, sample_rate), enumerate_batches(others, sample_rate),
                         strict=True) if keep(batch)]
-            terms = [math.log(probability) + (alpha - 1) * float(accounting.rdp_sgm(sample_rate, noise_std / delta,
+            terms = [math.log(probability) + (alpha - 1) * float(renyi_step.rdp_sgm(sample_rate, noise_std / delta,
                                                                                      [alpha])[0])
                      if delta > 0 else math.log(probability) for delta, probability in kept]
             assert (logsumexp(terms) - math.log(1 - failure)) / (alpha - 1) <= certified * (1 + 1e-7) + 1e-9
-        assert min(add, accounting.add_direction_cap(sample_rate)) >= add - 1e-12
-        assert add <= accounting.add_direction_cap(sample_rate) + 1e-9
+        assert min(add, certified_radius.add_direction_cap(sample_rate)) >= add - 1e-12
+        assert add <= certified_radius.add_direction_cap(sample_rate) + 1e-9
 
 
 def test_certified_event_fails_at_most_its_share_on_every_toy():
@@ -193,13 +193,13 @@ def test_certified_event_fails_at_most_its_share_on_every_toy():
     for target, others, _, sample_rate, _, _ in toys(40, seed=11):
         _, spread, deviation = population_statistics(target, others)
         sizes = np.arange(1, len(others) + 1)
-        log_weights = accounting.size_log_pmf(sizes, len(others), sample_rate)
+        log_weights = batch_sizes.size_log_pmf(sizes, len(others), sample_rate)
         for failure in (1e-3, 0.05, 0.3):
-            size_failures = accounting.size_failures(log_weights, failure)
+            size_failures = certified_radius.size_failures(log_weights, failure)
             assert np.sum(np.exp(log_weights) * size_failures) <= failure
             tails = np.concatenate([size_failures[:, None] ** ((np.arange(1, 17) / 16) ** 2)[None, :],
                                     np.geomspace(0.9, 1e-6, 12)[None, :].repeat(len(sizes), axis=0)], axis=1)
-            radius = accounting.concentration_radius([spread], [deviation], sizes[:, None], tails)[0]
+            radius = certified_radius.concentration_radius([spread], [deviation], sizes[:, None], tails)[0]
             for row, size in enumerate(sizes):
                 distances = np.array([abs(np.mean(others[list(subset)]) - np.mean(others))
                                       for subset in itertools.combinations(range(len(others)), size)])
@@ -214,7 +214,7 @@ def test_the_sum_rule_baseline_is_not_a_bound_for_the_mean_rule(alpha):
     others, target, sample_rate, sigma = np.array([-1.0, -1.0]), 1.0, 0.5, 1.0
     noise_std = sigma / (sample_rate * 3)
     remove = Pair(target, others, sample_rate, noise_std).renyi(alpha, "remove")
-    assert remove > float(accounting.rdp_sgm(sample_rate, sigma, [alpha])[0])
+    assert remove > float(renyi_step.rdp_sgm(sample_rate, sigma, [alpha])[0])
     assert remove <= baseline_rdp(1.0, 2, sample_rate, noise_std, alpha) * (1 + 1e-7)
 
 
@@ -227,10 +227,10 @@ def test_exact_hockey_stick_below_the_coupling_delta():
         for eps in (0.1, 0.5, 1.5):
             for direction in ("remove", "add"):
                 exact = pair.hockey_stick(eps, direction)
-                bound = float(accounting.mixture_delta(eps, mu, weights, sample_rate, direction)[0])
+                bound = float(exact_eps_delta.mixture_delta(eps, mu, weights, sample_rate, direction)[0])
                 assert exact <= bound + 1e-9, (direction, eps, exact, bound)
         # ε from the bound is at least the ε at which the exact δ drops below the target.
-        eps_bound = float(accounting.per_step_eps(mu, 1e-3, sample_rate, weights)[0])
+        eps_bound = float(exact_eps_delta.per_step_eps(mu, 1e-3, sample_rate, weights)[0])
         exact_at_bound = max(pair.hockey_stick(eps_bound, "remove"), pair.hockey_stick(eps_bound, "add"))
         assert exact_at_bound <= 1e-3 + 1e-9
 
@@ -278,8 +278,8 @@ def test_at_n_64_the_mean_rule_leaks_far_more_than_the_sum_rules_accounting(othe
     baseline, _, _ = mechanism.per_step_baseline_eps(delta)
     sizes = np.arange(size)
     sensitivities = np.where(sizes > 0, abs(1.0 - others_value) / (sizes + 1), 1.0)
-    coupling = accounting.per_step_eps(sensitivities[None, :] / mechanism.noise_std, delta, sample_rate,
-                                       stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
+    coupling = exact_eps_delta.per_step_eps(sensitivities[None, :] / mechanism.noise_std, delta, sample_rate,
+                                            stats.binom.pmf(sizes, size - 1, sample_rate)[None, :])[0]
     assert exact > 5 * sum_rule
     assert exact <= coupling * (1 + 1e-6) and coupling <= baseline * (1 + 1e-9)
 
@@ -294,17 +294,17 @@ def test_exact_hockey_stick_below_the_certified_delta():
             mu = bound[None, :] / noise_std
             for eps in (0.1, 0.5, 1.5):
                 for direction in ("remove", "add"):
-                    certified = float(accounting.mixture_delta(eps, mu, weights, sample_rate, direction)[0]) + failure
+                    certified = float(exact_eps_delta.mixture_delta(eps, mu, weights, sample_rate, direction)[0]) + failure
                     assert pair.hockey_stick(eps, direction) <= certified + 1e-9, (direction, eps)
-            eps_bound = float(accounting.per_step_eps(mu, 0.1, sample_rate, weights, failure)[0])
+            eps_bound = float(exact_eps_delta.per_step_eps(mu, 0.1, sample_rate, weights, failure)[0])
             assert max(pair.hockey_stick(eps_bound, "remove"), pair.hockey_stick(eps_bound, "add")) <= 0.1 + 1e-9
             # Without the slack of joint convexity: the exact expectation of δ(ε; Δ_B/s) over every batch.
             table = batch_sensitivities(target, others, sample_rate)
             exact_mu = np.array([[delta / noise_std for delta, _, _ in table]])
             exact_weights = np.array([[probability for _, _, probability in table]])
             for direction in ("remove", "add"):
-                expected = float(accounting.mixture_delta(1.0, exact_mu, exact_weights, sample_rate, direction)[0])
-                certified = float(accounting.mixture_delta(1.0, mu, weights, sample_rate, direction)[0]) + failure
+                expected = float(exact_eps_delta.mixture_delta(1.0, exact_mu, exact_weights, sample_rate, direction)[0])
+                certified = float(exact_eps_delta.mixture_delta(1.0, mu, weights, sample_rate, direction)[0]) + failure
                 assert expected <= certified + 1e-12
 
 
@@ -315,57 +315,57 @@ def test_exact_hockey_stick_below_the_certified_delta():
 def test_exact_eps_at_the_clip_bound_is_the_pld_accountant(sample_rate, sigma, delta):
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     accountant.compose(dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(sigma)))
-    exact = float(accounting.per_step_eps([[1 / sigma]], delta, sample_rate)[0])
+    exact = float(exact_eps_delta.per_step_eps([[1 / sigma]], delta, sample_rate)[0])
     assert exact == pytest.approx(accountant.get_epsilon(delta), rel=2e-3, abs=1e-4)
     for holder_p in (2.0, 10.0, 1e4, math.inf):
-        holder = float(accounting.eps_delta_holder([1.0], sigma, sample_rate, delta, holder_p))
+        holder = float(exact_eps_delta.eps_delta_holder([1.0], sigma, sample_rate, delta, holder_p))
         assert exact <= holder * (1 + 1e-8)
 
 
 def test_exact_eps_directions_and_edges():
     # Δ = 0 costs nothing; the add direction is never above log(1/(1−q)) nor the remove one here.
-    assert accounting.per_step_eps([[0.0]], 1e-5, 0.1)[0] == 0
-    add = accounting.per_step_eps([[2.0]], 1e-5, 0.1, direction="add")[0]
-    remove = accounting.per_step_eps([[2.0]], 1e-5, 0.1, direction="remove")[0]
+    assert exact_eps_delta.per_step_eps([[0.0]], 1e-5, 0.1)[0] == 0
+    add = exact_eps_delta.per_step_eps([[2.0]], 1e-5, 0.1, direction="add")[0]
+    remove = exact_eps_delta.per_step_eps([[2.0]], 1e-5, 0.1, direction="remove")[0]
     assert add <= -math.log(0.9) + 1e-9 and add < remove
-    assert accounting.per_step_eps([[2.0]], 1e-5, 0.1, delta_fail=2e-5)[0] == math.inf
+    assert exact_eps_delta.per_step_eps([[2.0]], 1e-5, 0.1, delta_fail=2e-5)[0] == math.inf
     # Nondecreasing in the sensitivity.
-    eps = accounting.per_step_eps(np.linspace(0, 3, 30)[:, None], 1e-5, 0.05)
+    eps = exact_eps_delta.per_step_eps(np.linspace(0, 3, 30)[:, None], 1e-5, 0.05)
     assert np.all(np.diff(eps) >= -1e-12)
     # A mixture of components is at most its worst component.
-    mixture = accounting.per_step_eps([[0.1, 0.5, 2.0]], 1e-5, 0.05)[0]
-    assert mixture <= accounting.per_step_eps([[2.0]], 1e-5, 0.05)[0]
+    mixture = exact_eps_delta.per_step_eps([[0.1, 0.5, 2.0]], 1e-5, 0.05)[0]
+    assert mixture <= exact_eps_delta.per_step_eps([[2.0]], 1e-5, 0.05)[0]
 
 
 def test_math_refuses_nonsense():
     with pytest.raises(ValueError, match="noise_multiplier"):
-        accounting.rdp_sgm(0.1, -1.0, [2])
+        renyi_step.rdp_sgm(0.1, -1.0, [2])
     with pytest.raises(ValueError, match="holder_p"):
-        accounting.eps_delta_holder([1.0], 1.0, 0.1, 1e-5, 0.5)
+        exact_eps_delta.eps_delta_holder([1.0], 1.0, 0.1, 1e-5, 0.5)
     with pytest.raises(ValueError, match="sample_rate"):
-        accounting.per_step_eps([[1.0]], 1e-5, 1.5)
+        exact_eps_delta.per_step_eps([[1.0]], 1e-5, 1.5)
     with pytest.raises(ValueError, match="delta"):
-        accounting.per_step_eps([[1.0]], 0.0, 0.1)
+        exact_eps_delta.per_step_eps([[1.0]], 0.0, 0.1)
     with pytest.raises(ValueError, match="orders"):
-        accounting.rdp_sgm(0.1, 1.0, [1.0])
+        renyi_step.rdp_sgm(0.1, 1.0, [1.0])
     with pytest.raises(ValueError, match="mu"):
-        accounting.per_step_eps([[-1.0]], 1e-5, 0.1)
+        exact_eps_delta.per_step_eps([[-1.0]], 1e-5, 0.1)
 
 
 # --- §3.4 batch sizes -------------------------------------------------------------------------
 
 def test_size_threshold_and_lumping():
     n, rate = 7999, 0.032
-    k_min = accounting.size_threshold(n, rate, 1e-9)
+    k_min = batch_sizes.size_threshold(n, rate, 1e-9)
     assert stats.binom.cdf(k_min - 1, n, rate) <= 1e-9 < stats.binom.cdf(k_min, n, rate)
-    assert accounting.size_failure(n, rate, k_min) == pytest.approx(stats.binom.cdf(k_min - 1, n, rate))
-    grid = accounting.size_grid(n, rate, k_min, 32)
+    assert batch_sizes.size_failure(n, rate, k_min) == pytest.approx(stats.binom.cdf(k_min - 1, n, rate))
+    grid = batch_sizes.size_grid(n, rate, k_min, 32)
     assert grid[0] == k_min and len(grid) <= 34 and np.all(np.diff(grid) > 0)
-    lumped = np.exp(accounting.lumped_size_log_weights(grid, n, rate))
+    lumped = np.exp(batch_sizes.lumped_size_log_weights(grid, n, rate))
     assert lumped.sum() == pytest.approx(1 - stats.binom.cdf(k_min - 1, n, rate), rel=1e-9)
-    every = accounting.size_grid(20, 0.3, 0, 64)
-    assert list(every) == list(range(0, accounting.size_upper(20, 0.3) + 1))
-    assert accounting.size_threshold(10, 0.1, 1e-6) == 0
+    every = batch_sizes.size_grid(20, 0.3, 0, 64)
+    assert list(every) == list(range(0, batch_sizes.size_upper(20, 0.3) + 1))
+    assert batch_sizes.size_threshold(10, 0.1, 1e-6) == 0
 
 
 # --- identity 8: null population, and a point at the mean ------------------------------------
@@ -380,8 +380,8 @@ def coupling_rows(gradients, points, batch_size, sigma, clip_bound, size_delta, 
     count = len(gradients)
     n = count - 1
     rate = batch_size / count
-    k_min = accounting.size_threshold(n, rate, size_delta)
-    grid = accounting.size_grid(n, rate, k_min, max_sizes)
+    k_min = batch_sizes.size_threshold(n, rate, size_delta)
+    grid = batch_sizes.size_grid(n, rate, k_min, max_sizes)
     rng = np.random.default_rng(seed)
     base = dict(run="toy", seed=0, step=0, stage=0.0, total_steps=100, label=0, correct=1, loss=0.1, exp="coupling",
                 reduction="mean", direction="none", target_batch=0, alpha=np.nan, sigma=sigma,
@@ -445,7 +445,7 @@ def test_point_at_the_mean_is_far_below_the_sum_rule(tmp_path, run):
     output, _ = accountant_output(tmp_path, run, "renyi_per_instance_mean.py", rows, "--alpha", "8")
     estimate = output.query("kind == 'estimate' and direction == 'max'").set_index("point")["rdp"]
     certified = output.query("kind == 'certified' and direction == 'max'").set_index("point")["rdp"]
-    sum_rule = accounting.rdp_sum_rule(np.linalg.norm(gradients[[0, 1]], axis=1), CLIP, SIGMA, BATCH / N, [8.0])[:, 0]
+    sum_rule = renyi_step.rdp_sum_rule(np.linalg.norm(gradients[[0, 1]], axis=1), CLIP, SIGMA, BATCH / N, [8.0])[:, 0]
     assert estimate[0] < 0.1 * sum_rule[0]
     assert estimate[0] <= certified[0] and estimate[0] < estimate[1]
     row = output.query("kind == 'estimate' and direction == 'max' and point == 0").iloc[0]
@@ -461,14 +461,14 @@ def test_estimate_matches_exact_stratified_expectation(tmp_path, run):
     output, _ = accountant_output(tmp_path, run, "renyi_per_instance_mean.py", rows, "--alpha", "2")
     estimate = output.query("kind == 'estimate' and direction == 'remove'")["rdp"].iloc[0]
     n, rate = 59, batch / 60
-    k_min = accounting.size_threshold(n, rate, 1e-2)
+    k_min = batch_sizes.size_threshold(n, rate, 1e-2)
     rng = np.random.default_rng(11)
     others = gradients[1:]
     terms = []
     for k in range(k_min, n + 1):
         subsets = [rng.choice(n, k, replace=False) for _ in range(400)]
         deltas = [np.linalg.norm(gradients[0] - others[subset].mean(axis=0)) / (k + 1) for subset in subsets]
-        moments = [float(accounting.rdp_sgm(rate, SIGMA * CLIP / batch / delta, [2.0])[0]) for delta in deltas]
+        moments = [float(renyi_step.rdp_sgm(rate, SIGMA * CLIP / batch / delta, [2.0])[0]) for delta in deltas]
         terms.append(stats.binom.logpmf(k, n, rate) + logsumexp(moments) - math.log(len(moments)))
     exact = (logsumexp(terms) - math.log(stats.binom.sf(k_min - 1, n, rate)))
     assert estimate == pytest.approx(exact, rel=0.05)
@@ -490,17 +490,17 @@ def test_composition_of_the_mean_rule(tmp_path, run):
     baseline = output[output["kind"] == "baseline"]
     assert np.all(certified < baseline["eps"].to_numpy()) and np.all(certified > 0)
     others, rate = count - 1, batch / count
-    k_min = accounting.size_threshold(others, rate, 1e-8)
-    fail = accounting.size_failure(others, rate, k_min)
-    grid = accounting.size_grid(others, rate, k_min, 64)
-    weights = accounting.lumped_size_log_weights(grid, others, rate)
+    k_min = batch_sizes.size_threshold(others, rate, 1e-8)
+    fail = batch_sizes.size_failure(others, rate, k_min)
+    grid = batch_sizes.size_grid(others, rate, k_min, 64)
+    weights = batch_sizes.lumped_size_log_weights(grid, others, rate)
     orders = [2.0, 4.0, 8.0, 16.0, 32.0]
     noise = SIGMA * CLIP / batch
-    step_rdp = [float(accounting.mixture_rdp(
-        np.array([(alpha - 1) * float(accounting.rdp_sgm(rate, noise / value, [alpha])[0])
-                  for value in accounting.baseline_mean_sensitivity(CLIP, grid)]), weights, math.log(1 - fail), alpha))
+    step_rdp = [float(certified_radius.mixture_rdp(
+        np.array([(alpha - 1) * float(renyi_step.rdp_sgm(rate, noise / value, [alpha])[0])
+                  for value in certified_radius.baseline_mean_sensitivity(CLIP, grid)]), weights, math.log(1 - fail), alpha))
         for alpha in orders]
-    expected, _ = accounting.rdp_to_eps(orders, 100 * np.array(step_rdp), 1e-5 - 100 * fail)
+    expected, _ = rdp_composition.rdp_to_eps(orders, 100 * np.array(step_rdp), 1e-5 - 100 * fail)
     # The script rounds Δ up by at most 1%: its baseline is at most a few percent above the exact one.
     assert float(expected) <= baseline["eps"].iloc[0] <= float(expected) * 1.03
     assert baseline["delta_fail"].iloc[0] == pytest.approx(fail)
@@ -524,12 +524,12 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     """||m(B) − μ_X|| > r_k for uniform k-subsets of a trained model's transformed gradients happens
     at a rate ≤ β (binomial margin), for §3.2's radius and §7.2's; a radius without the concentration
     term is exceeded often, so the check has the power to see a wrong r_k."""
-    from perinstance import runs, training
-    from perinstance.clipping import Transform
-    from perinstance.data import load_dataset
-    from perinstance.gradient_rows import HeldRows
+    from perinstance.measure.gradient_rows import HeldRows
+    from perinstance.train import run_plan, training
+    from perinstance.train.clipping import Transform
+    from perinstance.train.data import load_dataset
 
-    args = runs.TrainingFlags.parse(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
+    args = run_plan.TrainingFlags.parse(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
                                      "--epochs", "1", "--models-dir", str(tmp_path)])
     outcome = training.train(args, quiet=True)
     metadata = outcome.run
@@ -551,7 +551,7 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
         assert np.mean(distances > 0.5 * math.sqrt(spread / k)) > 0.5
         # §7.2's radius (the smaller of McDiarmid's and Pinelis's), at the tail levels the certified mixture uses.
         for level in (0.5, 0.2, 0.05, 0.01):
-            radius = float(accounting.concentration_radius([spread], [largest], k, level)[0])
+            radius = float(certified_radius.concentration_radius([spread], [largest], k, level)[0])
             assert np.sum(distances > radius) <= stats.binom.ppf(0.999, trials, level)
 
 
@@ -567,5 +567,5 @@ def test_composition_of_a_point_that_changes_nothing(tmp_path, run):
     assert "Traceback" not in result.stderr
     estimate = output[output["kind"] == "estimate"]
     budget = 1e-5 - estimate["steps"].iloc[0] * estimate["delta_fail"].iloc[0]
-    nothing, _ = accounting.rdp_to_eps([2.0, 8.0], np.zeros(2), budget)
+    nothing, _ = rdp_composition.rdp_to_eps([2.0, 8.0], np.zeros(2), budget)
     assert len(estimate) == 2 and np.allclose(estimate["eps"], float(nothing), rtol=1e-9)

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, run_in_process, snapshot
 
-from perinstance import audit, membership, runs, sampling, training
-from perinstance.data import load_dataset
+from perinstance.accounting import audit_bounds
+from perinstance.audit import membership
+from perinstance.train import runs, sampling, training
+from perinstance.train.data import load_dataset
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
        "--save-freq", "8"]
@@ -32,19 +34,19 @@ def test_best_threshold_is_the_brute_force_one():
     rng = np.random.default_rng(0)
     for _ in range(20):
         members, nonmembers = rng.gamma(1.0, 1.0, 15).round(1), rng.gamma(1.5, 1.0, 11).round(1)
-        assert audit.best_loss_threshold(members, nonmembers) == brute_force_threshold(members, nonmembers)
+        assert audit_bounds.best_loss_threshold(members, nonmembers) == brute_force_threshold(members, nonmembers)
 
 
 def test_attack_accuracy_by_hand():
     # Perfectly separated losses: accuracy 1 whatever the split; the same losses: no advantage.
     rng = np.random.default_rng(1)
-    assert audit.loss_threshold_attack(np.arange(10) / 10, np.arange(10) + 5.0, rng, 3)[:2] == (1.0, 1.0)
+    assert audit_bounds.loss_threshold_attack(np.arange(10) / 10, np.arange(10) + 5.0, rng, 3)[:2] == (1.0, 1.0)
     same = rng.random(4000)
-    accuracy, advantage, _ = audit.loss_threshold_attack(same[:2000], same[2000:], rng, 3)
+    accuracy, advantage, _ = audit_bounds.loss_threshold_attack(same[:2000], same[2000:], rng, 3)
     assert abs(accuracy - 0.5) < 0.03 and advantage == pytest.approx(2 * accuracy - 1)
     # A threshold is scored only on the half it was not chosen on: two members and two non-members
     # with the members' losses lower in one half and higher in the other give advantage −1 or 0.
-    accuracy, _, _ = audit.loss_threshold_attack(np.array([0.0, 3.0]), np.array([1.0, 2.0]), rng, 50)
+    accuracy, _, _ = audit_bounds.loss_threshold_attack(np.array([0.0, 3.0]), np.array([1.0, 2.0]), rng, 50)
     assert accuracy < 0.5
 
 

@@ -9,9 +9,9 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from perinstance import nets
 from perinstance.errors import UsageError
-from perinstance.nets import build_model, scatter_features
+from perinstance.train import nets
+from perinstance.train.nets import build_model, scatter_features
 
 # (name, in_channels, image_size, num_classes) of the models the experiments use.
 SHAPES = {

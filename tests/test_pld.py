@@ -18,7 +18,7 @@ from scipy.special import logsumexp
 from test_accountant_scripts import RATE, SIGMA, STEPS, grad_norm_rows
 from test_mean_rule import Pair, accountant_output, batch_sensitivities, coupling_rows, scaled_rows, toys
 
-from perinstance import accounting, pld
+from perinstance.accounting import batch_sizes, certified_radius, pld, pld_grid, rdp_composition
 
 # The quick run's mechanism: q = 256/8000, σ for ε = 10 at δ = 1e-5 over T = 125 steps (Opacus RDP).
 QUICK = dict(sample_rate=256 / 8000, noise_multiplier=0.608062744140625)
@@ -78,11 +78,11 @@ def test_at_the_clip_bound_equals_the_pld_accountant(sample_rate, sigma, steps, 
 
 def test_sum_rule_below_rdp_on_realistic_inputs():
     ratios = realistic_ratios(60, len(QUICK_CHECKPOINTS), seed=0)
-    orders = np.array(accounting.COMPOSITION_ORDERS)
-    levels = accounting.sensitivity_levels(0.01, ratios)
-    table = accounting.RdpTable(QUICK["sample_rate"], QUICK["noise_multiplier"], orders, levels)
-    rdp = accounting.compose_rdp(table, ratios.T[None], QUICK_CHECKPOINTS, QUICK_STEPS, orders, math.inf)
-    rdp_eps, _ = accounting.rdp_to_eps(orders, rdp, 1e-5)
+    orders = np.array(rdp_composition.COMPOSITION_ORDERS)
+    levels = rdp_composition.sensitivity_levels(0.01, ratios)
+    table = rdp_composition.RdpTable(QUICK["sample_rate"], QUICK["noise_multiplier"], orders, levels)
+    rdp = rdp_composition.compose_rdp(table, ratios.T[None], QUICK_CHECKPOINTS, QUICK_STEPS, orders, math.inf)
+    rdp_eps, _ = rdp_composition.rdp_to_eps(orders, rdp, 1e-5)
     eps = pld.sum_rule_eps(ratios, QUICK_CHECKPOINTS, QUICK_STEPS, delta=1e-5, rounding=0.01, **QUICK)
     assert np.all(eps.max <= rdp_eps)
     assert np.median(eps.max / rdp_eps) < 0.95  # PLD is tighter, not merely equal
@@ -92,13 +92,13 @@ def certified_inputs(distances, checkpoints, n=7999, batch=256, size_delta=8e-10
     """Per point (its d* in `distances`, v_X = 0.3, b_X = 1.5) and checkpoint the certified Δ̄_k on
     the size grid of §3.2, with its log-weights."""
     rate = batch / (n + 1)
-    k_min = accounting.size_threshold(n, rate, size_delta)
-    delta_size = accounting.size_failure(n, rate, k_min)
-    grid = accounting.size_grid(n, rate, k_min, 64)
-    log_weights = accounting.lumped_size_log_weights(grid, n, rate)
+    k_min = batch_sizes.size_threshold(n, rate, size_delta)
+    delta_size = batch_sizes.size_failure(n, rate, k_min)
+    grid = batch_sizes.size_grid(n, rate, k_min, 64)
+    log_weights = batch_sizes.lumped_size_log_weights(grid, n, rate)
     distance = np.repeat(distances, checkpoints)
-    bound = accounting.certified_sensitivity(distance, np.full(distance.shape, 0.3), np.full(distance.shape, 1.5),
-                                             1.0, grid, delta_size)
+    bound = certified_radius.certified_sensitivity(distance, np.full(distance.shape, 0.3), np.full(distance.shape, 1.5),
+                                                   1.0, grid, delta_size)
     return bound.reshape(len(distances), checkpoints, -1), log_weights, delta_size, rate
 
 
@@ -110,13 +110,13 @@ def test_mean_rule_certified_below_rdp():
     law = pld.step_law(bound, log_weights, math.log(1 - fail), dominate=True)
     eps = pld.mean_rule_eps(bound, law, checkpoints, steps, sample_rate=rate, noise_std=noise_std, delta=1e-5,
                             delta_fail=fail)
-    orders = np.array(accounting.COMPOSITION_ORDERS)
-    table = accounting.RdpTable(rate, noise_std, orders, accounting.geometric_levels(bound, 1e-2))
+    orders = np.array(rdp_composition.COMPOSITION_ORDERS)
+    table = rdp_composition.RdpTable(rate, noise_std, orders, certified_radius.geometric_levels(bound, 1e-2))
     # §3.2 per point, checkpoint and order: (λ−1)ρ = log Σ_k π_k·exp((λ−1)·RDP_SGM) − log(P(k ≥ k_min) − β).
     per_step = logsumexp(table.log_moments(bound) + log_weights[:, None], axis=2) - math.log(1 - fail)
     counts, _ = pld.segment_counts(checkpoints, steps)
     rdp = np.einsum("c,pco->po", counts, per_step) / (orders - 1)
-    rdp_eps, _ = accounting.rdp_to_eps(orders, rdp, 1e-5 - steps * fail)
+    rdp_eps, _ = rdp_composition.rdp_to_eps(orders, rdp, 1e-5 - steps * fail)
     assert np.all(eps.max <= rdp_eps)
     assert np.all(eps.max > 0)
 
@@ -130,7 +130,7 @@ def one_step(sensitivities, law, sample_rate, noise_std, delta, delta_fail=0.0):
 
 def assert_exact_below(pair, eps, delta):
     """The exact hockey-stick at the ε a method gives is at most δ, in each direction."""
-    for direction in pld.DIRECTIONS:
+    for direction in pld_grid.DIRECTIONS:
         assert pair.hockey_stick(float(getattr(eps, direction)[0]), direction) <= delta + 1e-9, direction
 
 
@@ -148,9 +148,9 @@ def test_one_step_of_the_mean_rule_bounds_the_exact_mixture(seed):
         failure = 1e-3
         center = np.mean(others)
         sizes = np.arange(len(others) + 1)
-        bound = accounting.certified_sensitivity([abs(target - center)], [np.mean((others - center) ** 2)],
-                                                 [np.max(np.abs(others - center))], clip_bound, sizes, failure)[0]
-        law = pld.step_law(bound, accounting.size_log_pmf(sizes, len(others), sample_rate), math.log(1 - failure),
+        bound = certified_radius.certified_sensitivity([abs(target - center)], [np.mean((others - center) ** 2)],
+                                                       [np.max(np.abs(others - center))], clip_bound, sizes, failure)[0]
+        law = pld.step_law(bound, batch_sizes.size_log_pmf(sizes, len(others), sample_rate), math.log(1 - failure),
                            dominate=True)
         for delta in (1e-2, 5e-2):
             assert_exact_below(pair, one_step(bound, law, sample_rate, noise_std, delta, failure), delta)
@@ -165,7 +165,7 @@ def test_the_aligned_mixture_fails_where_the_revealed_batch_holds():
     aligned = privacy_loss_distribution.from_mixture_gaussian_mechanism(
         noise_std, [0.0] + [value for value, _, _ in table],
         [1 - sample_rate] + [sample_rate * probability for _, _, probability in table],
-        value_discretization_interval=pld.DEFAULT_INTERVAL)
+        value_discretization_interval=pld_grid.DEFAULT_INTERVAL)
     assert aligned._pmf_remove.get_delta_for_epsilon(2.0) < 0.9 * pair.hockey_stick(2.0, "remove")
     assert pair.hockey_stick(aligned.get_epsilon_for_delta(delta), "remove") > delta
     revealed = one_step([value for value, _, _ in table], [probability for _, _, probability in table], sample_rate,
@@ -183,7 +183,7 @@ def test_sum_rule_fast_path_bounds_direct_composition():
     for point in range(3):
         levels = np.ceil(ratios[point] / rounding - 1e-9) * rounding
         direct = direct_pld([([(level, 1.0)], count) for level, count in zip(levels, counts)],
-                            QUICK["sample_rate"], pld.DEFAULT_INTERVAL, QUICK["noise_multiplier"])
+                            QUICK["sample_rate"], pld_grid.DEFAULT_INTERVAL, QUICK["noise_multiplier"])
         for mine, theirs in zip((eps.remove[point], eps.add[point]), direct_eps(direct, 1e-5)):
             assert theirs - 1e-9 <= mine <= theirs + 1e-6
 
@@ -195,11 +195,11 @@ def test_mean_rule_fast_path_bounds_direct_composition():
     law = pld.step_law(sensitivities, np.log(rng.dirichlet(np.ones(4), size=(2, 3))), 0.0, dominate=False)
     eps = pld.mean_rule_eps(sensitivities, law, checkpoints, steps, sample_rate=sample_rate, noise_std=noise_std,
                             delta=1e-5, delta_fail=0.0, relative_step=1e-2)
-    levels = accounting.geometric_levels(sensitivities / noise_std, 1e-2)
+    levels = certified_radius.geometric_levels(sensitivities / noise_std, 1e-2)
     for point in range(2):
         rounded = levels[np.searchsorted(levels, sensitivities[point] / noise_std)]
         direct = direct_pld([(list(zip(rounded[c], law[point, c])), 10) for c in range(3)], sample_rate,
-                            pld.DEFAULT_INTERVAL)
+                            pld_grid.DEFAULT_INTERVAL)
         for mine, theirs in zip((eps.remove[point], eps.add[point]), direct_eps(direct, 1e-5)):
             assert theirs - 1e-9 <= mine <= theirs + 1e-6
 
@@ -211,7 +211,7 @@ def test_epsilon_for_delta_is_dp_accountings(length, first):
     for delta in (0.3, 1e-3, 1e-6):
         infinity = np.array([0.0, 1e-7, 1e-4])
         probs = rng.dirichlet(np.full(length, 0.3), size=3) * (1 - infinity[:, None]) * rng.uniform(0.2, 1)
-        eps = pld.epsilon_for_delta(probs, first, interval, infinity, delta)
+        eps = pld_grid.epsilon_for_delta(probs, first, interval, infinity, delta)
         for row in range(3):
             theirs = privacy_loss_distribution.pld_pmf.DensePLDPmf(interval, first, probs[row], infinity[row], True)
             expected = theirs.get_epsilon_for_delta(delta)
@@ -272,7 +272,7 @@ def test_mean_rule_before_the_first_checkpoint_uses_the_given_law():
 @pytest.mark.parametrize("noise_multiplier, sample_rate, interval", [
     (0.608, 0.032, 1e-3), (12.16, 0.032, 1e-3), (0.2, 0.3, 1e-3), (1.5, 1.0, 1e-3), (0.9, 0.01, 1e-4)])
 def test_level_pmfs_are_dp_accountings(noise_multiplier, sample_rate, interval):
-    mine = pld.subsampled_gaussian_pmfs([noise_multiplier], sample_rate, interval)
+    mine = pld_grid.subsampled_gaussian_pmfs([noise_multiplier], sample_rate, interval)
     theirs = privacy_loss_distribution.from_gaussian_mechanism(noise_multiplier, sampling_prob=sample_rate,
                                                                value_discretization_interval=interval)
     for direction, pmf in (("remove", theirs._pmf_remove), ("add", theirs._pmf_add)):
@@ -288,7 +288,7 @@ def test_script_sum_rule(tmp_path, run):
     pld_out, result = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", pd.DataFrame(grad_norm_rows()),
                                         "--accountant", "pld")
     assert "discretisation 0.001" in result.stdout
-    assert set(pld_out["accountant"]) == {"pld"} and set(pld_out["discretization"]) == {pld.DEFAULT_INTERVAL}
+    assert set(pld_out["accountant"]) == {"pld"} and set(pld_out["discretization"]) == {pld_grid.DEFAULT_INTERVAL}
     assert pld_out["alpha"].isna().all()
     np.testing.assert_array_equal(pld_out["eps"], np.maximum(pld_out["eps_remove"], pld_out["eps_add"]))
     rdp_out, _ = accountant_output(tmp_path, run, "renyi_per_instance_sum_compo.py", pd.DataFrame(grad_norm_rows()),
@@ -297,7 +297,7 @@ def test_script_sum_rule(tmp_path, run):
     certified = pld_out[pld_out["kind"] == "certified"].set_index("point")["eps"]
     assert np.all(certified < rdp_out[rdp_out["kind"] == "certified"].set_index("point")["eps"])
     # Point 0 is at Γ throughout: the baseline, dp_accounting's accountant for T steps; point 1 is at 0.
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=pld.DEFAULT_INTERVAL)
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=pld_grid.DEFAULT_INTERVAL)
     accountant.compose(dp_accounting.PoissonSampledDpEvent(RATE, dp_accounting.GaussianDpEvent(SIGMA)), STEPS)
     assert certified[0] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
     assert set(pld_out.loc[pld_out["kind"] == "baseline", "eps"]) == {certified[0]}
@@ -340,9 +340,9 @@ def test_script_mean_rule(tmp_path, run):
 
 def test_blocked_moment_generating_function():
     for interval in (1e-3, 1e-2):
-        pmfs = pld.subsampled_gaussian_pmfs([0.3, 5.0], 0.05, interval)
+        pmfs = pld_grid.subsampled_gaussian_pmfs([0.3, 5.0], 0.05, interval)
         for pmf in pmfs["remove"] + pmfs["add"]:
             losses = (pmf.lower + np.arange(len(pmf.probs))) * interval
             with np.errstate(divide="ignore"):
-                direct = logsumexp(pld.CHERNOFF_ORDERS[:, None] * losses + np.log(pmf.probs), axis=1)
-            np.testing.assert_allclose(pmf.log_mgf(pld.CHERNOFF_ORDERS, interval), direct, rtol=1e-12, atol=1e-12)
+                direct = logsumexp(pld_grid.CHERNOFF_ORDERS[:, None] * losses + np.log(pmf.probs), axis=1)
+            np.testing.assert_allclose(pmf.log_mgf(pld_grid.CHERNOFF_ORDERS, interval), direct, rtol=1e-12, atol=1e-12)

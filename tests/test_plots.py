@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from perinstance import audit_plots, plots
+from perinstance.plots import audit_plots, plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CLASS_NAMES = ["cat", "dog", "ship", "truck"]

@@ -35,7 +35,8 @@ import pytest
 import torch
 from conftest import ROOT, assert_usage_error, run_in_process, snapshot
 
-from perinstance import checkpoints, fileio, results, runs, training
+from perinstance.files import checkpoints, fileio, results
+from perinstance.train import runs, training
 
 # --sigma: calibrating σ for a target ε takes Opacus seconds, and every case would pay them.
 RUN_WITHOUT_PRIVACY = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs",
@@ -598,7 +599,7 @@ def unlocked_writes_meet(writers):
     """Remove the lock, and hold every result-file write until `writers` processes have reached theirs: each has
     read the file (absent or as it was) before any writes, the race the lock exists for, made certain."""
     def arm():
-        from perinstance import result_file, storage
+        from perinstance.files import result_file, storage
 
         write = storage.write_frame
         result_file.fileio.locked = lambda *args, **kwargs: contextlib.nullcontext()

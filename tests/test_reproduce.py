@@ -5,10 +5,20 @@ import typing
 import matplotlib.image
 import numpy as np
 import pytest
-from conftest import assert_usage_error, load_script, run_in_process, snapshot
+from conftest import assert_usage_error, run_in_process, snapshot
 from PIL import Image
 
-from perinstance import storage
+from perinstance.experiments.commands import FIGURES
+from perinstance.experiments.config import (
+    MAIN_RUN_FIELDS,
+    MEAN_RULE_FIELDS,
+    PRESETS,
+    apply_overrides,
+    overridden,
+    variant_tag,
+)
+from perinstance.experiments.sampling_rates import FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
+from perinstance.files import storage
 
 # The tiny preset on a small image folder instead of its synthetic points (a dataset override),
 # with the sizes that need more points than the folder has overridden too.
@@ -16,10 +26,6 @@ IMAGE_OVERRIDES = ["--set", "track_points=random:16", "--set", "mean_batch_sizes
 CHANGED_ACCOUNTANT = ["--set", "per_step_method=holder"]
 # Rows above which a result named without an extension turns Parquet, lowered so that the tiny preset crosses it.
 PARQUET_THRESHOLD = 200
-
-
-reproduce = load_script("reproduce.py")
-FIGURES = reproduce.FIGURES
 
 
 def write_image_folder(root, classes=3, train_per_class=32, test_per_class=8):
@@ -87,8 +93,8 @@ def test_report_states_findings_with_numbers(image_runs):
     designs = findings[2:5]
     for design, name in zip(designs, ("(a) fixed early checkpoint", "(a) fixed final checkpoint", "(b) matched steps")):
         assert name in design and "certified" in design and "estimate" in design and "mean-rule baseline" in design
-    assert all(reproduce.FIXED_WHOLE_RUN in design for design in designs[:2])
-    assert reproduce.MATCHED_WHOLE_RUN in designs[2]
+    assert all(FIXED_WHOLE_RUN in design for design in designs[:2])
+    assert MATCHED_WHOLE_RUN in designs[2]
     assert "GLA's claim" in findings[5] and ("REPRODUCED" in findings[5] or "NOT reproduced" in findings[5])
     assert "RDP: median" in findings[7] and "PLD: median" in findings[7]
     assert "audit, sum rule" in findings[10] and "audit, mean rule" in findings[11]
@@ -145,7 +151,7 @@ def test_rerun_reuses_everything(image_runs):
     assert uncached_accountants(runs["again"][1]) == []
     # Four accountants of the main run; per checkpoint of the fixed-checkpoint design its measurement and one
     # accountant per rate; four accountants per mean-rule run; three audits and the membership attack.
-    rates = len(reproduce.PRESETS["tiny"].fixed_sample_rates)
+    rates = len(PRESETS["tiny"].fixed_sample_rates)
     assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == (
         4 + 2 * (1 + rates) + 4 * 2 + 4)
     assert runs["again"][2] == runs["first"][2]
@@ -170,7 +176,7 @@ def test_changed_accountant_flag_recomputes_only_that_output(image_runs, tmp_pat
 
 
 def test_presets_hold_values_of_their_fields_types():
-    for preset in reproduce.PRESETS.values():
+    for preset in PRESETS.values():
         for field in dataclasses.fields(preset):
             value = getattr(preset, field.name)
             if typing.get_origin(field.type) is tuple:
@@ -184,29 +190,29 @@ def test_presets_hold_values_of_their_fields_types():
 
 
 def test_overrides_are_parsed_by_field_type():
-    tiny = reproduce.PRESETS["tiny"]
-    config = reproduce.apply_overrides(tiny, ["mean_batch_sizes=64,256", "num_batches=100", "lr=0.25",
+    tiny = PRESETS["tiny"]
+    config = apply_overrides(tiny, ["mean_batch_sizes=64,256", "num_batches=100", "lr=0.25",
                                               "per_step_method=holder", "mean_points=random:7", "num_batches=120"])
     assert config == dataclasses.replace(tiny, mean_batch_sizes=(64, 256), num_batches=120, lr=0.25,
                                          per_step_method="holder", mean_points="random:7")
-    assert reproduce.overridden(config, "tiny") == {"mean_batch_sizes": (64, 256), "num_batches": 120, "lr": 0.25,
+    assert overridden(config, "tiny") == {"mean_batch_sizes": (64, 256), "num_batches": 120, "lr": 0.25,
                                                     "per_step_method": "holder", "mean_points": "random:7"}
-    assert reproduce.apply_overrides(tiny, ["epochs=2"]) == tiny  # 2 is the preset's 2.0
+    assert apply_overrides(tiny, ["epochs=2"]) == tiny  # 2 is the preset's 2.0
 
 
 def test_a_changed_run_or_measurement_gets_a_new_name_and_an_accountant_flag_does_not():
-    tiny = reproduce.PRESETS["tiny"]
-    main_fields, mean_fields = reproduce.MAIN_RUN_FIELDS, reproduce.MAIN_RUN_FIELDS + reproduce.MEAN_RULE_FIELDS
-    assert reproduce.variant_tag(tiny, "tiny", mean_fields) == ""
-    lr = reproduce.apply_overrides(tiny, ["lr=0.3"])
-    other_lr = reproduce.apply_overrides(tiny, ["lr=0.4"])
-    assert re.fullmatch(r"-[0-9a-f]{8}", reproduce.variant_tag(lr, "tiny", main_fields))
-    assert reproduce.variant_tag(lr, "tiny", main_fields) != reproduce.variant_tag(other_lr, "tiny", main_fields)
-    points = reproduce.apply_overrides(tiny, ["mean_points=random:5"])
-    assert reproduce.variant_tag(points, "tiny", main_fields) == ""
-    assert reproduce.variant_tag(points, "tiny", mean_fields) != ""
-    accountant = reproduce.apply_overrides(tiny, ["delta=1e-6", "per_step_method=holder"])
-    assert reproduce.variant_tag(accountant, "tiny", mean_fields) == ""
+    tiny = PRESETS["tiny"]
+    main_fields, mean_fields = MAIN_RUN_FIELDS, MAIN_RUN_FIELDS + MEAN_RULE_FIELDS
+    assert variant_tag(tiny, "tiny", mean_fields) == ""
+    lr = apply_overrides(tiny, ["lr=0.3"])
+    other_lr = apply_overrides(tiny, ["lr=0.4"])
+    assert re.fullmatch(r"-[0-9a-f]{8}", variant_tag(lr, "tiny", main_fields))
+    assert variant_tag(lr, "tiny", main_fields) != variant_tag(other_lr, "tiny", main_fields)
+    points = apply_overrides(tiny, ["mean_points=random:5"])
+    assert variant_tag(points, "tiny", main_fields) == ""
+    assert variant_tag(points, "tiny", mean_fields) != ""
+    accountant = apply_overrides(tiny, ["delta=1e-6", "per_step_method=holder"])
+    assert variant_tag(accountant, "tiny", mean_fields) == ""
 
 
 @pytest.mark.parametrize("flags,flag,fragments", [

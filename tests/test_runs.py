@@ -12,17 +12,18 @@ from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.optimize import brentq
 from scipy.stats import binom
 
-from perinstance import accounting, runs
-from perinstance.data import load_dataset
+from perinstance.accounting import exact_eps_delta, rdp_composition
+from perinstance.accounting.mechanism import Mechanism, rule_noise_std
 from perinstance.errors import UsageError
-from perinstance.mechanism import Mechanism, rule_noise_std
+from perinstance.train import run_plan, runs
+from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def planned(*argv):
-    args = runs.resolve_training_args(runs.TrainingFlags.parse([*SYNTHETIC, *map(str, argv)]))
-    return runs.plan_run(args, load_dataset("synthetic"))
+    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([*SYNTHETIC, *map(str, argv)]))
+    return run_plan.plan_run(args, load_dataset("synthetic"))
 
 
 def test_run_json_round_trip_and_frozen(tmp_path):
@@ -76,7 +77,7 @@ def test_baseline_eps_is_opacus_rdp_accountant():
                           dataset_size=10_000, total_steps=1_000, rule="sum")
     accountant = RDPAccountant()
     accountant.history = [(1.1, 0.01, 1_000)]
-    orders = accounting.COMPOSITION_ORDERS
+    orders = rdp_composition.COMPOSITION_ORDERS
     eps, order = mechanism.baseline_eps(1e-5)
     assert eps == pytest.approx(accountant.get_epsilon(1e-5, alphas=orders), rel=1e-12)
     assert mechanism.baseline_eps(1e-5, steps=10)[0] < eps
@@ -107,8 +108,8 @@ def test_per_step_baseline_of_the_mean_rule_by_hand(size_delta, k_min):
     fail = 1 / 32 if k_min else 0.0
 
     def excess(eps):
-        return max(np.sum(weights * accounting.delta_remove(eps, mu, 0.5)),
-                   np.sum(weights * accounting.delta_add(eps, mu, 0.5))) + fail - delta
+        return max(np.sum(weights * exact_eps_delta.delta_remove(eps, mu, 0.5)),
+                   np.sum(weights * exact_eps_delta.delta_add(eps, mu, 0.5))) + fail - delta
 
     eps, found_k_min, delta_size = mechanism.per_step_baseline_eps(delta, size_delta)
     assert (found_k_min, delta_size) == (k_min, pytest.approx(fail, rel=1e-12))

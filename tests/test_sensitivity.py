@@ -6,10 +6,11 @@ import torch
 from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 from torch import nn
 
-from perinstance import accounting, coupling, gradient_rows, poisson_batches
-from perinstance.clipping import Transform
-from perinstance.poisson_batches import Pool
-from perinstance.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
+from perinstance.accounting import batch_sizes
+from perinstance.measure import coupling, gradient_rows, poisson_batches
+from perinstance.measure.poisson_batches import Pool
+from perinstance.train.clipping import Transform
+from perinstance.train.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY
 
 TRAIN_SIZE = 20
 RTOL = 1e-5
@@ -416,7 +417,7 @@ def test_coupling_of_a_point_at_the_mean_is_small():
 def test_coupling_plan_draws_at_least_num_batches_per_point():
     plan = coupling.coupling_plan(seed=0, step=5, n=999, sample_rate=0.05, size_delta=1e-6, num_batches=1000,
                                      blocks=4, max_sizes=32)
-    assert plan.k_min == accounting.size_threshold(999, 0.05, 1e-6) == plan.sizes[0] > 0
+    assert plan.k_min == batch_sizes.size_threshold(999, 0.05, 1e-6) == plan.sizes[0] > 0
     assert len(plan.sizes) <= 33 and np.all(np.diff(plan.sizes) > 0)
     assert plan.draws >= 1000 > plan.draws - plan.blocks * len(plan.sizes)
     assert plan.permutations == -(-1000 // (4 * len(plan.sizes)))

@@ -1,4 +1,4 @@
-"""Result files as CSV or Parquet (perinstance/storage.py): the same table from both, compact encodings,
+"""Result files as CSV or Parquet (perinstance/files/storage.py): the same table from both, compact encodings,
 and results.read_results / results_path choosing the format by extension."""
 
 import io
@@ -10,8 +10,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from perinstance import results, storage
 from perinstance.errors import UsageError
+from perinstance.files import results, storage
 
 
 def mixed_table(rows=3000, seed=0):

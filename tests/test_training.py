@@ -12,14 +12,15 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants import RDPAccountant
 
-from perinstance import checkpoints, runs, sampling, training
-from perinstance.data import load_dataset
+from perinstance.files import checkpoints
+from perinstance.train import run_plan, runs, sampling, training
+from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def parse(*argv):
-    return runs.TrainingFlags.parse(list(map(str, argv)))
+    return run_plan.TrainingFlags.parse(list(map(str, argv)))
 
 
 # --- Poisson sampling -------------------------------------------------------------------
@@ -85,11 +86,11 @@ def hand_step(model, inputs, labels, weight, noise, batch_size, lr, rule):
 def test_one_step_equals_hand_computation(tmp_path, rule, transform):
     clip_norm, scale_r, scale_s = 0.05, 0.1, 0.6
     scaling = {"flat": [], "psac": ["--scale-r", scale_r], "psasc": ["--scale-r", scale_r, "--scale-s", scale_s]}
-    args = runs.resolve_training_args(parse(*SYNTHETIC, "--sigma", "0.7", "--cn", clip_norm, "--reduction", rule,
+    args = run_plan.resolve_training_args(parse(*SYNTHETIC, "--sigma", "0.7", "--cn", clip_norm, "--reduction", rule,
                                                 "--clipping", transform, *scaling[transform],
                                                 "--models-dir", tmp_path))
     dataset = load_dataset("synthetic")
-    metadata = runs.plan_run(args, dataset)
+    metadata = run_plan.plan_run(args, dataset)
     trainer = training.Trainer(metadata, dataset)
     reference = training.model_for_run(metadata)
     reference.load_state_dict(trainer.model.state_dict())
@@ -116,10 +117,10 @@ def test_one_step_equals_hand_computation(tmp_path, rule, transform):
 
 def test_noise_has_the_recorded_std(tmp_path):
     # At σ = 1000 the clipped gradients (norm ≤ 1) are negligible next to the noise.
-    args = runs.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",
+    args = run_plan.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",
                                                 "--models-dir", tmp_path))
     dataset = load_dataset("synthetic")
-    metadata = runs.plan_run(args, dataset)
+    metadata = run_plan.plan_run(args, dataset)
     trainer = training.Trainer(metadata, dataset)
     before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
     trainer.step(1)
@@ -133,9 +134,9 @@ def test_noise_has_the_recorded_std(tmp_path):
 
 @pytest.mark.parametrize("target_eps", [1.0, 10.0])
 def test_noise_multiplier_matches_opacus_calibration(tmp_path, target_eps):
-    args = runs.resolve_training_args(parse(*SYNTHETIC, "--eps", target_eps, "--epochs", "3",
+    args = run_plan.resolve_training_args(parse(*SYNTHETIC, "--eps", target_eps, "--epochs", "3",
                                                 "--models-dir", tmp_path))
-    metadata = runs.plan_run(args, load_dataset("synthetic"))
+    metadata = run_plan.plan_run(args, load_dataset("synthetic"))
     sigma, sample_rate, steps = metadata.noise_multiplier, metadata.sample_rate, metadata.total_steps
     assert sample_rate == 32 / 512 and steps == 48
 
@@ -174,15 +175,15 @@ def test_checkpoints_load_weights_only_and_metadata_is_complete(tmp_path):
 
 def test_save_steps_add_checkpoints_and_leave_old_run_names_alone(tmp_path):
     """--save-steps: the listed steps (ranges allowed), with --save-freq's multiples when that is given, 0 and T."""
-    assert runs.checkpoint_schedule(None, ["1-3", "7"], 16) == [0, 1, 2, 3, 7, 16]
-    assert runs.checkpoint_schedule(5, ["1", "2"], 16) == [0, 1, 2, 5, 10, 15, 16]
-    assert runs.checkpoint_schedule(None, None, 16) == runs.checkpoint_schedule(2, None, 16)  # ~10 checkpoints
+    assert run_plan.checkpoint_schedule(None, ["1-3", "7"], 16) == [0, 1, 2, 3, 7, 16]
+    assert run_plan.checkpoint_schedule(5, ["1", "2"], 16) == [0, 1, 2, 5, 10, 15, 16]
+    assert run_plan.checkpoint_schedule(None, None, 16) == run_plan.checkpoint_schedule(2, None, 16)  # ~10 checkpoints
     outcome = training.train(parse(*SYNTHETIC, "--epochs", "1", "--save-steps", "1", "2", "4", "8",
                                    "--models-dir", tmp_path), quiet=True)
     assert checkpoints.saved_steps(outcome.run_dir) == [0, 1, 2, 4, 8, 16]
     # A run named before the flag existed keeps its default name (save_steps is no part of it while not given).
-    assert "save_steps" not in runs.identity_args(parse(*SYNTHETIC))
-    named = [runs.default_save_name(runs.resolve_training_args(parse(*SYNTHETIC, *extra)))
+    assert "save_steps" not in run_plan.identity_args(parse(*SYNTHETIC))
+    named = [run_plan.default_save_name(run_plan.resolve_training_args(parse(*SYNTHETIC, *extra)))
              for extra in ([], ["--save-steps", "1"])]
     assert named[0] != named[1]
 

@@ -1,0 +1,306 @@
+"""The input side of the four accountant scripts (docs/accountants.md): their shared flags, and the
+sensitivity CSV (perinstance/files/results.py) read, filtered and checked.
+
+A script turns its flags into a frozen request at the top (`Source` for the input and the
+output it names); the result rows come back as `Loaded`, with the mechanism they describe.
+The output side is perinstance/accountants/report.py; the mathematics perinstance/accounting/.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from perinstance.accounting import rdp_composition
+from perinstance.accounting.mechanism import Mechanism, rule_noise_std
+from perinstance.console import warn
+from perinstance.errors import UsageError
+from perinstance.files.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, STATISTICS, read_results, results_path
+from perinstance.train.options import add_overwrite_argument, parse_points, probability
+
+NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
+                   "batch_size", "dataset_size", "noise_std"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an accountant reads its rows (--res-name in --res-dir, or --res-file), which rows it
+    keeps (--filter, --points), and the output it was asked for (--out, --overwrite)."""
+
+    res_name: str | None
+    res_file: str | None
+    res_dir: str = "res"
+    out: str | None = None
+    filters: tuple = ()
+    points: tuple | None = None
+    overwrite: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: Mapping):
+        """The source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
+        return cls(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"],
+                   out=flags["out"], filters=tuple(flags["filter"]),
+                   points=None if flags["points"] is None else tuple(flags["points"]),
+                   overwrite=bool(flags["overwrite"]))
+
+    @property
+    def path(self):
+        """The result file read, and the flag that names it."""
+        if self.res_name is not None:
+            return results_path(self.res_name, self.res_dir), "--res-name"
+        return self.res_file, "--res-file"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    rows: pd.DataFrame
+    mechanism: Mechanism  # from the rows' configuration columns
+    path: str
+    flag: str
+
+
+# --- flags ----------------------------------------------------------------------------------
+
+def add_input_arguments(parser):
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv, or .parquet, whichever exists (written "
+                                           "by compute_sensitivity.py); an extension names one")
+    source.add_argument("--res-file", help="read this sensitivity CSV (or Parquet file, by its extension)")
+    parser.add_argument("--res-dir", default="res", help="folder of the result files (default res)")
+    parser.add_argument("--out", help="output CSV (default: <res-dir>/<res-name>_<script>.csv, next to --res-file)")
+    parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
+                        help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
+    parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+    add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
+
+
+def add_delta_argument(parser):
+    parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
+
+
+def add_failure_argument(parser):
+    parser.add_argument("--failure", type=probability, default=None,
+                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
+                             "k_min = 0)")
+
+
+def check_delta(delta):
+    """--delta: a probability strictly between 0 and 1 (NaN is not)."""
+    if not 0 < delta < 1:
+        raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
+
+
+def check_orders(orders):
+    """--alpha: finite orders > 1; returned sorted and without repeats."""
+    orders = np.asarray(orders, dtype=float)
+    bad = orders[~(orders > 1) | ~np.isfinite(orders)]
+    if bad.size:
+        raise UsageError("--alpha", f"Rényi orders must be finite and > 1, not {bad[0]:g}")
+    return np.unique(orders)
+
+
+def parse_holder(text, total_steps, flag="--holder-p"):
+    """--holder-p (p, per step) or --holder-b (b, composition): a number, `inf`, or a multiple of the
+    number of steps T such as `3T`."""
+    value = str(text).strip()
+    try:
+        holder = float(value[:-1] or 1) * total_steps if value.upper().endswith("T") else float(value)
+    except ValueError:
+        raise UsageError(flag, f"{text!r} is not a number, inf or a multiple of T like 3T") from None
+    if not holder > 1:
+        raise UsageError(flag, f"the Hölder exponent must be > 1, not {text} (= {holder:g})")
+    return holder
+
+
+# --- reading and checking -------------------------------------------------------------------
+
+def load(source, quantities, one_run, integer_columns=None):
+    """Read the CSV of `source` (a Source), apply --filter, keep `quantities`, check that the
+    rows form one configuration (and one run if `one_run`), their values, and --points.
+
+    integer_columns: {column: smallest allowed value} for the columns that index samples.
+    """
+    path, flag = source.path
+    rows = read_results(path, flag)
+    rows = _apply_filters(rows, source.filters)
+    rows = rows[rows["quantity"].isin(quantities)]
+    if rows.empty:
+        makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity].made_by}" for quantity in quantities)
+        raise UsageError(flag, f"{path} has no {' or '.join(quantities)} rows left to account ({makers})")
+    _check_single_configuration(rows, one_run)
+    rows = _numeric(rows, NUMERIC_COLUMNS, path, flag)
+    mechanism = _mechanism(rows, path, flag)
+    _check_rows(rows, mechanism, path, flag)
+    rows = _check_integers(rows, integer_columns or {}, path, flag)
+    rows = _select_points(rows, source.points, mechanism.dataset_size)
+    return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
+
+
+def _apply_filters(rows, filters):
+    for spec in filters:
+        column, separator, wanted = spec.partition("=")
+        column = column.strip()
+        if not separator or column not in COLUMNS:
+            raise UsageError("--filter", f"{spec!r}: expected COLUMN=VALUE with a column of the result file "
+                             "(e.g. sigma=1.0)")
+        values = rows[column]
+        if pd.api.types.is_numeric_dtype(values):
+            try:
+                keep = np.isclose(values.astype(float), float(wanted), rtol=1e-9, atol=0)
+            except ValueError:
+                raise UsageError("--filter", f"{spec!r}: column {column} holds numbers") from None
+        else:
+            keep = values.astype(str).str.strip() == wanted.strip()
+        if not keep.any():
+            raise UsageError("--filter", f"no rows with {column}={wanted} (values: {_distinct(values)})")
+        rows = rows[keep]
+    return rows
+
+
+def _distinct(values, limit=8):
+    distinct = sorted({str(value) for value in values.dropna()})
+    return ", ".join(distinct[:limit]) + (f", ... ({len(distinct)} in all)" if len(distinct) > limit else "")
+
+
+def _check_single_configuration(rows, one_run):
+    columns = CONFIG_COLUMNS + (["run", "seed"] if one_run else [])
+    mixed = [column for column in columns if rows[column].nunique(dropna=True) > 1]
+    if not mixed:
+        return
+    described = "; ".join(f"{column} has {_distinct(rows[column])}" for column in mixed)
+    example = " ".join(f"--filter {column}={rows[column].dropna().iloc[0]}" for column in mixed)
+    what = "runs or configurations" if set(mixed) & {"run", "seed"} else "configurations"
+    raise UsageError("--filter", f"rows from several {what} ({described}); keep one with e.g. {example}")
+
+
+def _numeric(rows, columns, path, flag):
+    rows = rows.copy()
+    for column in columns:
+        converted = pd.to_numeric(rows[column], errors="coerce")
+        bad = ~np.isfinite(converted.astype(float))
+        if bad.any():
+            index = bad.idxmax()
+            raise UsageError(flag, f"{_where(rows, index, path)}: {column} is {rows.at[index, column]!r}, "
+                             "not a finite number")
+        rows[column] = converted
+    return rows
+
+
+def _where(rows, index, path):
+    """Names a row: its line in the CSV (header is line 1) and what it is about."""
+    row = rows.loc[index]
+    return f"{path} line {index + 2} (run={row['run']}, seed={row['seed']}, step={row['step']}, point={row['point']})"
+
+
+def _first_bad(rows, bad, path, flag, message):
+    bad = np.asarray(bad, dtype=bool)
+    if bad.any():
+        index = rows.index[bad][0]
+        raise UsageError(flag, f"{_where(rows, index, path)}: {message(rows.loc[index])}")
+
+
+def _mechanism(rows, path, flag):
+    for column in ["sigma", "clip_bound", "batch_size", "dataset_size", "noise_std", "total_steps"]:
+        _first_bad(rows, rows[column] <= 0, path, flag, lambda row, c=column: f"{c} must be > 0, not {row[c]}")
+    _first_bad(rows, (rows["sample_rate"] <= 0) | (rows["sample_rate"] > 1), path, flag,
+               lambda row: f"sample_rate must be in (0, 1], not {row['sample_rate']}")
+    expected_reduction = rows["quantity"].map({name: quantity.rule for name, quantity in QUANTITIES.items()})
+    _first_bad(rows, rows["reduction"] != expected_reduction, path, flag,
+               lambda row: f"{row['quantity']} rows have reduction {QUANTITIES[row['quantity']].rule}, "
+               f"not {row['reduction']!r}")
+    # noise_std is σΓ in sum units and σΓ/B_exp in mean units (accounting.md §1).
+    expected = rule_noise_std(rows["sigma"], rows["clip_bound"], rows["batch_size"], rows["reduction"])
+    _first_bad(rows, ~np.isclose(rows["noise_std"], expected, rtol=1e-6, atol=0), path, flag,
+               lambda row: f"noise_std {row['noise_std']} is not sigma*clip_bound"
+               f"{'/batch_size' if row['reduction'] == 'mean' else ''} (reduction {row['reduction']})")
+    first = rows.iloc[0]
+    return Mechanism(noise_multiplier=float(first["sigma"]), clip_bound=float(first["clip_bound"]),
+                     sample_rate=float(first["sample_rate"]), batch_size=int(first["batch_size"]),
+                     dataset_size=int(first["dataset_size"]), total_steps=int(first["total_steps"]),
+                     rule=str(first["reduction"]))
+
+
+def _check_rows(rows, mechanism, path, flag):
+    step, point, value = rows["step"], rows["point"], rows["value"]
+    _first_bad(rows, (step != np.round(step)) | (step < 0) | (step > mechanism.total_steps), path, flag,
+               lambda row: f"step {row['step']} is not a step in 0..total_steps={mechanism.total_steps}")
+    _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= mechanism.dataset_size), path, flag,
+               lambda row: f"point {row['point']} is not an index in 0..{mechanism.dataset_size - 1}")
+    is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity"])
+    is_statistic = rows["quantity"].isin(list(STATISTICS))
+    _first_bad(rows, (is_norm | is_statistic) & (value < 0), path, flag,
+               lambda row: f"{row['quantity']} {row['value']} is negative")
+    _first_bad(rows, is_norm & (value > mechanism.clip_bound), path, flag,
+               lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {mechanism.clip_bound} (the bound Γ)")
+
+
+def _check_integers(rows, columns, path, flag):
+    """Columns that index things (`sample`, `target_batch`, `alpha`): integers ≥ their minimum."""
+    rows = _numeric(rows, list(columns), path, flag)
+    for column, smallest in columns.items():
+        values = rows[column]
+        _first_bad(rows, (values != np.round(values)) | (values < smallest), path, flag,
+                   lambda row, c=column, m=smallest: f"{c} {row[c]} is not an integer >= {m}")
+    return rows.astype(dict.fromkeys(columns, int))
+
+
+def check_unique(loaded, keys):
+    """One row per `keys`: a repeated measurement would be counted twice."""
+    rows = loaded.rows
+    repeated = rows.duplicated(subset=keys, keep="first")
+    if repeated.any():
+        index = repeated.idxmax()
+        earlier = rows.index[(rows[keys] == rows.loc[index, keys]).all(axis=1)][0]
+        several = rows["exp"].nunique() > 1
+        hint = "; the file holds several experiments, keep one with --filter exp=..." if several else ""
+        raise UsageError(loaded.flag, f"{_where(rows, index, loaded.path)}: repeats line {earlier + 2} "
+                         f"(same {', '.join(keys)}){hint}")
+
+
+def check_values(loaded, bad, message, rows=None):
+    """Refuse the first row where `bad` holds (booleans over loaded.rows, or over `rows`, a
+    selection of them), naming the row by `message(row)`."""
+    rows = loaded.rows if rows is None else rows
+    _first_bad(rows, np.asarray(bad, dtype=bool), loaded.path, loaded.flag, message)
+
+
+def _select_points(rows, specs, dataset_size):
+    rows = rows.astype({"step": int, "point": int})
+    if not specs:
+        return rows
+    wanted = parse_points(specs, dataset_size, flag="--points")
+    present = np.isin(wanted, rows["point"].unique())
+    if not present.any():
+        raise UsageError("--points", f"none of the {len(wanted)} points has rows "
+                         f"(the file has points {_distinct(rows['point'])})")
+    if not present.all():
+        warn(f"{(~present).sum()} of the {len(wanted)} requested points have no rows and are left out")
+    return rows[rows["point"].isin(wanted)]
+
+
+def checkpoint_ratios(loaded):
+    """Δ*/Γ of the grad_norm rows as an (R, C, P) array over runs, the union of their checkpoint
+    steps and points, for rdp_composition.compose_rdp (§4): each run keeps its latest checkpoint,
+    the worst case Γ before its first. Returns (ratios, steps, points)."""
+    rows = loaded.rows.assign(run_key=run_key(loaded.rows))
+    norms = rows.pivot(index=["run_key", "step"], columns="point", values="value")
+    missing = norms.isna().stack()
+    if missing.any():
+        run, step, point = missing[missing].index[0]
+        raise UsageError(loaded.flag, f"{loaded.path}: run {run} has no grad_norm of point {point} at its checkpoint "
+                         f"step {step} (every point needs a value at every checkpoint of its run)")
+    runs = sorted(rows["run_key"].unique())
+    steps = np.sort(rows["step"].unique())
+    for run in runs:
+        first = norms.loc[run].index.min()
+        if first > 0:
+            warn(f"run {run} has no checkpoint at step 0: steps 1..{first} use the worst case Γ (accounting.md §4)")
+    dense = norms.reindex(pd.MultiIndex.from_product([runs, steps])).to_numpy()
+    ratios = dense.reshape(len(runs), len(steps), -1) / loaded.mechanism.clip_bound
+    return rdp_composition.carry_forward(ratios), steps, norms.columns.to_numpy()
+
+
+def run_key(rows):
+    """Runs are told apart by `run` and `seed` (accounting.md §4)."""
+    return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)

@@ -1,0 +1,264 @@
+"""Per-instance privacy over a whole training run, both update rules (docs/accounting.md §4).
+
+The composition itself works on arrays, so that another accountant can take the same inputs:
+compose_sum_rule takes Δ*/Γ per run, checkpoint and point; compose_mean_rule the per-step ρ
+per checkpoint and point (perinstance/accountants/mean_rule.py checkpoint_rdp); perinstance/accounting/pld.py composes the
+same per-step pairs by privacy loss distributions (§8). sum_rule, mean_rule_composed, sum_rule_pld and
+mean_rule_pld turn the rows of a result file into those inputs and the composed ε into the output rows
+of renyi_per_instance_sum_compo.py.
+"""
+
+import math
+
+import numpy as np
+import pandas as pd
+from scipy.special import logsumexp
+
+from perinstance.accountants import mean_rule
+from perinstance.accountants.accountants import check_unique, checkpoint_ratios, parse_holder, run_key
+from perinstance.accounting import pld, pld_grid, rdp_composition
+from perinstance.accounting.guarantees import Kind
+from perinstance.console import warn
+from perinstance.errors import UsageError
+
+# Orders above this (from a small Hölder exponent b) make the bound meaningless.
+LARGEST_ORDER = 1e6
+# The columns of renyi_per_instance_sum_compo.py's output: eps is the larger direction's where the accountant
+# gives both (PLD); RDP's bound holds for both directions at once.
+COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction", "eps_remove",
+           "eps_add", "accountant", "discretization"]
+RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", discretization=math.nan)
+
+# The sum rule's Δ*/Γ is rounded up to multiples of this before the RDP lookup (--rounding's default): an
+# upper bound, ~1% above the exact Δ* at most, and a table of at most ~100 levels.
+SUM_RULE_ROUNDING = 0.01
+
+
+def compose_sum_rule(ratios, steps, mechanism, *, orders, delta, holder_b=math.inf, rounding=0.0, horizons=None):
+    """§4 for the sum rule: ε after each of `horizons` steps (default: T) at δ, and the order that gives it.
+
+    ratios: Δ*/Γ as an (R, C, P) array over runs, checkpoint `steps` and points (rdp_composition.carry_forward);
+    mechanism: its sample_rate, noise_multiplier and total_steps; orders: the Rényi orders converted
+    from; holder_b: the Hölder exponent of the composition (inf: plain composition along the
+    observed trajectory); rounding: Δ*/Γ rounded up to multiples of it (0: exact). Returns two
+    (horizons, P) arrays.
+    """
+    horizons = [mechanism.total_steps] if horizons is None else list(horizons)
+    levels = rdp_composition.sensitivity_levels(rounding, ratios)
+    table = rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier,
+                                     rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
+    converted = [rdp_composition.rdp_to_eps(orders, rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b),
+                                            delta) for horizon in horizons]
+    return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
+
+
+def compose_mean_rule(checkpoint_rdp, checkpoints, baseline_rdp, total_steps):
+    """§4 for the mean rule (b = inf): the RDP of T steps, each step t using the per-step ρ of the
+    latest checkpoint ≤ t−1 (the baseline's before the first). checkpoint_rdp: (C, P, orders) per
+    checkpoint step of `checkpoints`; baseline_rdp: (orders,). Returns (P, orders)."""
+    total = np.zeros(checkpoint_rdp.shape[1:])
+    for first, last, checkpoint in rdp_composition.step_segments(checkpoints, total_steps):
+        total += (last - first + 1) * (baseline_rdp if checkpoint is None else checkpoint_rdp[checkpoint])
+    return total
+
+
+def holder_exponent(text, orders, total_steps):
+    """--holder-b: a number, inf or a multiple of T, refused where it inflates the largest order
+    beyond LARGEST_ORDER over the run (λ_k = 1 + (λ−1)(b/(b−1))^k)."""
+    holder_b = parse_holder(text, total_steps, flag="--holder-b")
+    largest = rdp_composition.holder_orders(orders[-1], total_steps, holder_b)[-1]
+    if not largest <= LARGEST_ORDER:
+        raise UsageError("--holder-b", f"b={holder_b:g} inflates order {orders[-1]:g} to {largest:.3g} over "
+                         f"{total_steps} steps (λ_k = 1 + (λ-1)(b/(b-1))^k); use a larger b such as 3T")
+    return holder_b
+
+
+def warn_edge(best_order, orders):
+    at_edge = np.isin(best_order, [orders[0], orders[-1]]).sum()
+    if at_edge:
+        warn(f"{at_edge} points have their best order at an end of --alpha ({orders[0]:g}..{orders[-1]:g}); a wider "
+             "grid may lower their eps")
+
+
+def sum_rule(loaded, *, delta, orders, holder_b=None, rounding=SUM_RULE_ROUNDING):
+    """renyi_per_instance_sum_compo.py's sum rule: (rows, description). The per-step Rényi DP of the
+    grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with
+    the Hölder bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline."""
+    check_unique(loaded, ["run", "seed", "step", "point"])
+    mechanism = loaded.mechanism
+    holder_b = holder_exponent(holder_b or "3T", orders, mechanism.total_steps)
+    ratios, steps, points = checkpoint_ratios(loaded)
+    eps, best_order = (values[0] for values in compose_sum_rule(ratios, steps, mechanism, orders=orders, delta=delta,
+                                                                holder_b=holder_b, rounding=rounding))
+    baseline_eps, baseline_order = mechanism.baseline_eps(delta, orders=orders)
+    runs = ratios.shape[0]
+    if runs == 1 and np.isfinite(holder_b):
+        warn("with one run, --holder-b inf (plain composition along the observed trajectory) is never larger than "
+             "a finite b")
+    warn_edge(best_order, orders)
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum",
+                  **RDP_COLUMNS)
+    return pd.concat([pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, "eps": eps, "alpha": best_order,
+                                    **common}),
+                      pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
+                                    "alpha": float(baseline_order), **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
+        f"{runs} run(s), {len(steps)} checkpoints, sigma={mechanism.noise_multiplier:g}, "
+        f"q={mechanism.sample_rate:.4g}, Hölder b={holder_b:g}, Δ rounded up to {rounding:g}·Γ, delta={delta:g}")
+
+
+def _mean_rule_sizes(loaded, delta, kind, failure):
+    """The size model of one run's mean-rule rows and delta_fail of `kind` (§3.4), refusing rows of several
+    runs and a δ that T·delta_fail uses up."""
+    runs = run_key(loaded.rows).unique()
+    if len(runs) > 1:
+        raise UsageError("--filter", f"the mean rule composes one run at a time (found {', '.join(runs)}); "
+                         "keep one with --filter run=...")
+    sizes = mean_rule.size_model(loaded, failure)
+    fail = sizes.delta_fail(kind)
+    total_steps = loaded.mechanism.total_steps
+    if delta - total_steps * fail <= 0:
+        raise UsageError("--delta", f"{delta:g} is used up by T·delta_fail = {total_steps}·{fail:.3g}; measure "
+                         "with a smaller --size-delta or report a larger --delta")
+    return sizes, fail
+
+
+def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=None, failure=None):
+    """renyi_per_instance_sum_compo.py's mean rule: (rows, description). The per-step ρ of `kind`
+    (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
+    (§3.4), next to the mean rule's own composed baseline."""
+    mechanism = loaded.mechanism
+    total_steps = mechanism.total_steps
+    if holder_exponent(holder_b or "inf", orders, total_steps) != math.inf:
+        raise UsageError("--holder-b", "the mean rule is composed with b = inf only (allowed here: inf)")
+    sizes, fail = _mean_rule_sizes(loaded, delta, kind, failure)
+    budget = delta - total_steps * fail
+    checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
+    total = compose_mean_rule(checkpoint_rdp, checkpoints, baseline_step, total_steps)
+    if checkpoints[0] > 0:
+        warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
+    eps, best_order = rdp_composition.rdp_to_eps(orders, total, budget)
+    baseline_fail = sizes.delta_fail(Kind.BASELINE)
+    baseline_eps, baseline_order = rdp_composition.rdp_to_eps(orders, total_steps * baseline_step,
+                                                              delta - total_steps * baseline_fail)
+    warn_edge(best_order, orders)
+    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean", **RDP_COLUMNS)
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind(kind).value, "eps": eps, "alpha": best_order, "delta_fail": fail,
+                      **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
+                      "alpha": float(baseline_order), "delta_fail": baseline_fail, **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
+        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
+        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = {budget:.4g}")
+
+
+# --- the same compositions by privacy loss distributions (§8) --------------------------------------
+
+def _pld_columns(eps, interval):
+    """The output columns of a PLD result (§8): eps is the larger direction. A result of one row (the
+    baseline) gives numbers, for every point."""
+    values = dict(eps=eps.max, eps_remove=eps.remove, eps_add=eps.add)
+    if len(eps.max) == 1:
+        values = {name: float(value[0]) for name, value in values.items()}
+    return dict(values, alpha=math.nan, accountant="pld", discretization=interval)
+
+
+def _check_pld_holder(holder_b):
+    if holder_b is not None and parse_holder(holder_b, 1, flag="--holder-b") != math.inf:
+        raise UsageError("--holder-b", "--accountant pld composes along the observed trajectory only (allowed: inf)")
+
+
+def sum_rule_pld(loaded, *, delta, holder_b=None, rounding=SUM_RULE_ROUNDING, interval=pld_grid.DEFAULT_INTERVAL):
+    """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description). Every point's composition
+    along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf)."""
+    _check_pld_holder(holder_b)
+    check_unique(loaded, ["run", "seed", "step", "point"])
+    mechanism = loaded.mechanism
+    ratios, steps, points = checkpoint_ratios(loaded)
+    common = dict(sample_rate=mechanism.sample_rate, noise_multiplier=mechanism.noise_multiplier, delta=delta,
+                  rounding=rounding, interval=interval)
+    eps = pld.sum_rule_eps(ratios.max(axis=0).T, steps, mechanism.total_steps, **common)
+    baseline = pld.sum_rule_eps(np.ones((1, len(steps))), steps, mechanism.total_steps, **common)
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, **_pld_columns(eps, interval), **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval), **common})],
+        ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
+        f"{ratios.shape[0]} run(s) (the largest Δ* per step), {len(steps)} checkpoints, "
+        f"sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, Δ rounded up to {rounding:g}·Γ, "
+        f"delta={delta:g}; composed by PLD (dp_accounting, pessimistic, discretisation {interval:g}), "
+        "eps = max(remove, add)")
+
+
+def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=None, interval=pld_grid.DEFAULT_INTERVAL):
+    """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description). Every point's
+    composition of the per-step revealed-size mixture of `kind` (certified or estimate), next to the
+    baseline's, converted at δ − T·delta_fail."""
+    _check_pld_holder(holder_b)
+    mechanism = loaded.mechanism
+    total_steps = mechanism.total_steps
+    sizes, fail = _mean_rule_sizes(loaded, delta, kind, failure)
+    if kind == Kind.CERTIFIED:
+        statistics = mean_rule.require(mean_rule.statistics_of(loaded), kind, loaded)
+        certified = mean_rule.certified_sensitivities(statistics, mechanism.clip_bound, sizes)
+        index, values = statistics.index, certified.sensitivities
+        row_log_weights, log_mass = certified.log_weights, sizes.log_mass(kind)
+    else:
+        samples = mean_rule.require(mean_rule.samples_of(loaded, sizes), kind, loaded)
+        index, values = samples.index, samples.values
+        sample_weights = samples.log_weights(sizes)
+        row_log_weights = pld.estimate_log_weights(samples.batch_sizes, samples.grid, sample_weights)
+        # P(k ≥ k_min) when the samples start at k_min (as measured); else the law of the sizes sampled.
+        log_mass = float(logsumexp(sample_weights))
+    points = index.get_level_values("point").unique().to_numpy()
+    checkpoints = index.get_level_values("step").unique().sort_values().to_numpy()
+    if len(index) != len(points) * len(checkpoints):
+        raise UsageError(loaded.flag, f"{loaded.path}: every point needs a value at every checkpoint (steps "
+                         f"{', '.join(map(str, checkpoints))})")
+    shape = (len(points), len(checkpoints), -1)
+    law = pld.step_law(values.reshape(shape), np.broadcast_to(row_log_weights, values.shape).reshape(shape), log_mass,
+                       dominate=kind == Kind.CERTIFIED)
+    worst = mean_rule.baseline_sensitivities(mechanism.clip_bound, sizes).sensitivities[0]
+    worst_law = pld.step_law(worst, sizes.log_weights, sizes.log_mass(Kind.BASELINE), dominate=False)
+    common = dict(sample_rate=mechanism.sample_rate, noise_std=mechanism.noise_std, delta=delta,
+                  relative_step=mean_rule.COMPOSITION_LEVEL_STEP, interval=interval)
+    eps = pld.mean_rule_eps(values.reshape(shape), law, checkpoints, total_steps, delta_fail=fail,
+                            before_first=(worst, worst_law), **common)
+    baseline_fail = sizes.delta_fail(Kind.BASELINE)
+    baseline = pld.mean_rule_eps(worst[None, None], worst_law[None, None], [0], total_steps, delta_fail=baseline_fail,
+                                 **common)
+    if checkpoints[0] > 0:
+        warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
+    common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
+    return pd.concat([
+        pd.DataFrame({"point": points, "kind": Kind(kind).value, **_pld_columns(eps, interval), "delta_fail": fail,
+                      **common}),
+        pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval),
+                      "delta_fail": baseline_fail, **common})], ignore_index=True), (
+        f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
+        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
+        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = "
+        f"{delta - total_steps * fail:.4g}; composed by PLD (dp_accounting, pessimistic, discretisation "
+        f"{interval:g}), eps = max(remove, add)")
+
+
+def repeated_step_eps(per_step_rdp, steps, orders, delta, delta_fail=0.0):
+    """§4 when one checkpoint charges every step (b = inf): the ε of `steps` steps whose per-step Rényi DP is
+    `per_step_rdp` (..., orders), converted at δ − steps·delta_fail (§3.4). Returns (ε, best order)."""
+    return rdp_composition.rdp_to_eps(orders, steps * np.asarray(per_step_rdp, dtype=float), delta - steps * delta_fail)
+
+
+def mean_rule_repeated(loaded, *, steps, delta, orders, kind=Kind.CERTIFIED, failure=None):
+    """§4 for the mean rule when the rows' one checkpoint charges each of `steps` steps (b = inf): per point the ε
+    of `kind` (certified or estimate), and the baseline's, each converted at δ − steps·delta_fail (§3.4).
+    Returns (points, ε per point, baseline ε)."""
+    sizes = mean_rule.size_model(loaded, failure)
+    checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
+    if len(checkpoints) != 1:
+        raise UsageError(loaded.flag, f"{loaded.path}: one checkpoint is repeated, found steps "
+                         f"{', '.join(map(str, checkpoints))}")
+    eps, _ = repeated_step_eps(checkpoint_rdp[0], steps, orders, delta, sizes.delta_fail(kind))
+    baseline, _ = repeated_step_eps(baseline_step, steps, orders, delta, sizes.delta_fail(Kind.BASELINE))
+    return points, eps, float(baseline)

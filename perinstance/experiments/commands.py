@@ -1,0 +1,143 @@
+"""The commands of a reproduction and the cache of the accountants' outputs: every script runs in this process
+as its command line would (`call_script`), each command is remembered for the report, an accountant's output
+is reused when the same command ran on the same input (`command_key`), and every step is timed for the
+timing table. Also the folders and the figure files a reproduction writes.
+"""
+
+import contextlib
+import importlib.util
+import json
+import os
+import resource
+import shlex
+import time
+from collections.abc import Iterator
+
+import pandas as pd
+
+from perinstance.files import fileio, results
+from perinstance.train.memory import release_freed_memory
+
+# The repository: the scripts a reproduction runs live there.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RES_DIR = "res"
+# Every figure the run writes; the last two are drawn by audit.py itself (its own figure of the bounds).
+FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
+           "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
+           "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png", "7_audit_mean.png",
+           "9_gap_audit_bounds.png"]
+
+
+def call_script(script: str, argv: list[str]) -> None:
+    """Run a top-level script's main(argv) in this process, as its command line would."""
+    print(f"\n$ python {script} {shlex.join(argv)}", flush=True)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(script)[0], os.path.join(ROOT, script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argv)
+
+
+def command_key(script: str, argv: list[str], inputs: list[str]) -> dict:
+    """What an output depends on: the script's code, its full argv, and each input file's size and hash."""
+    return {"script": script, "script_sha256": fileio.sha256_of(os.path.join(ROOT, script)), "argv": list(argv),
+            "inputs": [{"path": path, "size": os.path.getsize(path), "sha256": fileio.sha256_of(path)}
+                       for path in inputs]}
+
+
+def key_path(out: str) -> str:
+    """The sidecar of an accountant's output that holds the command_key it was computed with."""
+    return out + ".cmd"
+
+
+def is_cached(out: str, key: dict) -> bool:
+    """True when `out` exists and was computed by exactly this command on exactly these inputs."""
+    if not (os.path.exists(out) and os.path.exists(key_path(out))):
+        return False
+    with open(key_path(out), encoding="utf-8") as handle:
+        try:
+            return json.load(handle) == key
+        except json.JSONDecodeError:
+            return False
+
+
+class Commands:
+    """Runs the scripts of one reproduction and remembers each command, for the report, and what each step of
+    the reproduction cost, for the timing table at its end."""
+
+    def __init__(self) -> None:
+        self.lines = []  # (command line, whether a cached output was reused)
+        self.timings = []  # (step, wall seconds, CPU seconds, peak resident bytes so far)
+
+    @contextlib.contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        """Time the work inside the block as one row of the timing table; then hand what it freed back to the
+        system, so that the next step's peak does not stand on this one's leftovers."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield
+        release_freed_memory()
+        self.timings.append((step, time.perf_counter() - wall, time.process_time() - cpu, peak_resident_bytes()))
+        print(f"[{step}: {self.timings[-1][1]:.1f}s wall, {self.timings[-1][2]:.1f}s CPU, peak resident memory "
+              f"so far {self.timings[-1][3] / 1e9:.2f} GB]", flush=True)
+
+    def note(self, line: str, cached: bool = False) -> None:
+        """A step done in this process by a package function, listed with the commands; `cached` when its result
+        was found on disk and the step did not run."""
+        self.lines.append((f"# in-process: {line}", cached))
+
+    def run(self, script: str, argv: list[str]) -> None:
+        self.lines.append((f"python {script} {shlex.join(argv)}", False))
+        with self.timed(step_label(script, argv)):
+            call_script(script, argv)
+
+    def account(self, script: str, argv: list[str], out: str, source: str) -> pd.DataFrame:
+        """Run an accountant on `source` into `out` unless `out` holds this very command's output; its rows."""
+        argv = [*argv, "--out", out]
+        key = command_key(script, argv, [source])
+        cached = is_cached(out, key)
+        self.lines.append((f"python {script} {shlex.join(argv)}", cached))
+        if cached:
+            print(f"\n(skipping {script}: {out} was computed by this command on this input)")
+        else:
+            with self.timed(step_label(script, argv)):
+                call_script(script, argv)
+            fileio.write_json(key_path(out), key)
+        return pd.read_csv(out)
+
+    def timing_lines(self, total_seconds: float) -> list[str]:
+        """The timing table (markdown): every timed step, and the whole reproduction."""
+        lines = ["| step | wall s | CPU s | peak RSS so far |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {step} | {wall:.1f} | {cpu:.1f} | {rss / 1e9:.2f} GB |" for step, wall, cpu, rss in self.timings]
+        timed = sum(wall for _, wall, _, _ in self.timings)
+        lines.append(f"| everything else (imports, reading results, the report) | {total_seconds - timed:.1f} | | |")
+        lines.append(f"| **total** | **{total_seconds:.1f}** | **{time.process_time():.1f}** | "
+                     f"**{peak_resident_bytes() / 1e9:.2f} GB** |")
+        return lines
+
+
+def step_label(script: str, argv: list[str]) -> str:
+    """A short name of a command for the timing table: the script and its main arguments."""
+    words = [script]
+    for flag in ("--run", "--save-name", "--res-name", "--res-file", "--reduction", "--points", "--stage",
+                 "--num-batches", "--rule", "--kind", "--accountant"):
+        if flag in argv:
+            value = argv[argv.index(flag) + 1]
+            words.append(f"{flag.lstrip('-')}={os.path.basename(value)}")
+    return " ".join(words)
+
+
+def result_file(res_name: str) -> str:
+    """The result file compute_sensitivity.py wrote for --res-name `res_name`: CSV, or Parquet once it holds more
+    than storage.AUTO_PARQUET_ROWS rows. Every result path here comes from this resolver (results.results_path,
+    the one the accountants use), never from a name built by hand."""
+    return results.results_path(res_name, RES_DIR)
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set size: every step runs in it (call_script), so this is the run's."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+
+
+def account(commands: Commands, script: str, res_name: str, flags: list[str], suffix: str) -> pd.DataFrame:
+    """An accountant on the result file of `res_name` into res/<res_name>_<suffix>.csv (cached by its command)."""
+    return commands.account(script, ["--res-name", res_name, *flags], os.path.join(RES_DIR, f"{res_name}_{suffix}.csv"),
+                            result_file(res_name))

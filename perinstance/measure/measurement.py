@@ -1,0 +1,174 @@
+"""The rows of one checkpoint, as compute_sensitivity.py measures them (accounting.md §2): Δ* (sum
+rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (mean rule), each
+row with the point's label, loss and correctness (perinstance/files/results.py)."""
+
+import numpy as np
+
+from perinstance.accounting.guarantees import Direction
+from perinstance.console import progress_bar
+from perinstance.files import results, storage
+from perinstance.measure import coupling, poisson_batches
+from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
+from perinstance.train import training
+from perinstance.train.clipping import Transform
+
+NO_DIRECTION = Direction.NONE.value
+# What a row measures, stored in its `exp` column: Δ* (sum rule), the coupling samples and
+# dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
+# accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
+NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
+
+
+def measure_checkpoint(request, run, step, points, device, blocks=None):
+    """The rows of one checkpoint for `points` (every requested direction). Coupling under
+    torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
+    config = run.config
+    points = np.asarray(points)
+    model, payload = training.load_model(config, run.run_dir, step, device)
+    transform = Transform.of_run(config)
+    point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
+    statistics_only = request.family == COUPLING and request.num_batches == 0
+    hold = None
+    if request.family == COUPLING:
+        # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
+        # larger, so its δ_size stays below --size-delta.
+        plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
+                                      request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+        # With one pass of draws after the first pass, held rows would spare one recomputation of themselves
+        # for all their memory: hold none.
+        if coupling.pass_count(plan, len(points), parameter_count(model), next(model.parameters()).element_size(),
+                               blocks) <= 1:
+            hold = False
+    with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
+                      f"per-sample gradients, step {step}") as bar:
+        if request.reduction == "sum":
+            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
+        elif statistics_only:
+            statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
+                                                                     point_y, point_rows, transform, device, bar)
+        else:
+            rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
+                                                         point_rows, transform, device, hold=hold, progress=bar)
+            predictions = point_gradients.predictions
+    if request.reduction == "sum":
+        columns = norm_columns(norms)
+    elif request.family == COUPLING:
+        if statistics_only:
+            samples = coupling.CouplingSamples(np.zeros((len(points), 0)), plan)
+        else:
+            measured = plan.blocks if blocks is None else len(blocks)
+            with progress_bar(measured * plan.permutations, f"permutations, step {step}") as bar:
+                statistics, samples = coupling.measure_coupling(rows, point_gradients, plan, bar, blocks)
+        columns = coupling_columns(config.clip_bound, statistics, samples, blocks)
+    else:
+        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
+        with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
+            statistics = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
+                                                          request.num_iters, request.num_batches, request.directions,
+                                                          bar)
+        columns = jensen_columns(request, statistics)
+    frame = measurement_rows(request.reduction, request.family, request.mc_seed, config, step,
+                             payload["test_accuracy"], points, run.dataset.train_y[points].numpy(), predictions, columns)
+    if request.histogram_precision is None:
+        return frame
+    return storage.histogram_rows(frame, request.histogram_precision)
+
+
+def norm_columns(norms):
+    """Sum rule: one grad_norm row (Δ*) per point."""
+    return {"position": np.arange(len(norms)), "quantity": "grad_norm", "value": norms, "direction": NO_DIRECTION,
+            "target_batch": 0, "sample": 0}
+
+
+def coupling_columns(clip_bound, statistics, samples, blocks=None):
+    """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
+    max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
+    With `blocks`, only their draws, and the statistics rows only with block 0 (each part of a
+    torchrun measurement holds its own rows)."""
+    count = len(statistics.spread) if blocks is None or 0 in blocks else 0
+    position, block, sample, size, value = samples.accepted()
+    # Δ_B ≤ ||h*|| ≤ Γ for k = 0 and ≤ 2Γ/(k+1) otherwise; float32 products can round one ulp above.
+    value = np.minimum(value, np.where(size > 0, 2 * clip_bound / (size + 1), clip_bound))
+    stats = [statistics.center_distance[:count], statistics.spread[:count], statistics.max_deviation[:count]]
+    return {
+        "position": np.concatenate([np.tile(np.arange(count), 3), position]),
+        "quantity": np.concatenate([np.repeat(results.STATISTICS, count),
+                                    np.full(len(value), "batch_sensitivity")]),
+        "value": np.concatenate([*stats, value]),
+        "direction": NO_DIRECTION,
+        "target_batch": 0,
+        "sample": np.concatenate([np.zeros(3 * count, dtype=np.int64), sample]),
+        "block": np.concatenate([np.full(3 * count, np.nan), block]),
+        "k": np.concatenate([np.full(3 * count, np.nan), size]),
+        "k_min": samples.plan.k_min,
+    }
+
+
+def jensen_columns(request, statistics):
+    """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
+    parts = []
+    for direction, array in statistics.items():
+        count, targets, samples = array.shape
+        parts.append({"position": np.repeat(np.arange(count), targets * samples),
+                      "target_batch": np.tile(np.repeat(np.arange(targets), samples), count),
+                      "sample": np.tile(np.arange(samples), count * targets),
+                      "value": array.reshape(-1), "direction": np.full(array.size, direction)})
+    columns = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
+
+
+def measurement_rows(reduction, family, mc_seed, config, step, accuracy, points, labels, predictions, columns):
+    """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
+    point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
+    position = columns.pop("position")
+    return results.result_rows(config, reduction, step, {
+        "point": points[position],
+        "label": labels[position],
+        "correct": predictions.correct.astype(int)[position],
+        "loss": predictions.losses[position],
+        "exp": family,
+        "accuracy": accuracy,
+        "mc_seed": np.nan if mc_seed is None else mc_seed,
+        **columns,
+    })
+
+
+def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc_blocks, max_sizes, mc_seed,
+                     device="cpu"):
+    """One checkpoint of `run` measured for one step of the mean rule under each of `configs` (the run's
+    RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
+    each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
+    The per-sample rows are recomputed on each config's pass and none are held (their batch sums are
+    what the pass holds); the statistics do not depend on the mechanism. Yields one frame of result rows per
+    config, in their order, as compute_sensitivity.py --reduction mean would write it for a run trained with that
+    config (reproduce.py's fixed-checkpoint design): the caller can store each before the next pass."""
+    config = run.config
+    points = np.asarray(points)
+    model, payload = training.load_model(config, run.run_dir, step, device)
+    with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
+        rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
+                                                     run.dataset.train_y[points], run.train_rows(points),
+                                                     Transform.of_run(config), device, hold=False, progress=bar)
+    # The statistics come from the rows' centred norms, which the first rate's pass over the rows measures too.
+    mean, statistics, point_centred_sq = rows.mean(), None, None
+    labels = run.dataset.train_y[points].numpy()
+    for analysed, size_delta in zip(configs, size_deltas):
+        plan = coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
+                                      num_batches, mc_blocks, max_sizes)
+        with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}, q={analysed.sample_rate:g}") \
+                as bar:
+            samples, row_centred_sq = coupling.coupling_sensitivities(rows, point_gradients, plan, mean,
+                                                                      point_centred_sq, bar)
+        if statistics is None:
+            statistics, _, point_centred_sq = coupling.measure_statistics(rows, point_gradients, mean, row_centred_sq)
+        columns = coupling_columns(analysed.clip_bound, statistics, samples)
+        yield measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points, labels,
+                               point_gradients.predictions, columns)
+
+
+def keep_missing(rows, missing):
+    """Only the rows of (direction, point) combinations that `missing` lists."""
+    wanted = np.zeros(len(rows), dtype=bool)
+    for direction, points in missing.items():
+        wanted |= (rows["direction"] == direction).to_numpy() & rows["point"].isin(points).to_numpy()
+    return rows[wanted].reset_index(drop=True)

@@ -1,0 +1,439 @@
+"""Figures for the per-instance accounting results of GLA (Thudi et al., "Gradients Look Alike:
+Sensitivity is Often Overestimated in DP-SGD", USENIX Security 2024) and Yu et al. ("Individual
+Privacy Accounting for Differentially Private Stochastic Gradient Descent", TMLR 2023).
+
+Pure plotting: every function takes arrays the caller already computed, draws one
+figure, writes it atomically as a PNG and returns the numbers it displayed, so a
+report can quote exactly what the figure shows. Nothing here reads files or computes
+privacy guarantees. Every privacy plot carries the data-independent DP-SGD baseline.
+"""
+
+from collections.abc import Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on the training machines; must precede pyplot
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from perinstance.files.fileio import atomic_path
+
+DPI = 120
+SINGLE_PANEL = (6.4, 4.4)
+TWO_PANELS = (12.0, 4.6)
+BASELINE_LABEL = "worst-case baseline (DP-SGD)"
+BASELINE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.5, "label": BASELINE_LABEL}
+# No "Software" entry: matplotlib would write its version there, so bytes would
+# differ between installations; the PNG writer adds no timestamp of its own.
+PNG_METADATA = {"Software": None}
+LOSS_FLOOR = 1e-8
+
+
+def _as_1d(name, values):
+    """A finite float vector, or a ValueError naming the argument (clearer than matplotlib's)."""
+    array = np.asarray(values, dtype=float)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} contains non-finite values")
+    return array
+
+
+def _same_length(**arrays):
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"arrays must have the same length, got {lengths}")
+
+
+def _median(values):
+    """Median, nan for an empty array (numpy would warn)."""
+    return float(np.median(values)) if len(values) else float("nan")
+
+
+def _pearson(x, y):
+    """Pearson r; nan when it is undefined (fewer than two points or a constant input)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def _ratio(numerator, denominator):
+    """numerator / denominator with IEEE semantics (inf, nan) instead of a warning."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float64(numerator) / np.float64(denominator))
+
+
+def _fmt(value):
+    return f"{value:.3g}"
+
+
+def _fmt_r(pearson):
+    return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
+
+
+def _save(fig, path):
+    """Write the figure atomically with reproducible bytes, then free it."""
+    try:
+        with atomic_path(path) as temp_path:
+            fig.savefig(temp_path, format="png", dpi=DPI, metadata=PNG_METADATA)
+    finally:
+        plt.close(fig)
+
+
+def _draw_ecdf(ax, values, **style):
+    """Empirical CDF as a step line; returns the line (None for no values)."""
+    if len(values) == 0:
+        return None
+    # Start at height 0 so the first jump is drawn too (it is all of it for constant values).
+    ordered = np.sort(values)
+    positions = np.concatenate([ordered[:1], ordered])
+    heights = np.arange(len(ordered) + 1) / len(ordered)
+    (line,) = ax.step(positions, heights, where="post", **style)
+    return line
+
+
+def _use_log_scale(ax, axis, values):
+    """Log scale, or symlog when zeros (or negatives) are present so they stay visible.
+
+    The linear part of symlog reaches up to the smallest positive value, so every
+    positive value is still on the logarithmic part.
+    """
+    values = np.asarray(values, dtype=float)
+    positive = values[values > 0]
+    set_scale = ax.set_xscale if axis == "x" else ax.set_yscale
+    if len(positive) == len(values) and len(values):
+        set_scale("log")
+    else:
+        set_scale("symlog", linthresh=float(positive.min()) if len(positive) else 1.0)
+
+
+def plot_per_step_histogram(eps, baseline_eps, path, title="Per-instance per-step privacy",
+                            xlabel="per-instance per-step ε"):
+    """Histogram of one per-step guarantee per point, with the median and the baseline."""
+    eps = _as_1d("eps", eps)
+    baseline_eps = float(baseline_eps)
+    median = _median(eps)
+    share_2x_below = float(np.mean(eps <= baseline_eps / 2)) if len(eps) else float("nan")
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    ax.hist(eps, bins=40, color="tab:blue", alpha=0.75, label=f"{len(eps)} points")
+    ax.axvline(median, color="tab:orange", linewidth=2, label=f"median = {_fmt(median)}")
+    ax.axvline(baseline_eps, **BASELINE_STYLE)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("number of points")
+    ax.set_title(f"{title}\n{share_2x_below:.0%} of points at ≤ half the baseline")
+    ax.legend()
+    _save(fig, path)
+    return {"median": median, "baseline": baseline_eps, "share_2x_below": share_2x_below}
+
+
+def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
+    """Empirical CDFs of a per-point guarantee for correctly and wrongly classified points."""
+    values = _as_1d("values", values)
+    correct = np.asarray(correct)
+    if correct.dtype != bool:
+        raise ValueError(f"correct must be a boolean array, got dtype {correct.dtype}")
+    _same_length(values=values, correct=correct)
+    groups = {"correct": values[correct], "misclassified": values[~correct]}
+    colors = {"correct": "tab:green", "misclassified": "tab:red"}
+    medians = {name: _median(group) for name, group in groups.items()}
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    missing = [name for name, group in groups.items() if len(group) == 0]
+    for name, group in groups.items():
+        if len(group) == 0:
+            # An invisible handle keeps the absence explicit in the legend.
+            ax.plot([], [], color=colors[name], label=f"no {name} points")
+            continue
+        _draw_ecdf(ax, group, color=colors[name], linewidth=2, label=f"{name} (n = {len(group)})")
+        ax.axvline(medians[name], color=colors[name], linestyle=":", linewidth=1.5,
+                   label=f"median {name} = {_fmt(medians[name])}")
+    ax.axvline(float(baseline), **BASELINE_STYLE)
+    ax.set_xlabel(value_label)
+    ax.set_ylabel("fraction of points ≤ value")
+    ax.set_ylim(0, 1.02)
+    title = f"{value_label}: correct vs misclassified points"
+    if missing:
+        title += "\n(" + ", ".join(f"no {name} points" for name in missing) + ")"
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    _save(fig, path)
+    return {
+        "median_correct": medians["correct"],
+        "median_misclassified": medians["misclassified"],
+        "count_correct": len(groups["correct"]),
+        "count_misclassified": len(groups["misclassified"]),
+        "ratio": _ratio(medians["misclassified"], medians["correct"]),
+    }
+
+
+MEAN_RULE_SERIES = {
+    # key: (label, style); estimates say so in the legend (accounting.md §3.5).
+    "certified": ("mean rule, certified bound (median, 10-90%)", {"color": "tab:blue", "marker": "o"}),
+    "estimate": ("mean rule, estimate (Monte Carlo, median)", {"color": "tab:orange", "marker": "s",
+                                                               "linestyle": ":"}),
+    "baseline": ("mean rule, data-independent baseline", {"color": "black", "marker": "D", "linestyle": "--"}),
+    "sum_rule": ("sum rule, per instance at the same θ (median)", {"color": "tab:green", "marker": "^",
+                                                                   "linestyle": "-."}),
+    "sum_baseline": ("sum rule, worst case at the same sigma", {"color": "grey", "marker": "v", "linestyle": "--"}),
+}
+
+
+RATIO_SERIES = {
+    "certified": ("certified / mean-rule baseline (median)", {"color": "tab:blue", "marker": "o"}),
+    "estimate": ("estimate / mean-rule baseline (median; Monte Carlo)", {"color": "tab:orange", "marker": "s",
+                                                                        "linestyle": ":"}),
+}
+
+
+def _finite(values):
+    return values[np.isfinite(values)]
+
+
+def _draw_ratio_panel(ax, values_by_rate, title):
+    """The data-dependent per-step values relative to the mean rule's own baseline, per rate: the quantity
+    GLA's sampling-rate claim is about. Returns {series: {q: median ratio}}."""
+    rates = sorted(values_by_rate)
+    drawn = {}
+    for key, (label, style) in RATIO_SERIES.items():
+        present = [q for q in rates if key in values_by_rate[q]]
+        ratios = [_median(_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))))
+                  / float(values_by_rate[q]["baseline"]) for q in present]
+        drawn[key] = dict(zip(present, ratios, strict=True))
+        ax.plot(present, ratios, label=label, linewidth=2, **style)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself")
+    ax.set_xscale("log")
+    ax.set_xticks(rates, [f"{q:g}" for q in rates])
+    _use_log_scale(ax, "y", np.array([value for series in drawn.values() for value in series.values()] + [1.0]))
+    ax.set_xlabel("sampling rate q")
+    ax.set_ylabel("per-step value / mean-rule baseline")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    return drawn
+
+
+def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"):
+    """One line per series over the sampling rates: medians of per-point arrays (with a 10-90% band
+    for the certified bound) or single values; returns the medians drawn per series and rate."""
+    rates = sorted(values_by_rate)
+    drawn = {}
+    everything = [np.zeros(0)]
+    for key, (label, style) in MEAN_RULE_SERIES.items():
+        present = [q for q in rates if key in values_by_rate[q]]
+        if not present:
+            continue
+        # A point without an estimate (NaN: some size unsampled) or without a finite guarantee (inf: δ_fail
+        # left nothing to spend) has no place on a log axis; the medians are over the finite values.
+        arrays = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))) for q in present]
+        medians = [_median(values) for values in arrays]
+        drawn[key] = dict(zip(present, medians, strict=True))
+        everything.extend(arrays)
+        ax.plot(present, medians, label=label, linewidth=2, **style)
+        if key == "certified":
+            low = [np.quantile(values, 0.1) if len(values) else np.nan for values in arrays]
+            high = [np.quantile(values, 0.9) if len(values) else np.nan for values in arrays]
+            ax.fill_between(present, low, high, color=style["color"], alpha=0.15, linewidth=0)
+    ax.set_xscale("log")
+    ax.set_xticks(rates, [f"{q:g}" for q in rates])
+    _use_log_scale(ax, "y", np.concatenate(everything))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize="small")
+    return drawn
+
+
+def plot_sampling_rate_designs(designs, alpha, delta, path):
+    """GLA's sampling-rate claim for the mean rule (its Fig. 3c) in controlled designs (accounting.md §3.2, §4):
+    one row per design, {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}}
+    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at order α, ε over the whole run at δ, and the per-step data-dependent
+    values relative to the mean rule's baseline. Returns {design: {"per_step", "composed", "ratios"}}."""
+    for title, (per_step, whole_run) in designs.items():
+        if set(per_step) != set(whole_run):
+            raise ValueError(f"{title}: per_step and whole_run cover different rates: {sorted(per_step)} vs "
+                             f"{sorted(whole_run)}")
+    fig, axes = plt.subplots(len(designs), 3, figsize=(18.0, 4.6 * len(designs)), layout="constrained", squeeze=False)
+    drawn = {}
+    for row, (title, (per_step, whole_run)) in zip(axes, designs.items()):
+        drawn[title] = {
+            "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
+            "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
+                                         f"{title}: whole run"),
+            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
+        }
+    _save(fig, path)
+    return drawn
+
+
+def plot_composed_over_training(curves, baseline_curve, path, delta, checkpoint_steps=()):
+    """Yu et al.: composed per-instance ε of a few points as training proceeds, from step 0, with the
+    checkpoints whose Δ* charge the steps after them marked on the step axis."""
+    baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
+                                    for index, array in enumerate(baseline_curve))
+    _same_length(baseline_steps=baseline_steps, baseline_eps=baseline_eps)
+    final = {}
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    for label, (steps, eps) in curves.items():
+        steps, eps = _as_1d(f"steps of {label!r}", steps), _as_1d(f"ε of {label!r}", eps)
+        _same_length(steps=steps, eps=eps)
+        final[label] = float(eps[-1]) if len(eps) else float("nan")
+        ax.plot(steps, eps, linewidth=2, label=f"{label}: final ε = {_fmt(final[label])}")
+    baseline_final = float(baseline_eps[-1]) if len(baseline_eps) else float("nan")
+    style = {**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: final ε = {_fmt(baseline_final)}"}
+    ax.plot(baseline_steps, baseline_eps, **style)
+    checkpoint_steps = _as_1d("checkpoint_steps", checkpoint_steps)
+    if len(checkpoint_steps):
+        ax.plot(checkpoint_steps, np.zeros(len(checkpoint_steps)), "|", color="0.3", markersize=10,
+                clip_on=False, label="checkpoints")
+        # A figure-level label: the constrained layout makes room for it below the axis label.
+        fig.supxlabel("Step t is charged at Δ* of the latest checkpoint ≤ t − 1\n(piecewise constant between "
+                      "checkpoints; accounting.md §4).", fontsize="small", color="0.3")
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"composed ε at δ = {delta:g}")
+    ax.set_title("Per-instance privacy over training")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    _save(fig, path)
+    return {"final": final, "baseline_final": baseline_final}
+
+
+def _class_accuracies(class_names, class_test_accuracy):
+    """Accuracy per class name, from a mapping by name or a sequence aligned with class_names."""
+    if isinstance(class_test_accuracy, Mapping):
+        return {name: float(class_test_accuracy[name]) for name in class_names}
+    accuracies = _as_1d("class_test_accuracy", class_test_accuracy)
+    if len(accuracies) != len(class_names):
+        raise ValueError(f"class_test_accuracy has {len(accuracies)} values for {len(class_names)} classes")
+    return dict(zip(class_names, accuracies.tolist(), strict=True))
+
+
+def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
+    """Left panel of plot_individual_accounting: ε vs final loss with the fit ε ≈ a + b·log(loss)."""
+    pearson = _pearson(eps, log_loss)
+    can_fit = len(np.unique(log_loss)) >= 2  # a line through one x value is undefined
+    ax.set_xscale("log")
+    if not can_fit and len(log_loss):
+        # Autoscaling a log axis around a single value warns; fix a decade each side first.
+        ax.set_xlim(np.exp(log_loss[0]) / 10, np.exp(log_loss[0]) * 10)
+    ax.scatter(np.exp(log_loss), eps, s=10, alpha=0.5, color="tab:blue", label=f"{len(eps)} training points")
+    intercept = slope = float("nan")
+    if can_fit:
+        slope, intercept = (float(c) for c in np.polyfit(log_loss, eps, 1))
+        grid = np.linspace(log_loss.min(), log_loss.max(), 200)
+        ax.plot(np.exp(grid), intercept + slope * grid, color="tab:red", linewidth=2,
+                label=f"ε ≈ {intercept:.3g} {'−' if slope < 0 else '+'} {abs(slope):.3g}·ln(loss), "
+                      f"Pearson r = {_fmt_r(pearson)}")
+    else:
+        ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.set_xlabel(f"final training loss (log scale, clipped at {LOSS_FLOOR:g})")
+    ax.set_ylabel("per-instance composed ε")
+    ax.set_title("Privacy vs final training loss")
+    ax.legend(loc="lower right", fontsize="small")
+    return pearson, intercept, slope
+
+
+def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
+    """Right panel of plot_individual_accounting: per-class mean ε against test accuracy."""
+    names = [name for name, mean in class_mean_eps.items() if np.isfinite(mean)]
+    accuracies = [class_accuracy[name] for name in names]
+    means = [class_mean_eps[name] for name in names]
+    pearson = _pearson(accuracies, means) if len(names) >= 3 else float("nan")
+    ax.scatter(accuracies, means, s=40, color="tab:purple", zorder=3,
+               label=f"class mean ε (Pearson r = {_fmt_r(pearson)})")
+    for name, accuracy, mean in zip(names, accuracies, means, strict=True):
+        ax.annotate(str(name), (accuracy, mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.margins(x=0.15)  # room for the class names written right of the points
+    ax.set_xlabel("class test accuracy")
+    ax.set_ylabel("mean per-instance ε of the class")
+    ax.set_title("Class privacy vs class accuracy")
+    ax.legend(loc="lower left", fontsize="small")
+    return pearson
+
+
+def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path,
+                               by_accountant=None):
+    """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
+
+    labels are class indices into class_names; class_test_accuracy is either aligned
+    with class_names or a mapping from class name to accuracy. by_accountant: {name: (every point's composed ε,
+    the worst case by that accountant)}, e.g. RDP and PLD, drawn as a third panel (the share of points at or
+    below each ε) and summarised per accountant (median, 10% and 90% quantiles, share below half the worst case).
+    """
+    eps = _as_1d("eps", eps)
+    final_loss = _as_1d("final_loss", final_loss)
+    labels = np.asarray(labels)
+    _same_length(eps=eps, final_loss=final_loss, labels=labels)
+    baseline_eps = float(baseline_eps)
+    log_loss = np.log(np.maximum(final_loss, LOSS_FLOOR))  # a zero loss must not break the log
+    class_accuracy = _class_accuracies(class_names, class_test_accuracy)
+    class_mean_eps = {name: float(np.mean(eps[labels == index])) if np.any(labels == index) else float("nan")
+                      for index, name in enumerate(class_names)}
+
+    panels = 2 if by_accountant is None else 3
+    fig, axes = plt.subplots(1, panels, figsize=(TWO_PANELS[0] * panels / 2, TWO_PANELS[1]), layout="constrained")
+    pearson_log_loss, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss, baseline_eps)
+    pearson_class = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
+    accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant)
+    _save(fig, path)
+    return {
+        "pearson_log_loss": pearson_log_loss,
+        "fit_intercept": intercept,
+        "fit_slope": slope,
+        "class_mean_eps": class_mean_eps,
+        "class_accuracy": class_accuracy,
+        "pearson_class": pearson_class,
+        "accountants": accountants,
+    }
+
+
+def _draw_accountant_panel(ax, by_accountant):
+    """Third panel of plot_individual_accounting: the share of points whose composed ε is at most x, per
+    accountant, with each accountant's worst case; returns each one's summary."""
+    summaries = {}
+    for (name, (values, worst)), color in zip(by_accountant.items(), ("tab:blue", "tab:orange", "tab:green")):
+        values = np.sort(_as_1d(f"ε by {name}", values))
+        worst = float(worst)
+        summaries[name] = {"median": float(np.median(values)), "q10": float(np.quantile(values, 0.1)),
+                           "q90": float(np.quantile(values, 0.9)), "worst": worst,
+                           "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
+        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
+                label=f"{name}: median {_fmt(summaries[name]['median'])}")
+        ax.axvline(worst, color=color, linestyle="--", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
+    ax.set_xlabel("composed per-instance ε")
+    ax.set_ylabel("share of points with at most this ε")
+    ax.set_title("Per-instance ε by accountant")
+    ax.legend(loc="upper left", fontsize="small")
+    return summaries
+
+
+def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, baseline_eps):
+    """Yu et al., Fig. 4: ε from checkpoint norms against ε from norms at every step."""
+    estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
+    truth = _as_1d("eps_from_every_step", eps_from_every_step)
+    _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)
+    baseline_eps = float(baseline_eps)
+    pearson = _pearson(truth, estimate)
+    errors = np.abs(estimate - truth)
+    mean_abs_error = float(errors.mean()) if len(errors) else float("nan")
+    max_abs_error = float(errors.max()) if len(errors) else float("nan")
+
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    ax.scatter(truth, estimate, s=10, alpha=0.5, color="tab:blue", label=f"{len(truth)} points")
+    plotted = np.concatenate([[0.0, baseline_eps], truth, estimate])
+    span = np.array([plotted.min(), plotted.max()])
+    ax.plot(span, span, color="tab:gray", linewidth=1, label="y = x")
+    ax.axhline(baseline_eps, **BASELINE_STYLE)
+    ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
+    ax.set_xlabel("ε from gradient norms at every step (ground truth)")
+    ax.set_ylabel("ε from gradient norms at checkpoints")
+    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson)}\n"
+                 f"mean |error| = {_fmt(mean_abs_error)}, max |error| = {_fmt(max_abs_error)}")
+    ax.legend(loc="lower right")
+    _save(fig, path)
+    return {"pearson": pearson, "mean_abs_error": mean_abs_error, "max_abs_error": max_abs_error}

@@ -1,0 +1,261 @@
+"""Argument parsing shared by every script, so flags cannot drift apart between them."""
+
+import argparse
+
+import numpy as np
+
+from perinstance.errors import UsageError
+from perinstance.train import sampling
+
+# Keeps the example commands at the top of each script's docstring as written in --help.
+HELP_FORMAT = argparse.RawDescriptionHelpFormatter
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as a one-line UsageError instead of usage + exit."""
+
+    def error(self, message):
+        raise UsageError(None, message)
+
+
+# --- numbers: argparse `type=` functions, so NaN, ±inf and out-of-domain values are one-line errors -----
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def finite_float(text):
+    """Any finite number (NaN and ±inf are refused)."""
+    value = _number(text)
+    if not np.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
+
+
+def positive_float(text):
+    """A finite number > 0 (σ, ε, C, lr, epochs, γ, r, s)."""
+    value = finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def non_negative_float(text):
+    """A finite number >= 0 (an epoch of the learning-rate schedule)."""
+    value = finite_float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
+def probability(text):
+    """A probability strictly between 0 and 1 (δ)."""
+    value = finite_float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), not {text}")
+    return value
+
+
+def momentum_float(text):
+    """Heavy-ball momentum in [0, 1): 1 or more never forgets a step and diverges."""
+    value = finite_float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), not {text}")
+    return value
+
+
+def non_negative_int(text):
+    """An integer >= 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
+def zero_or_one(text):
+    """The explicit value of a switch, the paper repository's spelling: 0 (off) or 1 (on)."""
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"must be 0 or 1 (or no value: the switch alone means 1), not {text!r}")
+    return int(text)
+
+
+class Switch(argparse.Action):
+    """A boolean switch (`--overwrite`) that also accepts an explicit 0 or 1 (`--overwrite 1`, the
+    paper repository's spelling). It stores the integers 0 and 1, as `type=int` did before, so that
+    run.json and the identity of existing runs do not change."""
+
+    def __init__(self, option_strings, dest, default=0, help=None):
+        super().__init__(option_strings, dest, nargs="?", const=1, default=default, type=zero_or_one,
+                         metavar="0|1", help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if values is None else values)
+
+
+def add_overwrite_argument(parser, what):
+    """--overwrite, one meaning in every script: replace what this script would otherwise refuse to replace."""
+    parser.add_argument("--overwrite", action=Switch,
+                        help=f"replace {what} (a switch; --overwrite 1 and --overwrite 0 are accepted too)")
+
+
+def add_alpha_argument(parser, default, help):
+    """--alpha, one meaning in every script: Rényi orders α (the output column `alpha`)."""
+    parser.add_argument("--alpha", type=finite_float, nargs="+", default=default, metavar="ORDER", help=help)
+
+
+def training_flag(dest):
+    """The flag that sets the training destination `dest`, spelled as --help shows it (delta: --target-delta)."""
+    parser = Parser()
+    add_training_args(parser)
+    return next((action.option_strings[0] for action in parser._actions if action.dest == dest),
+                "--" + dest.replace("_", "-"))
+
+
+def add_device_argument(parser):
+    """--device, the same in every script that computes with torch."""
+    from perinstance.train.distributed import device_flag
+
+    parser.add_argument("--device", default="cpu", type=device_flag, metavar="{cpu,cuda,cuda:N,auto}",
+                        help="cpu, cuda, cuda:N, or auto (CUDA when present, else CPU); under torchrun, "
+                             "cuda and auto mean the rank's own GPU cuda:LOCAL_RANK")
+
+
+def parse_points(specs, dataset_size, seed=0, flag="--points"):
+    """Point indices from `--points` tokens: `3`, `0-99`, `all`, `random:N` (seeded).
+
+    Returns a sorted array of unique indices in [0, dataset_size).
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    chosen = []
+    for spec in specs:
+        for token in str(spec).replace(",", " ").split():
+            chosen.extend(_parse_point_token(token, dataset_size, seed, flag))
+    if not chosen:
+        raise UsageError(flag, "no points given (use indices like 0 1 2, ranges like 0-99, all, or random:N)")
+    return np.unique(np.asarray(chosen, dtype=np.int64))
+
+
+def _parse_point_token(token, dataset_size, seed, flag):
+    allowed = "allowed: indices like 3, ranges like 0-99, all, random:N"
+    if token == "all":
+        return range(dataset_size)
+    if token.startswith("random:"):
+        count = _parse_int(token[len("random:"):], flag, token, allowed)
+        if count <= 0 or count > dataset_size:
+            raise UsageError(flag, f"{token}: N must be in 1..{dataset_size}")
+        rng = sampling.stream_rng(seed, sampling.POINTS_STREAM)
+        return rng.choice(dataset_size, size=count, replace=False).tolist()
+    if "-" in token[1:]:
+        start_text, end_text = token.split("-", 1) if not token.startswith("-") else (token, "")
+        start = _parse_int(start_text, flag, token, allowed)
+        end = _parse_int(end_text, flag, token, allowed)
+        if start > end:
+            raise UsageError(flag, f"{token}: range start is after its end")
+        _check_index(start, dataset_size, flag)
+        _check_index(end, dataset_size, flag)
+        return range(start, end + 1)
+    index = _parse_int(token, flag, token, allowed)
+    _check_index(index, dataset_size, flag)
+    return [index]
+
+
+def _parse_int(text, flag, token, allowed):
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(flag, f"{token!r} is not a point index ({allowed})") from None
+
+
+def _check_index(index, dataset_size, flag):
+    if not 0 <= index < dataset_size:
+        raise UsageError(flag, f"point {index} is out of range 0..{dataset_size - 1}")
+
+
+# A bound on one --seeds range, so a typo cannot ask for billions of runs.
+MAX_SEEDS = 100_000
+
+
+def parse_seeds(specs, flag="--seeds"):
+    """Training seeds from tokens like `0-15`, `3`, `0,4,8`: a sorted list of unique integers >= 0."""
+    seeds = set()
+    for token in " ".join(map(str, specs)).replace(",", " ").split():
+        first_text, dash, last_text = token.partition("-")
+        try:
+            first = int(first_text)
+            last = int(last_text) if dash else first
+        except ValueError:
+            raise UsageError(flag, f"{token!r} is not a seed >= 0 or a range like 0-15") from None
+        if first > last:
+            raise UsageError(flag, f"{token}: range start is after its end")
+        if last - first >= MAX_SEEDS:
+            raise UsageError(flag, f"{token}: more than {MAX_SEEDS:,} seeds in one range")
+        seeds.update(range(first, last + 1))
+    if not seeds:
+        raise UsageError(flag, "no seeds given (use seeds like 0 1 2 or ranges like 0-15)")
+    return sorted(seeds)
+
+
+def add_training_args(parser):
+    """Every flag that defines a training run. Shared by train_dpsgd.py and compute_sensitivity.py."""
+    from perinstance.train.clipping import CLIPPING_CHOICES
+    from perinstance.train.nets import MODEL_CHOICES
+
+    group = parser.add_argument_group("training run")
+    group.add_argument("--dataset", default="mnist-embedded",
+                       help="mnist-embedded (shipped, offline), MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH; "
+                            "scatternet:DATASET: fixed ScatterNet features of DATASET's images; first:N:DATASET: the "
+                            "first N training points of DATASET")
+    group.add_argument("--data-root", default="./data", help="where torchvision datasets live, and cache/ with scatternet: features")
+    group.add_argument("--model", default="lenet5", choices=MODEL_CHOICES, help="the network")
+    group.add_argument("--norm-type", default="group", choices=("group", "batch", "none"),
+                       help="normalisation layers of resnet20 (batch is refused with DP)")
+    group.add_argument("--batch-size", type=int, default=256, help="expected batch size B_exp; q = B_exp/N")
+    group.add_argument("--lr", type=positive_float, default=2.0, help="learning rate")
+    group.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"), help="applied to the privatised update")
+    group.add_argument("--momentum", type=momentum_float, default=0.0, help="heavy-ball momentum on the privatised update")
+    group.add_argument("--gamma", type=positive_float, default=0.1, help="learning-rate decay factor at each --dec-lr epoch")
+    group.add_argument("--dec-lr", type=non_negative_float, nargs="*", default=[], help="epochs at which the learning rate decays")
+    group.add_argument("--epochs", type=positive_float, default=8, help="training length in epochs (T = round(epochs·N/B_exp))")
+    group.add_argument("--dp", type=int, default=1, choices=(0, 1), help="1: DP-SGD (default), 0: non-private SGD")
+    group.add_argument("--no-dp", dest="dp", action="store_const", const=0, help="non-private SGD: the same as --dp 0")
+    group.add_argument("--eps", type=positive_float, default=None,
+                       help="target ε of the training guarantee; sigma is calibrated by Opacus (default 10 unless --sigma)")
+    group.add_argument("--sigma", type=positive_float, default=None,
+                       help="the noise multiplier sigma (noise std sigma·Γ), instead of --eps")
+    # --delta is the paper repository's spelling; the destination (and run.json's key) stays `delta`.
+    group.add_argument("--target-delta", "--delta", dest="delta", type=probability, default=1e-5,
+                       help="δ of the training guarantee, with --eps the target ε (default 1e-5)")
+    group.add_argument("--cn", type=positive_float, default=1.0, help="clipping norm C")
+    group.add_argument("--clipping", default="flat", choices=CLIPPING_CHOICES,
+                       help="per-sample transform: flat clipping, psac or psasc scaling")
+    group.add_argument("--scale-r", type=positive_float, default=None, help="r of psac/psasc (default 0.1)")
+    group.add_argument("--scale-s", type=positive_float, default=None, help="s of psasc (default 0.9)")
+    group.add_argument("--reduction", default="sum", choices=("sum", "mean"),
+                       help="update rule: sum or mean of the transformed gradients (compute_sensitivity.py: the rule "
+                            "analysed, with --run the run's by default)")
+    group.add_argument("--seed", type=non_negative_int, default=0,
+                       help="seed of the run: initialisation, batches and noise")
+    group.add_argument("--less-point", type=int, default=None, help="train without this training point")
+    group.add_argument("--save-freq", type=int, default=None,
+                       help="checkpoint every this many steps (default: about 10 checkpoints, unless --save-steps); "
+                            "step 0 and T always")
+    group.add_argument("--save-steps", nargs="+", default=None, metavar="STEP",
+                       help="checkpoint at these steps (as --points: 1 2 4, ranges 1-8), besides every --save-freq "
+                            "steps when that is given; step 0 and T always")
+    group.add_argument("--save-name", default=None, help="checkpoints go to <models-dir>/<save-name>/ (default: from the flags)")
+    group.add_argument("--id", default=None, help="tag appended to the default save name, for repeated runs")
+    group.add_argument("--models-dir", default="models", help="folder that holds the run folders")
+    add_overwrite_argument(group, "an existing output: the run folder (train_dpsgd.py), or the result file "
+                                  "(compute_sensitivity.py, which never retrains a run because of it)")
+    add_device_argument(group)
+    group.add_argument("--eval-freq", type=int, default=None, help="test accuracy every this many steps (default: at checkpoints)")
+    group.add_argument("--track-points", nargs="*", default=None,
+                       help="record ||h(g)|| of these points (as --points) at every step, for exact composition")
+    return group
