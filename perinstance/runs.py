@@ -23,6 +23,7 @@ import torch
 from opacus.accountants.utils import get_noise_multiplier
 
 from perinstance import checkpoints, clipping, fileio
+from perinstance.canaries import check_canary_flags, parse_canary_norms
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.options import Parser, add_training_args, parse_points
@@ -35,7 +36,7 @@ DEFAULT_CHECKPOINTS = 10
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 # Flags added after runs were first named: left out of a run's identity while not given, so that the default
 # names of runs trained before them stay the same.
-LATER_FLAGS = {"save_steps"}
+LATER_FLAGS = {"save_steps", "canaries", "canary_norms"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -94,6 +95,8 @@ class RunConfig:
     gamma: float
     dec_lr: tuple  # epochs at which the learning rate decays by gamma
     versions: dict
+    canaries: int = 0  # white-box gradient canaries (perinstance/canaries.py)
+    canary_norms: tuple | None = None  # their norms' groups, as multiples of Γ
 
     @property
     def private(self):
@@ -101,7 +104,7 @@ class RunConfig:
 
     def to_json(self):
         fields = dataclasses.asdict(self)
-        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             fields[name] = None if fields[name] is None else list(fields[name])
         return {"format": RUN_FORMAT, **fields}
 
@@ -119,6 +122,7 @@ class RunConfig:
                                    f"{RUN_FORMAT}); update the code, or use another --save-name or --models-dir")
         if version == 1:
             data = _from_format_1(data, path)
+        data = {**CANARY_DEFAULTS, **data}
         missing = [key for key in RUN_KEYS if key not in data]
         if missing:
             raise UsageError(FLAG, f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
@@ -127,7 +131,7 @@ class RunConfig:
             if not valid(data[key]):
                 raise UsageError(FLAG, f"{path}: {key} is {_short(data[key])}, expected {expected}")
         values = {key: data[key] for key in RUN_KEYS}
-        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             values[name] = None if values[name] is None else tuple(values[name])
         return cls(**values)
 
@@ -219,7 +223,12 @@ RUN_KEYS = {
     "dec_lr": ("a list of numbers >= 0", lambda value: isinstance(value, list)
                and all(_number(epoch) and epoch >= 0 for epoch in value)),
     "versions": ("an object", lambda value: isinstance(value, dict)),
+    "canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
+    "canary_norms": ("a list of numbers in (0, 1] or null",
+                     _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
 }
+# Runs written before canaries existed have none.
+CANARY_DEFAULTS = {"canaries": 0, "canary_norms": None}
 
 
 def _json_type(value):
@@ -269,6 +278,8 @@ class TrainingFlags:
     device: str
     eval_freq: int | None
     track_points: list | None
+    canaries: int | None
+    canary_norms: str | None
 
     @classmethod
     def from_flags(cls, flags):
@@ -319,6 +330,7 @@ def resolve_training_args(args):
     if args.seed < 0:
         raise UsageError("--seed", f"must be >= 0, got {args.seed}")
     _check_schedule(args)
+    check_canary_flags(args.canaries, parse_canary_norms(args.canary_norms), args.dp == 1)
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -384,6 +396,8 @@ def default_save_name(args):
     parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
+    if args.canaries is not None:
+        parts.append(f"canaries{args.canaries}")
     if args.id is not None:
         parts.append(str(args.id))
     digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
@@ -445,6 +459,8 @@ def plan_run(args, dataset):
         gamma=args.gamma,
         dec_lr=tuple(args.dec_lr),
         versions=VERSIONS,
+        canaries=args.canaries or 0,
+        canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
     )
 
 
@@ -536,7 +552,7 @@ def prepare_run_dir(args, run_dir, config):
 
 def _foreign_files(run_dir):
     """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
-    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|\.tmp-.*)$")
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|canaries\.csv|\.tmp-.*)$")
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))
 
 
