@@ -14,7 +14,7 @@ then exits with status 1. For the mean rule the summary also holds eps_lower aga
 ε of the sum rule's accounting at the same σ and q, and against the mean rule's own baseline
 (above it: status 1 too).
 
-One-run modes (docs/audit.md, "One-run audit"; perinstance/one_run_cli.py):
+One-run modes (docs/audit.md §1b; perinstance/one_run_cli.py):
 
     python audit.py --in-scores in.txt --out-scores out.txt --significance 0.05 --delta 1e-6
     python audit.py --run NAME --one-run

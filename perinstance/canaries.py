@@ -1,4 +1,4 @@
-"""White-box gradient canaries in a DP-SGD run, and their scores (docs/audit.md, "One-run audit").
+"""White-box gradient canaries in a DP-SGD run, and their scores (docs/audit.md §1b).
 
 `--canaries M --canary-norms 0.1,0.3,1`: M canaries in equal groups, one per norm c. Canary j has
 a fixed random unit direction u_j in parameter space and is included in the run with probability

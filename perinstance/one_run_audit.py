@@ -13,6 +13,7 @@ bounds, each the largest ε that the scores reject at the significance level:
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,9 +47,9 @@ class Frontier:
 
 def check_level(*, significance: float, delta: float) -> None:
     """ValueError (one line) unless 0 < significance < 1 and 0 < delta < 1."""
-    if not (isinstance(significance, (int, float)) and 0 < significance < 1):
+    if not 0 < significance < 1:
         raise ValueError(f"significance must be in (0, 1), got {significance}")
-    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+    if not 0 < delta < 1:
         raise ValueError(f"delta must be in (0, 1), got {delta}")
 
 
@@ -134,7 +135,7 @@ def gaussian_noise_for(*, epsilon: float, delta: float) -> float:
     return math.exp(brentq(log_delta_gap, low, high, xtol=1e-14, rtol=1e-15))
 
 
-def one_run_fdp_rejects(*, canaries: int, guesses: int, correct: int, significance: float,
+def one_run_fdp_margin(*, canaries: int, guesses: int, correct: int, significance: float,
                         mu: float) -> float:
     """§10.3: positive when `correct` of `guesses` right is too many for μ-GDP at `significance`.
 
@@ -158,13 +159,13 @@ def one_run_fdp_epsilon_at(*, canaries: int, guesses: int, correct: int, signifi
 
     def rejection_margin(epsilon: float) -> float:
         mu = 1.0 / gaussian_noise_for(epsilon=epsilon, delta=delta)
-        return one_run_fdp_rejects(canaries=canaries, guesses=guesses, correct=correct,
+        return one_run_fdp_margin(canaries=canaries, guesses=guesses, correct=correct,
                                    significance=significance, mu=mu)
 
     return _largest_rejected(rejection_margin, floor)
 
 
-def _largest_rejected(rejection_margin, floor: float) -> float:
+def _largest_rejected(rejection_margin: Callable[[float], float], floor: float) -> float:
     """The root of a margin decreasing in ε (positive: rejected), or `floor` when floor is not rejected."""
     if rejection_margin(floor) <= 0:
         return floor
@@ -176,7 +177,8 @@ def _largest_rejected(rejection_margin, floor: float) -> float:
 
 # --- the scores: every frontier threshold, Bonferroni ------------------------------------------
 
-def _best_over_thresholds(frontier: Frontier, significance: float, delta: float, epsilon_at) -> float:
+def _best_over_thresholds(frontier: Frontier, significance: float, delta: float,
+                          epsilon_at: Callable[..., float]) -> float:
     """max over frontier thresholds of epsilon_at(significance / thresholds), 0 when none rejects.
 
     A threshold whose raw precision v/r is at most e^ε/(1+e^ε) of the best ε so far cannot beat it

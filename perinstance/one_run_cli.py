@@ -1,4 +1,4 @@
-"""audit.py's one-run modes (docs/audit.md, "One-run audit"): anyone's canary scores, or a run trained with canaries.
+"""audit.py's one-run modes (docs/audit.md §1b): anyone's canary scores, or a run trained with canaries.
 
     python audit.py --in-scores in.txt --out-scores out.npy --significance 0.05 --delta 1e-6
     python audit.py --run NAME --one-run
@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from perinstance import accounting, canaries, composition, fileio, one_run_audit, pld, runs
+from perinstance import accounting, canaries, checkpoints, composition, fileio, one_run_audit, pld, runs
 from perinstance.errors import UsageError
 from perinstance.mechanism import Mechanism
 
@@ -103,7 +103,7 @@ def audit_run(name: str, models_dir: str, *, significance: float, delta: float) 
     config = runs.load_run(run_dir)
     if not config.canaries:
         raise UsageError("--run", f"{config.run} has no canaries: train it with --canaries M")
-    if config.total_steps not in runs.checkpoints.saved_steps(run_dir):
+    if config.total_steps not in checkpoints.saved_steps(run_dir):
         raise UsageError("--run", f"{config.run} is not trained to its last step; rerun its train_dpsgd.py command")
     return config, audit_canaries(config, canaries.read_canaries(run_dir), significance=significance, delta=delta)
 
