@@ -137,7 +137,11 @@ def main(args) -> int:
             print(line)
         print(f"audited {rows['canaries'].sum()} canaries in {len(rows)} groups in {time.time() - started:.1f}s; "
               f"wrote {out}")
-        return 1 if rows["violated"].any() else 0
+        violated = rows[rows["violated"]]
+        if len(violated):
+            print(f"VIOLATION: the canaries prove more than the accounting allows at norm(s) "
+                  f"{', '.join(f'{norm:g}' for norm in violated['norm'])} (eps_lower > eps_upper)")
+        return 1 if len(violated) else 0
     if args.in_scores is None or args.out_scores is None:
         missing = "--out-scores" if args.out_scores is None else "--in-scores"
         raise UsageError(missing, "the scores of the held-out canaries (one number a line, or .npy) are needed too"

@@ -118,7 +118,7 @@ def test_a_lower_bound_above_the_accounting_is_a_loud_violation(models, tmp_path
     result = run_in_process("audit.py", "--run", "tiny", "--models-dir", tmp_path / "models", "--one-run",
                             cwd=tmp_path)
     assert result.returncode == 1
-    assert "VIOLATION" in result.stdout
+    assert "VIOLATION: the canaries prove more than the accounting allows at norm(s) 0.5, 1" in result.stdout
     assert pd.read_csv(tmp_path / "res" / "tiny_one_run_audit.csv")["violated"].all()
 
 
