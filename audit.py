@@ -13,6 +13,16 @@ Monte-Carlo estimate). A point with eps_lower > eps_upper is flagged `violated`,
 then exits with status 1. For the mean rule the summary also holds eps_lower against the per-step
 ε of the sum rule's accounting at the same σ and q, and against the mean rule's own baseline
 (above it: status 1 too).
+
+One-run modes (docs/audit.md §1b; perinstance/audit/one_run_cli.py):
+
+    python audit.py --in-scores in.txt --out-scores out.txt --significance 0.05 --delta 1e-6
+    python audit.py --run NAME --one-run
+
+The first prints the one-run, f-DP one-run and Clopper–Pearson lower bounds on ε from anyone's
+canary scores (higher = member; one number a line, or .npy). The second audits each canary norm
+group of a run trained with --canaries against the accountant's upper bound for that sensitivity,
+writes res/<run>_one_run_audit.csv, and exits with status 1 on a violation.
 """
 
 import time
@@ -22,7 +32,7 @@ import pandas as pd
 
 from perinstance.accountants import sensitivity_cli
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.audit import audit_simulation
+from perinstance.audit import audit_simulation, one_run_cli
 from perinstance.errors import UsageError, run_main
 from perinstance.files import fileio
 from perinstance.plots import audit_plots
@@ -39,10 +49,10 @@ from perinstance.train.options import (
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    parser.add_argument("--run", required=True, help="the run: a name under --models-dir, or a run folder")
+    parser.add_argument("--run", help="the run: a name under --models-dir, or a run folder")
     parser.add_argument("--models-dir", default="models", help="folder that holds the run folders")
     parser.add_argument("--data-root", default="./data", help="where torchvision datasets live")
-    chosen = parser.add_mutually_exclusive_group(required=True)
+    chosen = parser.add_mutually_exclusive_group()
     chosen.add_argument("--points", nargs="+", help="points to audit: indices (0 1 2), ranges (0-99), all, random:N")
     chosen.add_argument("--spread", type=int,
                         help="audit N points spanning the range of Δ* at each checkpoint (easy to hard, a fifth "
@@ -66,11 +76,28 @@ def build_parser():
     parser.add_argument("--out", default=None, help="output CSV (default res/<run>_audit_<rule>.csv)")
     parser.add_argument("--figure", default=None, help="figure (default figures/<run>_audit_<rule>.png)")
     add_device_argument(parser)
+    one_run = parser.add_argument_group("one-run audit (canary scores)")
+    one_run.add_argument("--one-run", action="store_true",
+                         help="audit the canaries of --run (trained with --canaries), group by group")
+    one_run.add_argument("--in-scores", default=None,
+                         help="scores of the held-in canaries, higher = member: one number a line, or .npy")
+    one_run.add_argument("--out-scores", default=None,
+                         help="scores of the held-out canaries: one number a line, or .npy")
+    one_run.add_argument("--significance", type=probability, default=0.05,
+                         help="significance level of the one-run lower bounds (default 0.05)")
     return parser
 
 
 def parse_args(argv):
-    args = build_parser().parse_args(argv)
+    return command_of(build_parser().parse_args(argv))
+
+
+def command_of(args):
+    """The per-step audit that the parsed flags ask for."""
+    if args.run is None:
+        raise UsageError("--run", "required (or --in-scores and --out-scores)")
+    if args.points is None and args.spread is None:
+        raise UsageError("--points", "give --points or --spread (or --one-run)")
     if args.trials < 1000:
         raise UsageError("--trials", f"must be >= 1000 (half choose the test, half count it), got {args.trials}")
     if args.upper_batches <= 0:
@@ -86,7 +113,10 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    command = parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if one_run_cli.requested(args):
+        return one_run_cli.main(args)
+    command = command_of(args)
     run = runs.open_run(command.run, command.models_dir, command.data_root)
     config = run.config
     if not config.private or config.noise_multiplier == 0:

@@ -258,4 +258,9 @@ def add_training_args(parser):
     group.add_argument("--eval-freq", type=int, default=None, help="test accuracy every this many steps (default: at checkpoints)")
     group.add_argument("--track-points", nargs="*", default=None,
                        help="record ||h(g)|| of these points (as --points) at every step, for exact composition")
+    group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
+                       help="white-box gradient canaries for the one-run audit: M of them, each in the run with "
+                            "probability 1/2 (docs/audit.md)")
+    group.add_argument("--canary-norms", default=None, metavar="C1,C2,...",
+                       help="the canaries' norms as multiples of the bound Γ, one equal group each (default 1)")
     return group

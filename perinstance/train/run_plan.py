@@ -25,6 +25,7 @@ from opacus.accountants.utils import get_noise_multiplier
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
 from perinstance.train import clipping
+from perinstance.train.canaries import check_canary_flags, parse_canary_norms
 from perinstance.train.data import Dataset
 from perinstance.train.options import Parser, add_training_args, parse_points
 from perinstance.train.runs import RUN_FILE, RunConfig, load_run, run_file, save_run
@@ -37,7 +38,7 @@ DEFAULT_CHECKPOINTS = 10
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 # Flags added after runs were first named: left out of a run's identity while not given, so that the default
 # names of runs trained before them stay the same.
-LATER_FLAGS = {"save_steps"}
+LATER_FLAGS = {"save_steps", "canaries", "canary_norms"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -86,6 +87,8 @@ class TrainingFlags:
     device: str
     eval_freq: int | None
     track_points: list | None
+    canaries: int | None
+    canary_norms: str | None
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, object]) -> "TrainingFlags":
@@ -136,6 +139,7 @@ def resolve_training_args(args: TrainingFlags) -> TrainingFlags:
     if args.seed < 0:
         raise UsageError("--seed", f"must be >= 0, got {args.seed}")
     _check_schedule(args)
+    check_canary_flags(args.canaries, parse_canary_norms(args.canary_norms), args.dp == 1)
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -201,6 +205,8 @@ def default_save_name(args: TrainingFlags) -> str:
     parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
+    if args.canaries is not None:
+        parts.append(f"canaries{args.canaries}")
     if args.id is not None:
         parts.append(str(args.id))
     digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
@@ -262,6 +268,8 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         gamma=args.gamma,
         dec_lr=tuple(args.dec_lr),
         versions=VERSIONS,
+        canaries=args.canaries or 0,
+        canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
     )
 
 
@@ -351,5 +359,5 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
 
 def _foreign_files(run_dir):
     """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
-    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|\.tmp-.*)$")
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|canaries\.csv|\.tmp-.*)$")
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))

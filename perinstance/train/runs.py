@@ -64,6 +64,8 @@ class RunConfig:
     gamma: float
     dec_lr: tuple  # epochs at which the learning rate decays by gamma
     versions: dict
+    canaries: int = 0  # white-box gradient canaries (perinstance/train/canaries.py)
+    canary_norms: tuple | None = None  # their norms' groups, as multiples of Γ
 
     @property
     def private(self) -> bool:
@@ -71,7 +73,7 @@ class RunConfig:
 
     def to_json(self) -> dict:
         fields = dataclasses.asdict(self)
-        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             fields[name] = None if fields[name] is None else list(fields[name])
         return {"format": RUN_FORMAT, **fields}
 
@@ -89,6 +91,7 @@ class RunConfig:
                                    f"{RUN_FORMAT}); update the code, or use another --save-name or --models-dir")
         if version == 1:
             data = _from_format_1(data, path)
+        data = {**CANARY_DEFAULTS, **data}
         missing = [key for key in RUN_KEYS if key not in data]
         if missing:
             raise UsageError(FLAG, f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
@@ -97,7 +100,7 @@ class RunConfig:
             if not valid(data[key]):
                 raise UsageError(FLAG, f"{path}: {key} is {_short(data[key])}, expected {expected}")
         values = {key: data[key] for key in RUN_KEYS}
-        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr"):
+        for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             values[name] = None if values[name] is None else tuple(values[name])
         return cls(**values)
 
@@ -187,7 +190,12 @@ RUN_KEYS = {
     "dec_lr": ("a list of numbers >= 0", lambda value: isinstance(value, list)
                and all(_number(epoch) and epoch >= 0 for epoch in value)),
     "versions": ("an object", lambda value: isinstance(value, dict)),
+    "canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
+    "canary_norms": ("a list of numbers in (0, 1] or null",
+                     _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
 }
+# Runs written before canaries existed have none.
+CANARY_DEFAULTS = {"canaries": 0, "canary_norms": None}
 
 
 def _json_type(value):

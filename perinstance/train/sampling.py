@@ -16,6 +16,8 @@ INIT_STREAM = 3
 SENSITIVITY_STREAM = 2
 AUDIT_STREAM = 17
 MEMBERSHIP_STREAM = 18
+# The canaries of the one-run audit: their inclusions, directions and each step's sampling.
+CANARY_STREAM = 19
 # --points random:N.
 POINTS_STREAM = 0x9017
 

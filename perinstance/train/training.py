@@ -20,7 +20,7 @@ from tqdm import tqdm
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio, results
-from perinstance.train import clipping, gradients, run_plan, runs, sampling
+from perinstance.train import canaries, clipping, gradients, run_plan, runs, sampling
 from perinstance.train.data import load_dataset
 from perinstance.train.nets import build_model
 
@@ -124,6 +124,7 @@ class Trainer:
         self.noise_std = Mechanism.of_run(run, "sum").noise_std
         self.tracked = run.tracked_points
         self.tracked_rows = []
+        self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
 
     def state(self, step, accuracy):
         return {
@@ -132,12 +133,15 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "test_accuracy": accuracy,
             "tracked_norms": torch.tensor(self.tracked_rows, dtype=torch.float64),
+            **({"canary_scores": self.canaries.scores.clone()} if self.canaries else {}),
         }
 
     def restore(self, payload):
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.tracked_rows = payload["tracked_norms"].tolist()
+        if self.canaries:
+            self.canaries.scores = payload["canary_scores"].cpu()
 
     def per_sample_pass(self, indices):
         """Under privacy, over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
@@ -187,12 +191,15 @@ class Trainer:
             summed, losses = self.gradient_sum(torch.as_tensor(batch, device=self.device))
         if not run.private:
             return [total / max(len(batch), 1) for total in summed], losses
+        canaries_in = self.canaries.sampled(step) if self.canaries else []
+        if len(canaries_in):
+            self.canaries.add_to(summed, canaries_in)
         generator = sampling.torch_generator(run.seed, sampling.NOISE_STREAM, step, self.device)
         noises = [torch.normal(0.0, self.noise_std, param.shape, generator=generator, device=self.device)
                   for param in self.params]
         if run.update_rule == "sum":
             return [(total + noise) / run.batch_size for total, noise in zip(summed, noises)], losses
-        realised = max(len(batch), 1)
+        realised = max(len(batch) + len(canaries_in), 1)
         return [total / realised + noise / run.batch_size for total, noise in zip(summed, noises)], losses
 
     def track(self):
@@ -218,6 +225,8 @@ class Trainer:
             self.track()
         batch = sampling.poisson_batch(self.run.seed, step, self.run.dataset_size, self.run.sample_rate)
         update, losses = self.privatised_gradient(step, batch)
+        if self.canaries:
+            self.canaries.score(update)
         for param, grad in zip(self.params, update):
             param.grad = grad
         for group in self.optimizer.param_groups:
@@ -285,6 +294,8 @@ def train_run(trainer, run_dir, eval_freq=None, quiet=False):
     progress.close()
     if trainer.tracked is not None:
         write_tracked_norms(run_dir, run, trainer.tracked_rows, trainer.train_y.cpu())
+    if trainer.canaries:
+        canaries.write_canaries(run_dir, trainer.canaries)
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
                    train_seconds=time.time() - started)
 

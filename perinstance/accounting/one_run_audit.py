@@ -1,0 +1,223 @@
+"""Empirical lower bounds on ε from canary scores (docs/accounting.md §11): pure numpy/scipy.
+
+Scores follow the ecosystem's convention (jax_privacy's CanaryScoreAuditor): a higher score means
+"member", a guess is "in" when the score is at least a threshold, every threshold on the ROC
+curve's concave frontier is tried and the significance is split over them (Bonferroni). Three
+bounds, each the largest ε that the scores reject at the significance level:
+
+- one_run_epsilon: Steinke, Nasr, Jagielski, "Privacy auditing with one (1) training run"
+  (NeurIPS 2023), (ε, δ)-DP with m canaries each included with probability 1/2 (§11.2);
+- one_run_fdp_epsilon: its f-DP version for the Gaussian trade-off curve of (ε, δ) (Mahloujifar,
+  Melis, Chaudhuri, "Auditing f-differential privacy in one run", 2024) (§11.3);
+- clopper_pearson_epsilon: ε ≥ log((TPR − δ)/FPR) with Clopper–Pearson bounds on both rates (§11.4).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import expit, log_ndtr, ndtr, ndtri
+from scipy.stats import binom
+
+from perinstance.accounting.audit_bounds import clopper_pearson, epsilon_from_rates
+
+# Root finding in ε stops when the bracket is this narrow: far below the 1e-6 the results are quoted to.
+EPS_TOLERANCE = 1e-10
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The thresholds on the concave frontier of the ROC curve, as counts of guesses "in".
+
+    true_positives[j], false_positives[j]: in-canaries and out-canaries scoring >= threshold j,
+    thresholds decreasing from +∞ (no guess) to the lowest score (every canary guessed in).
+    """
+
+    true_positives: np.ndarray
+    false_positives: np.ndarray
+    members: int
+    non_members: int
+
+    @property
+    def canaries(self) -> int:
+        return self.members + self.non_members
+
+
+def check_level(*, significance: float, delta: float) -> None:
+    """ValueError (one line) unless 0 < significance < 1 and 0 < delta < 1."""
+    if not 0 < significance < 1:
+        raise ValueError(f"significance must be in (0, 1), got {significance}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+
+
+def roc_frontier(in_scores: np.ndarray, out_scores: np.ndarray) -> Frontier:
+    """§11.1: counts (TP, FP) at every threshold on the ROC curve's concave frontier.
+
+    The thresholds are +∞ and every distinct score; a threshold strictly inside a chord of the
+    curve (below it or on it) is dominated by randomising between the chord's ends and is dropped,
+    so the Bonferroni split counts only the thresholds that can matter.
+    """
+    members = np.sort(np.asarray(in_scores, dtype=float))
+    non_members = np.sort(np.asarray(out_scores, dtype=float))
+    if members.size == 0 or non_members.size == 0:
+        raise ValueError("need at least one in-score and one out-score")
+    if not (np.all(np.isfinite(members)) and np.all(np.isfinite(non_members))):
+        raise ValueError("scores must be finite numbers")
+    thresholds = np.concatenate([[np.inf], np.unique(np.concatenate([members, non_members]))[::-1]])
+    true_positives = members.size - np.searchsorted(members, thresholds, side="left")
+    false_positives = non_members.size - np.searchsorted(non_members, thresholds, side="left")
+    hull = _upper_hull(false_positives, true_positives)
+    return Frontier(true_positives=true_positives[hull], false_positives=false_positives[hull],
+                    members=members.size, non_members=non_members.size)
+
+
+def _upper_hull(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Indices of the upper concave hull of points sorted by x, points on a chord excluded."""
+    hull: list[int] = []
+    for index in range(x.size):
+        while len(hull) >= 2:
+            first, middle = hull[-2], hull[-1]
+            turn = (x[middle] - x[first]) * (y[index] - y[first]) - (y[middle] - y[first]) * (x[index] - x[first])
+            if turn < 0:
+                break
+            hull.pop()
+        hull.append(index)
+    return np.asarray(hull)
+
+
+# --- §11.2: Steinke, Nasr, Jagielski ------------------------------------------------------------
+
+def one_run_p_value(*, canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
+    """§11.2: the largest probability, under an (ε, δ)-DP run, of `correct` or more right out of `guesses`.
+
+    P[Binomial(r, e^ε/(1+e^ε)) >= v] + 2mδ · max_{1<=i<=v} (P[Binomial(r, ·) >= v−i] − P[... >= v])/i.
+    """
+    if correct == 0:
+        return 1.0
+    success = expit(epsilon)
+    tail = binom.sf(correct - 1, guesses, success)
+    shifts = np.arange(1, correct + 1)
+    excess = np.max((binom.sf(correct - shifts - 1, guesses, success) - tail) / shifts)
+    return min(tail + 2 * canaries * delta * excess, 1.0)
+
+
+def one_run_epsilon_at(*, canaries: int, guesses: int, correct: int, significance: float, delta: float,
+                       floor: float = 0.0) -> float:
+    """§11.2: the largest ε >= floor whose (ε, δ) claim the outcome rejects at `significance` (floor if none)."""
+
+    def rejection_margin(epsilon: float) -> float:
+        return significance - one_run_p_value(canaries=canaries, guesses=guesses, correct=correct,
+                                              epsilon=epsilon, delta=delta)
+
+    return _largest_rejected(rejection_margin, floor)
+
+
+# --- §11.3: Mahloujifar, Melis, Chaudhuri (Gaussian trade-off curve) ---------------------------
+
+def gaussian_noise_for(*, epsilon: float, delta: float) -> float:
+    """§11.3: σ of the Gaussian mechanism (sensitivity 1) that is exactly (ε, δ)-DP (Balle & Wang's curve)."""
+    log_delta = math.log(delta)
+
+    def log_delta_gap(log_sigma: float) -> float:
+        sigma = math.exp(log_sigma)
+        upper = log_ndtr(0.5 / sigma - epsilon * sigma)
+        lower = epsilon + log_ndtr(-0.5 / sigma - epsilon * sigma)
+        return upper + math.log1p(-math.exp(min(lower - upper, 0.0))) - log_delta
+
+    low, high = -1.0, 1.0
+    while log_delta_gap(low) < 0:
+        low -= 2.0
+    while log_delta_gap(high) > 0:
+        high += 2.0
+    return math.exp(brentq(log_delta_gap, low, high, xtol=1e-14, rtol=1e-15))
+
+
+def one_run_fdp_margin(*, canaries: int, guesses: int, correct: int, significance: float,
+                        mu: float) -> float:
+    """§11.3: positive when `correct` of `guesses` right is too many for μ-GDP at `significance`.
+
+    Walks the bound on the probability of i or more right guesses down from i = v, each step
+    raised to what the trade-off curve Φ(Φ⁻¹(·) − μ) forces; rejects when the bounds exceed r/m.
+    """
+    right = significance * correct / canaries
+    wrong = significance * (guesses - correct) / canaries
+    for remaining in range(correct - 1, -1, -1):
+        raised = max(wrong, float(ndtr(ndtri(right) - mu)))
+        if raised == wrong:
+            break
+        right = min(right + remaining / (guesses - remaining) * (raised - wrong), 1.0)
+        wrong = raised
+    return right + wrong - guesses / canaries
+
+
+def one_run_fdp_epsilon_at(*, canaries: int, guesses: int, correct: int, significance: float, delta: float,
+                           floor: float = 0.0) -> float:
+    """§11.3: the largest ε >= floor whose Gaussian trade-off curve at (ε, δ) the outcome rejects."""
+
+    def rejection_margin(epsilon: float) -> float:
+        mu = 1.0 / gaussian_noise_for(epsilon=epsilon, delta=delta)
+        return one_run_fdp_margin(canaries=canaries, guesses=guesses, correct=correct,
+                                   significance=significance, mu=mu)
+
+    return _largest_rejected(rejection_margin, floor)
+
+
+def _largest_rejected(rejection_margin: Callable[[float], float], floor: float) -> float:
+    """The root of a margin decreasing in ε (positive: rejected), or `floor` when floor is not rejected."""
+    if rejection_margin(floor) <= 0:
+        return floor
+    low, high = floor, max(1.0, 2 * floor)
+    while rejection_margin(high) > 0:
+        low, high = high, 2 * high
+    return brentq(rejection_margin, low, high, xtol=EPS_TOLERANCE)
+
+
+# --- the scores: every frontier threshold, Bonferroni ------------------------------------------
+
+def _best_over_thresholds(frontier: Frontier, significance: float, delta: float,
+                          epsilon_at: Callable[..., float]) -> float:
+    """max over frontier thresholds of epsilon_at(significance / thresholds), 0 when none rejects.
+
+    A threshold whose raw precision v/r is at most e^ε/(1+e^ε) of the best ε so far cannot beat it
+    (its one-sided binomial tail at that ε is at least 1/2), so it is skipped.
+    """
+    level = significance / frontier.true_positives.size
+    best = 0.0
+    for correct, wrong in zip(frontier.true_positives.tolist(), frontier.false_positives.tolist(), strict=True):
+        guesses = correct + wrong
+        if guesses == 0 or correct / guesses <= expit(best):
+            continue
+        best = epsilon_at(canaries=frontier.canaries, guesses=guesses, correct=correct, significance=level,
+                          delta=delta, floor=best)
+    return best
+
+
+def one_run_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float, delta: float) -> float:
+    """§11.2: Steinke et al.'s ε lower bound from the canaries' scores (higher = member), Bonferroni thresholds."""
+    check_level(significance=significance, delta=delta)
+    return _best_over_thresholds(roc_frontier(in_scores, out_scores), significance, delta, one_run_epsilon_at)
+
+
+def one_run_fdp_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float,
+                        delta: float) -> float:
+    """§11.3: the f-DP (Gaussian trade-off) one-run ε lower bound, Bonferroni thresholds."""
+    check_level(significance=significance, delta=delta)
+    return _best_over_thresholds(roc_frontier(in_scores, out_scores), significance, delta, one_run_fdp_epsilon_at)
+
+
+def clopper_pearson_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float,
+                            delta: float) -> float:
+    """§11.4: max over frontier thresholds of log((TPR_low − δ)/FPR_high), Bonferroni over both rates and thresholds.
+
+    Each rate's one-sided Clopper–Pearson end is at level significance/(2·thresholds): one end of
+    audit.clopper_pearson's two-sided interval at confidence 1 − 2·level.
+    """
+    check_level(significance=significance, delta=delta)
+    frontier = roc_frontier(in_scores, out_scores)
+    confidence = 1 - significance / frontier.true_positives.size
+    true_positive_low, _ = clopper_pearson(frontier.true_positives, frontier.members, confidence)
+    _, false_positive_high = clopper_pearson(frontier.false_positives, frontier.non_members, confidence)
+    return float(np.max(epsilon_from_rates(true_positive_low, false_positive_high, delta)))
