@@ -6,11 +6,13 @@ output it names); the result rows come back as `Loaded`, with the mechanism they
 The output side is perinstance/accountants/report.py; the mathematics perinstance/accounting/.
 """
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
 from perinstance.accounting import rdp_composition
 from perinstance.accounting.mechanism import Mechanism, rule_noise_std
@@ -37,7 +39,7 @@ class Source:
     overwrite: bool = False
 
     @classmethod
-    def from_flags(cls, flags: Mapping):
+    def from_flags(cls, flags: Mapping) -> "Source":
         """The source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
         return cls(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"],
                    out=flags["out"], filters=tuple(flags["filter"]),
@@ -45,7 +47,7 @@ class Source:
                    overwrite=bool(flags["overwrite"]))
 
     @property
-    def path(self):
+    def path(self) -> tuple[str, str]:
         """The result file read, and the flag that names it."""
         if self.res_name is not None:
             return results_path(self.res_name, self.res_dir), "--res-name"
@@ -62,7 +64,7 @@ class Loaded:
 
 # --- flags ----------------------------------------------------------------------------------
 
-def add_input_arguments(parser):
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv, or .parquet, whichever exists (written "
                                            "by compute_sensitivity.py); an extension names one")
@@ -75,23 +77,23 @@ def add_input_arguments(parser):
     add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
 
 
-def add_delta_argument(parser):
+def add_delta_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
 
 
-def add_failure_argument(parser):
+def add_failure_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--failure", type=probability, default=None,
                         help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
                              "k_min = 0)")
 
 
-def check_delta(delta):
+def check_delta(delta: float) -> None:
     """--delta: a probability strictly between 0 and 1 (NaN is not)."""
     if not 0 < delta < 1:
         raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
 
 
-def check_orders(orders):
+def check_orders(orders: ArrayLike) -> np.ndarray:
     """--alpha: finite orders > 1; returned sorted and without repeats."""
     orders = np.asarray(orders, dtype=float)
     bad = orders[~(orders > 1) | ~np.isfinite(orders)]
@@ -100,7 +102,7 @@ def check_orders(orders):
     return np.unique(orders)
 
 
-def parse_holder(text, total_steps, flag="--holder-p"):
+def parse_holder(text: str | float, total_steps: int, flag: str = "--holder-p") -> float:
     """--holder-p (p, per step) or --holder-b (b, composition): a number, `inf`, or a multiple of the
     number of steps T such as `3T`."""
     value = str(text).strip()
@@ -115,7 +117,7 @@ def parse_holder(text, total_steps, flag="--holder-p"):
 
 # --- reading and checking -------------------------------------------------------------------
 
-def load(source, quantities, one_run, integer_columns=None):
+def load(source: Source, quantities: list[str], one_run: bool, integer_columns: dict[str, int] | None = None) -> Loaded:
     """Read the CSV of `source` (a Source), apply --filter, keep `quantities`, check that the
     rows form one configuration (and one run if `one_run`), their values, and --points.
 
@@ -245,7 +247,7 @@ def _check_integers(rows, columns, path, flag):
     return rows.astype(dict.fromkeys(columns, int))
 
 
-def check_unique(loaded, keys):
+def check_unique(loaded: Loaded, keys: list[str]) -> None:
     """One row per `keys`: a repeated measurement would be counted twice."""
     rows = loaded.rows
     repeated = rows.duplicated(subset=keys, keep="first")
@@ -258,7 +260,7 @@ def check_unique(loaded, keys):
                          f"(same {', '.join(keys)}){hint}")
 
 
-def check_values(loaded, bad, message, rows=None):
+def check_values(loaded: Loaded, bad: ArrayLike, message: str, rows: pd.DataFrame | None = None) -> None:
     """Refuse the first row where `bad` holds (booleans over loaded.rows, or over `rows`, a
     selection of them), naming the row by `message(row)`."""
     rows = loaded.rows if rows is None else rows
@@ -279,7 +281,7 @@ def _select_points(rows, specs, dataset_size):
     return rows[rows["point"].isin(wanted)]
 
 
-def checkpoint_ratios(loaded):
+def checkpoint_ratios(loaded: Loaded):
     """Δ*/Γ of the grad_norm rows as an (R, C, P) array over runs, the union of their checkpoint
     steps and points, for rdp_composition.compose_rdp (§4): each run keeps its latest checkpoint,
     the worst case Γ before its first. Returns (ratios, steps, points)."""
@@ -301,6 +303,6 @@ def checkpoint_ratios(loaded):
     return rdp_composition.carry_forward(ratios), steps, norms.columns.to_numpy()
 
 
-def run_key(rows):
+def run_key(rows: pd.DataFrame) -> pd.Series:
     """Runs are told apart by `run` and `seed` (accounting.md §4)."""
     return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)

@@ -12,12 +12,14 @@ import math
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 from scipy.special import logsumexp
 
 from perinstance.accountants import mean_rule
-from perinstance.accountants.accountants import check_unique, checkpoint_ratios, parse_holder, run_key
+from perinstance.accountants.accountants import Loaded, check_unique, checkpoint_ratios, parse_holder, run_key
 from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
+from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import warn
 from perinstance.errors import UsageError
 
@@ -34,7 +36,9 @@ RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", disc
 SUM_RULE_ROUNDING = 0.01
 
 
-def compose_sum_rule(ratios, steps, mechanism, *, orders, delta, holder_b=math.inf, rounding=0.0, horizons=None):
+def compose_sum_rule(ratios: np.ndarray, steps: ArrayLike, mechanism: Mechanism, *, orders: ArrayLike, delta: float,
+                     holder_b: float = math.inf, rounding: float = 0.0,
+                     horizons: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray]:
     """§4 for the sum rule: ε after each of `horizons` steps (default: T) at δ, and the order that gives it.
 
     ratios: Δ*/Γ as an (R, C, P) array over runs, checkpoint `steps` and points (rdp_composition.carry_forward);
@@ -52,7 +56,8 @@ def compose_sum_rule(ratios, steps, mechanism, *, orders, delta, holder_b=math.i
     return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
 
 
-def compose_mean_rule(checkpoint_rdp, checkpoints, baseline_rdp, total_steps):
+def compose_mean_rule(checkpoint_rdp: np.ndarray, checkpoints: ArrayLike, baseline_rdp: np.ndarray,
+                      total_steps: int) -> np.ndarray:
     """§4 for the mean rule (b = inf): the RDP of T steps, each step t using the per-step ρ of the
     latest checkpoint ≤ t−1 (the baseline's before the first). checkpoint_rdp: (C, P, orders) per
     checkpoint step of `checkpoints`; baseline_rdp: (orders,). Returns (P, orders)."""
@@ -62,7 +67,7 @@ def compose_mean_rule(checkpoint_rdp, checkpoints, baseline_rdp, total_steps):
     return total
 
 
-def holder_exponent(text, orders, total_steps):
+def holder_exponent(text: str, orders: ArrayLike, total_steps: int) -> float:
     """--holder-b: a number, inf or a multiple of T, refused where it inflates the largest order
     beyond LARGEST_ORDER over the run (λ_k = 1 + (λ−1)(b/(b−1))^k)."""
     holder_b = parse_holder(text, total_steps, flag="--holder-b")
@@ -73,14 +78,15 @@ def holder_exponent(text, orders, total_steps):
     return holder_b
 
 
-def warn_edge(best_order, orders):
+def warn_edge(best_order: ArrayLike, orders: ArrayLike) -> None:
     at_edge = np.isin(best_order, [orders[0], orders[-1]]).sum()
     if at_edge:
         warn(f"{at_edge} points have their best order at an end of --alpha ({orders[0]:g}..{orders[-1]:g}); a wider "
              "grid may lower their eps")
 
 
-def sum_rule(loaded, *, delta, orders, holder_b=None, rounding=SUM_RULE_ROUNDING):
+def sum_rule(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: float | None = None,
+             rounding: float = SUM_RULE_ROUNDING) -> tuple[pd.DataFrame, str]:
     """renyi_per_instance_sum_compo.py's sum rule: (rows, description). The per-step Rényi DP of the
     grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with
     the Hölder bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline."""
@@ -123,7 +129,8 @@ def _mean_rule_sizes(loaded, delta, kind, failure):
     return sizes, fail
 
 
-def mean_rule_composed(loaded, *, delta, orders, kind=Kind.CERTIFIED, holder_b=None, failure=None):
+def mean_rule_composed(loaded: Loaded, *, delta: float, orders: ArrayLike, kind: Kind = Kind.CERTIFIED,
+                       holder_b: float | None = None, failure: float | None = None) -> tuple[pd.DataFrame, str]:
     """renyi_per_instance_sum_compo.py's mean rule: (rows, description). The per-step ρ of `kind`
     (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
     (§3.4), next to the mean rule's own composed baseline."""
@@ -169,7 +176,8 @@ def _check_pld_holder(holder_b):
         raise UsageError("--holder-b", "--accountant pld composes along the observed trajectory only (allowed: inf)")
 
 
-def sum_rule_pld(loaded, *, delta, holder_b=None, rounding=SUM_RULE_ROUNDING, interval=pld_grid.DEFAULT_INTERVAL):
+def sum_rule_pld(loaded: Loaded, *, delta: float, holder_b: float | None = None, rounding: float = SUM_RULE_ROUNDING,
+                 interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str]:
     """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description). Every point's composition
     along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf)."""
     _check_pld_holder(holder_b)
@@ -192,7 +200,9 @@ def sum_rule_pld(loaded, *, delta, holder_b=None, rounding=SUM_RULE_ROUNDING, in
         "eps = max(remove, add)")
 
 
-def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=None, interval=pld_grid.DEFAULT_INTERVAL):
+def mean_rule_pld(loaded: Loaded, *, delta: float, kind: Kind = Kind.CERTIFIED, holder_b: float | None = None,
+                  failure: float | None = None,
+                  interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str]:
     """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description). Every point's
     composition of the per-step revealed-size mixture of `kind` (certified or estimate), next to the
     baseline's, converted at δ − T·delta_fail."""
@@ -244,13 +254,15 @@ def mean_rule_pld(loaded, *, delta, kind=Kind.CERTIFIED, holder_b=None, failure=
         f"{interval:g}), eps = max(remove, add)")
 
 
-def repeated_step_eps(per_step_rdp, steps, orders, delta, delta_fail=0.0):
+def repeated_step_eps(per_step_rdp: ArrayLike, steps: int, orders: ArrayLike, delta: float,
+                      delta_fail: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """§4 when one checkpoint charges every step (b = inf): the ε of `steps` steps whose per-step Rényi DP is
     `per_step_rdp` (..., orders), converted at δ − steps·delta_fail (§3.4). Returns (ε, best order)."""
     return rdp_composition.rdp_to_eps(orders, steps * np.asarray(per_step_rdp, dtype=float), delta - steps * delta_fail)
 
 
-def mean_rule_repeated(loaded, *, steps, delta, orders, kind=Kind.CERTIFIED, failure=None):
+def mean_rule_repeated(loaded: Loaded, *, steps: int, delta: float, orders: ArrayLike, kind: Kind = Kind.CERTIFIED,
+                       failure: float | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """§4 for the mean rule when the rows' one checkpoint charges each of `steps` steps (b = inf): per point the ε
     of `kind` (certified or estimate), and the baseline's, each converted at δ − steps·delta_fail (§3.4).
     Returns (points, ε per point, baseline ε)."""

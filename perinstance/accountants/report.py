@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants.accountants import run_key
+from perinstance.accountants.accountants import Source, run_key
 from perinstance.accounting.guarantees import Direction, Kind
 from perinstance.errors import UsageError
 from perinstance.files import fileio, storage
@@ -38,7 +38,7 @@ class Output:
     source: str
     overwrite: bool
 
-    def check_replaceable(self):
+    def check_replaceable(self) -> None:
         """Refuse (one line naming --out) an existing file that is not this script's own earlier
         output for this same input (its provenance file says so and its checksum still matches),
         unless --overwrite."""
@@ -47,7 +47,7 @@ class Output:
                                       f"{self.source}; refusing to replace it (use another --out, or --overwrite)")
 
 
-def output_path(source, script):
+def output_path(source: Source, script: str) -> Output:
     """The Output of accountants.Source `source` for `script`: --out, or <res-dir>/<res-name>_<script>.csv,
     or <stem>_<script>.csv next to --res-file; checked before any work so that an output never
     clobbers a file.
@@ -80,7 +80,7 @@ def _same_file(path, other):
     return os.path.realpath(path) == os.path.realpath(other)
 
 
-def provenance_path(path):
+def provenance_path(path: str) -> str:
     """The hidden file beside an output that records where it comes from."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.provenance.json")
 
@@ -102,7 +102,7 @@ def _input_seen_from(path, source):
     return os.path.relpath(os.path.realpath(source), os.path.realpath(os.path.dirname(path) or "."))
 
 
-def write_output(output, frame):
+def write_output(output: Output, frame: pd.DataFrame) -> None:
     """Write the output CSV atomically, then its provenance beside it, under the output's lock: two
     accountants writing one --out at once take turns, each checks again that it may replace what
     is there now, and a CSV never ends up beside another writer's provenance."""
@@ -117,7 +117,8 @@ def write_output(output, frame):
 
 # --- the printed table and summary (§3.5) -------------------------------------------------------
 
-def report(output, result, value, keys, groups, correct=None):
+def report(output: Output, result: pd.DataFrame, value: str, keys: list[str], groups: list[str],
+           correct: pd.DataFrame | None = None) -> None:
     """Print the guarantee (direction max) with its kinds side by side and a summary, then write
     `result` (long format: one row per key and kind) to `output` (an Output)."""
     # The max over directions where there is one; a file that measured one direction shows that one.
@@ -158,7 +159,7 @@ def _summarise_kinds(group, kinds, main):
     return pd.Series(summary)
 
 
-def correct_table(rows, keys):
+def correct_table(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame | None:
     """`correct` per `keys` from the measured rows (None when the rows do not all record it)."""
     correct = pd.to_numeric(rows["correct"], errors="coerce")
     if correct.isna().any():
@@ -166,7 +167,7 @@ def correct_table(rows, keys):
     return rows[keys].assign(correct=correct).groupby(keys, as_index=False)["correct"].first()
 
 
-def correct_at_end(rows):
+def correct_at_end(rows: pd.DataFrame) -> pd.DataFrame | None:
     """`correct` per point at each run's last checkpoint (majority over runs; a tie is misclassified),
     as a frame (point, correct); None when the rows do not all record it."""
     correct = pd.to_numeric(rows["correct"], errors="coerce")

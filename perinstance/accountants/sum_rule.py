@@ -7,15 +7,17 @@ import math
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
-from perinstance.accountants.accountants import check_unique, parse_holder
+from perinstance.accountants.accountants import Loaded, check_unique, parse_holder
 from perinstance.accounting import exact_eps_delta, renyi_step
 from perinstance.accounting.guarantees import Direction, Kind, direction_rows, eps_by_direction
 
 KEYS = ["point", "step"]
 
 
-def per_step_eps(loaded, delta, method="exact", holder_p="1e4", gaussian="analytic"):
+def per_step_eps(loaded: Loaded, delta: float, method: str = "exact", holder_p: float = "1e4",
+                 gaussian: str = "analytic") -> tuple[pd.DataFrame, str]:
     """eps_delta.py's sum rule: (rows, description). Per (point, step) and direction, the exact
     hockey-stick of the subsampled Gaussian at Δ* (method exact), or GLA's Hölder formula with
     exponent `holder_p` and the Gaussian mechanism's ε by `gaussian` (method holder), next to the
@@ -45,7 +47,7 @@ def per_step_eps(loaded, delta, method="exact", holder_p="1e4", gaussian="analyt
         f"q={mechanism.sample_rate:.4g}, method {method}, delta={delta:g}")
 
 
-def per_step_rdp(loaded, orders):
+def per_step_rdp(loaded: Loaded, orders: ArrayLike) -> tuple[pd.DataFrame, str]:
     """renyi_per_instance_sum.py: (rows, description). Per (point, step) and order λ,
     ρ(λ) = RDP_SGM(q, σΓ/Δ*, λ) of one step, a bound for both directions, next to the baseline
     RDP_SGM(q, σ, λ)."""
