@@ -22,7 +22,7 @@ import opacus
 import torch
 from opacus.accountants.utils import get_noise_multiplier
 
-from perinstance import checkpoints, clipping, fileio
+from perinstance import checkpoints, clipping, fileio, user_code
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.options import Parser, add_training_args, parse_points
@@ -94,6 +94,9 @@ class RunConfig:
     gamma: float
     dec_lr: tuple  # epochs at which the learning rate decays by gamma
     versions: dict
+    # The files behind --model / --dataset specs, {"model"|"dataset": {spec, path, sha256}} (user_code.sources);
+    # None for built-in ones, and in run.json files written before specs existed.
+    user_code: dict | None = None
 
     @property
     def private(self):
@@ -119,6 +122,7 @@ class RunConfig:
                                    f"{RUN_FORMAT}); update the code, or use another --save-name or --models-dir")
         if version == 1:
             data = _from_format_1(data, path)
+        data = {"user_code": None, **data}  # written before --model / --dataset specs: none
         missing = [key for key in RUN_KEYS if key not in data]
         if missing:
             raise UsageError(FLAG, f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
@@ -188,9 +192,9 @@ RUN_KEYS = {
     "dataset_fingerprint": ("a text", lambda value: isinstance(value, str)),
     "dataset_size": ("an integer > 0", lambda value: _integer(value) and value > 0),
     "num_classes": ("an integer > 0", lambda value: _integer(value) and value > 0),
-    "input_shape": ("a list of 3 integers > 0",
-                    lambda value: isinstance(value, list) and len(value) == 3
-                    and all(_integer(size) and size > 0 for size in value)),
+    # C×H×W images; any shape for data of a --dataset spec (token ids: a length).
+    "input_shape": ("a list of integers > 0",
+                    lambda value: isinstance(value, list) and all(_integer(size) and size > 0 for size in value)),
     "model": ("a text", lambda value: isinstance(value, str)),
     "norm_type": ("a text", lambda value: isinstance(value, str)),
     "dp": ("0 or 1", lambda value: _integer(value) and value in (0, 1)),
@@ -219,6 +223,7 @@ RUN_KEYS = {
     "dec_lr": ("a list of numbers >= 0", lambda value: isinstance(value, list)
                and all(_number(epoch) and epoch >= 0 for epoch in value)),
     "versions": ("an object", lambda value: isinstance(value, dict)),
+    "user_code": ("an object or null", _optional(lambda value: isinstance(value, dict))),
 }
 
 
@@ -381,7 +386,7 @@ def identity_args(args):
 def default_save_name(args):
     """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
-    parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
+    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model), args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
     if args.id is not None:
@@ -445,6 +450,7 @@ def plan_run(args, dataset):
         gamma=args.gamma,
         dec_lr=tuple(args.dec_lr),
         versions=VERSIONS,
+        user_code=user_code.sources(args.model, args.dataset, args.data_root),
     )
 
 
@@ -523,6 +529,7 @@ def prepare_run_dir(args, run_dir, config):
         fileio.writable_folder(run_dir, "--save-name")
     fileio.remove_stale_temps(run_dir)
     if os.path.exists(run_file(run_dir)):
+        user_code.check_unchanged(load_run(run_dir).user_code, config.user_code, run_dir)
         differing = run_differences(load_run(run_dir), config)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from perinstance import checkpoints, clipping, fileio, gradients, results, runs, sampling
+from perinstance import checkpoints, clipping, fileio, gradients, results, runs, sampling, user_code
 from perinstance.data import load_dataset
 from perinstance.errors import UsageError
 from perinstance.mechanism import Mechanism
@@ -48,6 +48,9 @@ class Outcome:
 
 def model_for_run(run):
     """The untrained architecture of a run (weights come from a checkpoint or the init seed)."""
+    if user_code.is_spec(run.model):  # the user's own network, from the file the run was trained with
+        return user_code.build_model(run.model, run.input_shape, run.num_classes, run.private,
+                                     (run.user_code or {}).get("model"))
     channels, height, _ = run.input_shape
     return build_model(run.model, channels, height, run.num_classes, run.norm_type, dp=run.private)
 
