@@ -10,8 +10,9 @@ clipped sum u(B) of accounting.md §1 is the engine's per-layer sums plus Σ_i w
 Which layers fall back is printed once per process.
 
 Models built from a --model spec always go through here (user_code.USER_MODEL_MARK), so that every layer is
-checked at every pass, as is a model with a trainable layer of a type the engine lacks. The pass runs the
-model in eval mode (dropout off), in training as in measurement.
+checked at every pass, as does any model with a trainable layer of a type (or a Conv2d padding) the engine
+lacks; another model keeps the engine's own checks (a layer applied twice is an error there). The pass runs
+the model in eval mode (dropout off), in training as in measurement.
 """
 
 import sys
@@ -28,7 +29,7 @@ from perinstance.user_code import USER_MODEL_MARK
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
-warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
 
 # Each distinct line of which layers fall back, printed once per process.
 _announced = set()
@@ -46,7 +47,12 @@ def needs_fallback(model: nn.Module) -> bool:
     trainable layer of a type the engine has no closed form for."""
     if getattr(model, USER_MODEL_MARK, False):
         return True
-    return any(type(module) not in gradients.SQUARED_NORMS for _, module, _ in _owners(model))
+    return any(type(module) not in gradients.SQUARED_NORMS or not _zero_padded(module) for _, module, _ in _owners(model))
+
+
+def _zero_padded(layer):
+    """False for a Conv2d whose padding the engine's closed form does not take (reflected, "same")."""
+    return not isinstance(layer, nn.Conv2d) or (layer.padding_mode == "zeros" and not isinstance(layer.padding, str))
 
 
 @contextmanager
@@ -67,7 +73,7 @@ def _covered(layer, layer_input, output):
     if isinstance(layer, nn.Linear):
         return layer_input.dim() == 2
     if isinstance(layer, nn.Conv2d):
-        return layer.padding_mode == "zeros" and not isinstance(layer.padding, str) and layer_input.dim() == 4
+        return _zero_padded(layer) and layer_input.dim() == 4
     return True
 
 
@@ -137,7 +143,9 @@ def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, l
         logits = torch.func.functional_call(model, params, (example.unsqueeze(0),))
         return F.cross_entropy(logits, label.unsqueeze(0))
 
-    with torch.no_grad():  # torch.func.grad differentiates inside; nothing outside needs a graph
+    # torch.func.grad differentiates inside; nothing outside needs a graph.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
         grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, inputs, labels)
     return [grads[name] for name in names]
 
