@@ -384,10 +384,11 @@ USER_CODE_SECTION = [
     "random data is the same in every process. Labels are class indices 0, 1, ...; floating inputs",
     "become float32, integer inputs (token ids) stay integers. `first:N:SPEC` takes its first N points.",
     "",
-    "`run.json` records each spec with the path and sha256 of its file (`user_code`). Resuming a run,",
-    "or measuring one (`compute_sensitivity.py --run`), after its model or data file changed is a",
-    "one-line error naming the file: restore it, or train a new run (`--overwrite`, another",
-    "`--save-name` or `--id`). The default run name holds the file's name and the spec's hash.",
+    "`run.json` records each spec with the path and sha256 of its file (`user_code`). Resuming a run",
+    "after its model or data file changed, or measuring one (`compute_sensitivity.py --run`) after",
+    "its model file or its data changed, is a one-line error naming the file: restore it, or train a",
+    "new run (`--overwrite`, another `--save-name` or `--id`). The default run name holds the file's",
+    "name and the spec's hash.",
 ]
 
 

@@ -2,6 +2,7 @@
 files here, through train_dpsgd.py, compute_sensitivity.py and every accountant; Δ* of the torch.func fallback
 against one plain backward per example; bad specs; a changed file under a resumed or measured run."""
 
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -203,6 +204,19 @@ def test_custom_layer_without_opacus_rule_end_to_end(run, tmp_path):
     # Points whose Δ* stays below C at every step spend less than the worst case (Δ* = C throughout).
     compo = outputs["mine_sum_renyi_per_instance_sum_compo"]
     assert compo["eps"].min() < compo["eps"].max()
+
+
+def test_package_module_spec_is_imported_and_recorded(run, tmp_path):
+    (tmp_path / "my_models").mkdir()
+    write(tmp_path / "my_models", "__init__.py", "")
+    module_file = write(tmp_path / "my_models", "custom.py", CUSTOM)
+    write(tmp_path, "vectors.py", VECTORS)
+    result = run("train_dpsgd.py", "--model", "my_models.custom:make", "--dataset", "vectors.py:points",
+                 "--batch-size", 12, "--epochs", 1, "--save-name", "mine")
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads((tmp_path / "models" / "mine" / "run.json").read_text())["user_code"]["model"]
+    assert recorded["spec"] == "my_models.custom:make" and recorded["path"] == module_file
+    assert recorded["sha256"] == hashlib.sha256(CUSTOM.encode()).hexdigest()
 
 
 def test_model_receives_the_documented_arguments(tmp_path):
