@@ -51,6 +51,9 @@ def model_for_run(run):
     if user_code.is_spec(run.model):  # the user's own network, from the file the run was trained with
         return user_code.build_model(run.model, run.input_shape, run.num_classes, run.private,
                                      (run.user_code or {}).get("model"))
+    if len(run.input_shape) != 3:
+        raise UsageError("--model", f"{run.model} takes C×H×W images, but one input of {run.dataset} has shape "
+                                    f"{tuple(run.input_shape)}; give a network of your own (--model PATH.py:NAME)")
     channels, height, _ = run.input_shape
     return build_model(run.model, channels, height, run.num_classes, run.norm_type, dp=run.private)
 

@@ -30,9 +30,6 @@ from perinstance.errors import UsageError
 # are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.
 SPEC = re.compile(r"^(?P<source>.+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
 SPEC_FORMS = "PATH.py:NAME or package.module:NAME"
-# Keyword arguments a model's class or factory receives, each only when its signature names it.
-MODEL_ARGUMENTS = ("in_channels", "image_size", "num_classes", "input_shape")
-DATASET_ARGUMENTS = ("data_root",)
 # The seed of torch's, numpy's and Python's global generators while a dataset function runs (restored after):
 # data drawn at random is then the same in every process, so its fingerprint names it.
 DATASET_SEED = 0

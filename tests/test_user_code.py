@@ -280,6 +280,13 @@ def test_bad_spec_is_one_line_and_writes_nothing(run, tmp_path, flags, flag, wor
     assert snapshot(tmp_path) == before
 
 
+def test_built_in_network_on_token_data_is_refused(run, tmp_path):
+    write(tmp_path, "tokens.py", TOKENS)
+    result = run("train_dpsgd.py", "--model", "mlp", "--dataset", "tokens.py:tokens", "--batch-size", 16)
+    assert_usage_error(result, "--model")
+    assert "C×H×W" in result.stderr and not (tmp_path / "models").exists()
+
+
 def test_batchnorm_is_refused_naming_the_layer(run, tmp_path):
     write(tmp_path, "model.py", BAD["model.py"])
     result = run("train_dpsgd.py", "--model", "model.py:batchnorm", "--dataset", "synthetic")
