@@ -279,7 +279,7 @@ def _examples(split, spec: str, which: str) -> Examples:
     if len(inputs) == 0 or inputs.dim() == 0 or len(inputs) != len(labels) or labels.dim() != 1:
         raise UsageError("--dataset", f"{problem}: got {tuple(inputs.shape)} inputs and {tuple(labels.shape)} "
                                       "labels (need N >= 1 of each, one label per input)")
-    if labels.is_floating_point() and not bool((labels == labels.round()).all()) or labels.is_complex() \
+    if (labels.is_floating_point() and not bool((labels == labels.round()).all())) or labels.is_complex() \
             or labels.dtype == torch.bool or bool((labels < 0).any()):
         raise UsageError("--dataset", f"{spec}: {which} labels must be class indices 0, 1, 2, ...")
     if inputs.is_floating_point():
