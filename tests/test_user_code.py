@@ -19,6 +19,8 @@ from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants.analysis.rdp import _compute_rdp
 
 from perinstance import runs, user_code
+from perinstance.clipping import Transform
+from perinstance.gradient_rows import transformed_gradient_chunks
 
 TRANSFORMER = '''
 from torch import nn
@@ -110,12 +112,13 @@ def import_file(path):
 
 def end_to_end(run, folder, model, dataset, batch_size):
     """train → Δ* (sum rule) → eps_delta, renyi_per_instance_sum, renyi_per_instance_sum_compo; the mean rule's
-    coupling rows → renyi_per_instance_mean. Returns the Δ* rows and the run's folder."""
+    coupling rows → renyi_per_instance_mean. Returns the Δ* rows, the run's folder, the accountants' outputs and
+    what training printed on stderr."""
     flags = ["--model", model, "--dataset", dataset, "--batch-size", batch_size, "--epochs", 1, "--lr", 0.5,
              "--cn", CLIP, "--save-name", "mine"]
     trained = run("train_dpsgd.py", *flags)
     assert trained.returncode == 0, trained.stderr
-    assert "torch.func" in trained.stderr
+    assert trained.stderr.count("per-sample gradients:") == 1, trained.stderr  # the choice, printed once
     measured = run("compute_sensitivity.py", "--run", "mine", "--reduction", "sum", "--points", "all", "--stage",
                    "all", "--res-name", "mine_sum")
     assert measured.returncode == 0, measured.stderr
@@ -136,7 +139,7 @@ def end_to_end(run, folder, model, dataset, batch_size):
     sums = pd.read_csv(folder / "res" / "mine_sum.csv")
     run_dir = folder / "models" / "mine"
     check_renyi_against_opacus(outputs["mine_sum_renyi_per_instance_sum"], sums, run_dir)
-    return sums, run_dir, outputs
+    return sums, run_dir, outputs, trained.stderr
 
 
 def check_renyi_against_opacus(renyi, sums, run_dir):
@@ -182,7 +185,7 @@ def check_sensitivities(sums, model_file, attribute, run_dir, inputs, labels):
 def test_transformer_on_integer_tokens_end_to_end(run, tmp_path):
     model_file = write(tmp_path, "transformer.py", TRANSFORMER)
     data_file = write(tmp_path, "tokens.py", TOKENS)
-    sums, run_dir, _ = end_to_end(run, tmp_path, "transformer.py:Classifier", "tokens.py:tokens", 16)
+    sums, run_dir, _, printed = end_to_end(run, tmp_path, "transformer.py:Classifier", "tokens.py:tokens", 16)
     config = json.loads((run_dir / "run.json").read_text())
     assert config["input_shape"] == [6] and config["num_classes"] == 2
     assert config["user_code"]["model"]["sha256"] == user_code.load_object(
@@ -193,12 +196,30 @@ def test_transformer_on_integer_tokens_end_to_end(run, tmp_path):
     (inputs, labels), _ = import_file(data_file).tokens(".")
     assert inputs.dtype == torch.int64
     check_sensitivities(sums, model_file, "Classifier", run_dir, inputs, labels)
+    # Layers whose weights are used without calling them (attention's out_proj, the position table) fall back.
+    assert "position (Embedding)" in printed and "self_attn.out_proj (NonDynamicallyQuantizableLinear)" in printed
+    assert " head (Linear)" not in printed  # a Linear on (n, features): the fast engine's
+
+
+def test_rows_of_the_mean_rule_are_one_backward_per_example(tmp_path):
+    """gradient_rows' h_i = w(||g_i||)·g_i of a spec's model (torch.func for every layer) against a plain backward."""
+    write(tmp_path, "transformer.py", TRANSFORMER)
+    torch.manual_seed(1)
+    model = user_code.build_model(f"{tmp_path / 'transformer.py'}:Classifier", (6,), 2).eval()
+    inputs, labels = torch.randint(0, 8, (5, 6)), torch.tensor([0, 1, 1, 0, 1])
+    transform = Transform("flat", 0.5, None, None)
+    (_, rows, _), = list(transformed_gradient_chunks(model, inputs, labels, transform))
+    for row, example, label in zip(rows, inputs, labels, strict=True):
+        model.zero_grad()
+        F.cross_entropy(model(example[None]), label[None]).backward()
+        gradient = torch.cat([param.grad.flatten() for param in model.parameters()])
+        torch.testing.assert_close(row, gradient * min(1.0, 0.5 / gradient.norm().item()), rtol=1e-4, atol=1e-6)
 
 
 def test_custom_layer_without_opacus_rule_end_to_end(run, tmp_path):
     model_file = write(tmp_path, "custom.py", CUSTOM)
     write(tmp_path, "vectors.py", VECTORS)
-    sums, run_dir, outputs = end_to_end(run, tmp_path, "custom.py:make", "vectors.py:points", 12)
+    sums, run_dir, outputs, _ = end_to_end(run, tmp_path, "custom.py:make", "vectors.py:points", 12)
     train, _ = import_file(str(tmp_path / "vectors.py")).points()
     check_sensitivities(sums, model_file, "make", run_dir, train.x, train.y)
     # Points whose Δ* stays below C at every step spend less than the worst case (Δ* = C throughout).
