@@ -11,8 +11,9 @@ Which layers fall back is printed once per process.
 
 Models built from a --model spec always go through here (user_code.USER_MODEL_MARK), so that every layer is
 checked at every pass, as does any model with a trainable layer of a type (or a Conv2d padding) the engine
-lacks; another model keeps the engine's own checks (a layer applied twice is an error there). The pass runs
-the model in eval mode (dropout off), in training as in measurement.
+lacks; another model keeps the engine's own checks (a layer applied twice is an error there). A covered layer
+whose closed form disagrees with torch.func on the first examples a process sees (its weights also used outside
+its forward) falls back too. The pass runs the model in eval mode (dropout off), in training as in measurement.
 """
 
 import sys
@@ -90,7 +91,17 @@ class _Split:
     losses: torch.Tensor
 
 
-def _split_forward(model, inputs, labels):
+# The engine's closed form of a layer holds only if its parameters are used by its own forward alone; a parent
+# that also calls F.linear(x, self.layer.weight) is invisible to hooks. So the first pass of each structure
+# (model class, parameter names) in a process compares every covered layer's closed form with torch.func on
+# CHECK_EXAMPLES examples; the layers that disagree fall back from then on. {structure: names of those layers}
+_wrongly_covered = {}
+CHECK_EXAMPLES = 2
+# Float32 closed forms and torch.func agree to ~1e-6 relative; a missed use of a parameter changes far more.
+CHECK_RTOL = 1e-3
+
+
+def _split_forward(model, inputs, labels, check=True):
     owners = _owners(model)
     owner_count = {}
     for _, _, params in owners:
@@ -108,19 +119,44 @@ def _split_forward(model, inputs, labels):
     finally:
         for handle in handles:
             handle.remove()
+    structure = (type(model), tuple(name for name, _ in model.named_parameters()))
+    if check and structure not in _wrongly_covered:
+        _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])
+    wrong = _wrongly_covered.get(structure, set())
     covered, falling = [], []
     for name, module, params in owners:
         applications = calls.get(module, [])
-        if len(applications) == 1 and all(owner_count[param] == 1 for param in params) \
+        if name not in wrong and len(applications) == 1 and all(owner_count[param] == 1 for param in params) \
                 and _covered(module, *applications[0]):
             covered.append(module)
         else:
             falling.append((name, module))
-    _announce(covered, falling)
+    if check:
+        _announce(covered, falling)
     falling_params = {param for _, module in falling for param in module.parameters(recurse=False)}
     fallback = [name for name, param in model.named_parameters() if param in falling_params]
     return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][1] for layer in covered],
                   fallback, logits, F.cross_entropy(logits, labels, reduction="none"))
+
+
+def _check_closed_forms(model, inputs, labels):
+    """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's."""
+    split = _split_forward(model, inputs, labels, check=False)
+    if not split.layers:
+        return set()
+    grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, materialize_grads=True)
+    layer_names = {module: name for name, module in model.named_modules()}
+    parameter_names = {param: name for name, param in model.named_parameters()}
+    wrong = set()
+    for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
+        with torch.no_grad():
+            closed = gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+        own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
+        direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
+                     for grad in per_example_gradients(model, own, inputs, labels))
+        if not torch.allclose(closed, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
+            wrong.add(layer_names[layer])
+    return wrong
 
 
 def _announce(covered, falling):

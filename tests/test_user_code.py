@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants.analysis.rdp import _compute_rdp
 
-from perinstance import runs, user_code
+from perinstance import gradients, runs, user_code
 from perinstance.clipping import Transform
 from perinstance.gradient_rows import transformed_gradient_chunks
 
@@ -199,6 +199,35 @@ def test_transformer_on_integer_tokens_end_to_end(run, tmp_path):
     # Layers whose weights are used without calling them (attention's out_proj, the position table) fall back.
     assert "position (Embedding)" in printed and "self_attn.out_proj (NonDynamicallyQuantizableLinear)" in printed
     assert " head (Linear)" not in printed  # a Linear on (n, features): the fast engine's
+
+
+class _Reused(torch.nn.Module):
+    """A Linear called once through its forward and once more by its parent through its weight: no hook sees the
+    second use, so the engine's closed form of the layer alone would miss half its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.inner(x))
+        return self.head(F.linear(hidden, self.inner.weight))
+
+
+def test_a_weight_used_outside_its_layer_falls_back(capsys):
+    torch.manual_seed(2)
+    model = _Reused()
+    setattr(model, user_code.USER_MODEL_MARK, True)
+    inputs, labels = torch.randn(6, 4), torch.arange(6) % 3
+    norms, _, _ = gradients.per_sample_norms(model, inputs, labels)
+    expected = []
+    for example, label in zip(inputs, labels, strict=True):
+        model.zero_grad()
+        F.cross_entropy(model(example[None]), label[None]).backward()
+        expected.append(torch.cat([param.grad.flatten() for param in model.parameters()]).norm().item())
+    np.testing.assert_allclose(norms.numpy(), expected, rtol=1e-5)
+    assert "inner (Linear)" in capsys.readouterr().err
 
 
 def test_rows_of_the_mean_rule_are_one_backward_per_example(tmp_path):
