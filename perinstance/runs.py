@@ -386,7 +386,8 @@ def identity_args(args):
 def default_save_name(args):
     """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
-    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model), args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
+    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model), args.reduction, args.clipping,
+             privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
     if args.id is not None:
@@ -529,8 +530,9 @@ def prepare_run_dir(args, run_dir, config):
         fileio.writable_folder(run_dir, "--save-name")
     fileio.remove_stale_temps(run_dir)
     if os.path.exists(run_file(run_dir)):
-        user_code.check_unchanged(load_run(run_dir).user_code, config.user_code, run_dir)
-        differing = run_differences(load_run(run_dir), config)
+        existing = load_run(run_dir)
+        user_code.check_unchanged(existing.user_code, config.user_code, run_dir)
+        differing = run_differences(existing, config)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
                              "use another --save-name or --overwrite")
