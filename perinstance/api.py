@@ -265,7 +265,8 @@ def sensitivities(model: torch.nn.Module, data, clip_bound: float, clipping: str
     its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
     points: indices into data (None: all). The model (or the module inside Opacus's GradSampleModule) is
     evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/gradients.py
-    (Linear, Conv2d, GroupNorm, ... layers). Returns a float64 tensor, one Δ* per point, on the CPU.
+    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/fallback_norms.py). Returns a float64
+    tensor, one Δ* per point, on the CPU.
     """
     if clipping not in CLIPPING_CHOICES:
         raise ValueError(f"clipping must be one of {', '.join(CLIPPING_CHOICES)}, not {clipping!r}")

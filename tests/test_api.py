@@ -266,13 +266,23 @@ def test_bad_sensitivities_arguments_are_refused(tiny_model, arguments, name):
     refused(lambda: sensitivities(model, (inputs, labels), **arguments), name)
 
 
-def test_sensitivities_refuse_data_and_layers_they_cannot_read(tiny_model):
+def test_sensitivities_refuse_data_they_cannot_read(tiny_model):
     model, inputs, labels = tiny_model
     refused(lambda: sensitivities(model, inputs, 1.0), "data")
     refused(lambda: sensitivities(model, (inputs, labels[:5]), 1.0), "data")
+
+
+def test_sensitivities_of_layers_the_engine_lacks_come_from_torch_func():
+    """An Embedding on integer tokens (perinstance/fallback_norms.py): min(||g_i||, C) of one backward per point."""
+    torch.manual_seed(0)
     tokens = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 2))
-    refused(lambda: sensitivities(tokens, (torch.randint(0, 10, (6, 3)), torch.zeros(6, dtype=torch.long)), 1.0),
-            "Embedding")
+    inputs, labels = torch.randint(0, 10, (6, 3)), torch.arange(6) % 2
+    expected = []
+    for example, label in zip(inputs, labels, strict=True):
+        tokens.zero_grad()
+        F.cross_entropy(tokens(example[None]), label[None]).backward()
+        expected.append(min(torch.cat([param.grad.flatten() for param in tokens.parameters()]).norm().item(), 0.5))
+    np.testing.assert_allclose(sensitivities(tokens, (inputs, labels), 0.5).numpy(), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_sensitivities_equal_compute_sensitivity(tmp_path):

@@ -56,12 +56,14 @@ MEANINGS = {
     # --- the training run (perinstance/train/options.py add_training_args) -------------------------
     "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
                          "scatternet:DATASET (fixed ScatterNet features of its images), first:N:DATASET (its first N "
-                         "training points) (reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
+                         "training points), or your own PATH.py:NAME or package.module:NAME (a function returning "
+                         "(train, test)) (reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
                          # reproduce.py's None: not given, the preset's dataset is used.
                          defaults=("str", "NoneType")),
     "--data-root": Meaning("where torchvision datasets live, and cache/ with scatternet: features", "data_root",
                            "torchvision datasets"),
-    "--model": Meaning("the network", "model", "network", closed=True),
+    "--model": Meaning("the network: built in, or your own PATH.py:NAME or package.module:NAME (a class or function "
+                       "returning an nn.Module)", "model", "PATH.py:NAME", "model_flag"),
     "--norm-type": Meaning("normalisation layers of resnet20", "norm_type", "normalisation", closed=True),
     "--batch-size": Meaning("expected batch size B_exp of training; q = B_exp/N", "batch_size", "B_exp", "int",
                             defaults=INT),
@@ -224,7 +226,8 @@ ALIASES = {"--delta": ("--target-delta", TRAINING)}
 # How docs/flags.md shows a value's type.
 TYPE_TEXT = {"str": "text", "int": "integer", "positive_float": "number > 0", "non_negative_float": "number >= 0",
              "finite_float": "number", "probability": "number in (0, 1)", "momentum_float": "number in [0, 1)",
-             "non_negative_int": "integer >= 0", "device_flag": "cpu, cuda, cuda:N or auto"}
+             "non_negative_int": "integer >= 0", "device_flag": "cpu, cuda, cuda:N or auto",
+             "model_flag": "lenet5, resnet20, mlp, linear, PATH.py:NAME or package.module:NAME"}
 
 
 # --- reading the parsers ------------------------------------------------------------------------
@@ -366,7 +369,39 @@ def flag_table(parsers=None):
              "| --- | --- | --- | --- | --- | --- |"]
     for row in table_rows(parsers):
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + USER_CODE_SECTION) + "\n"
+
+
+# What --model and --dataset specs receive and must return (perinstance/user_code.py; tests/test_user_code.py
+# checks each sentence).
+USER_CODE_SECTION = [
+    "",
+    "## Your own model and data: `--model` and `--dataset` specs",
+    "",
+    "`--model PATH.py:NAME` or `--model package.module:NAME` (a module importable from the current",
+    "folder or `PYTHONPATH`) names a class or a function that returns a `torch.nn.Module`. It is called",
+    "with keyword arguments, each only when its signature names it: `num_classes` (the largest label",
+    "of the data + 1) and `input_shape` (one input's shape without the batch dimension, a tuple)",
+    "always; `in_channels` and `image_size` (C and H) when one input is C×H×W. A parameter without a",
+    "default that is none of these is an error. Under DP a layer that mixes the examples of a batch",
+    "(BatchNorm, Opacus's ModuleValidator refuses it) is refused: use `nn.GroupNorm`. Trainable layers",
+    "the fast norms engine does not cover (anything but `Linear` on (n, features) inputs, `Conv2d`,",
+    "`GroupNorm`) get their per-sample gradients from torch.func, layer by layer (the list is printed",
+    "once). Per-sample gradients are taken in eval mode (dropout off).",
+    "",
+    "`--dataset PATH.py:NAME` or `package.module:NAME` names a function returning `(train, test)`,",
+    "each a `torch.utils.data.Dataset` of `(input, label)` pairs or a pair `(inputs, labels)` of",
+    "tensors or arrays; it is called with `data_root` (the `--data-root` flag) when its signature",
+    "names it, with torch's, numpy's and Python's global generators seeded to 0 (restored after), so",
+    "random data is the same in every process. Labels are class indices 0, 1, ...; floating inputs",
+    "become float32, integer inputs (token ids) stay integers. `first:N:SPEC` takes its first N points.",
+    "",
+    "`run.json` records each spec with the path and sha256 of its file (`user_code`). Resuming a run",
+    "after its model or data file changed, or measuring one (`compute_sensitivity.py --run`) after",
+    "its model file or its data changed, is a one-line error naming the file: restore it, or train a",
+    "new run (`--overwrite`, another `--save-name` or `--id`). The default run name holds the file's",
+    "name and the spec's hash.",
+]
 
 
 def doc_flags():
@@ -412,10 +447,10 @@ def _clashing_parsers(parsers, define):
     # --alpha as one number instead of a list of orders.
     (lambda parser: parser.add_argument("--alpha", type=float, default=8.0, help="Rényi order"),
      ["type", "nargs", "default"]),
-    # --overwrite back to an integer flag; --model without choices.
+    # --overwrite back to an integer flag; --model as any text, without its check of the value.
     (lambda parser: parser.add_argument("--overwrite", type=int, default=0, choices=(0, 1), help="replace"),
      ["type", "nargs", "action", "choices"]),
-    (lambda parser: parser.add_argument("--model", default="lenet5", help="the network"), ["choices"]),
+    (lambda parser: parser.add_argument("--model", default="lenet5", help="the network"), ["type"]),
     # A new flag that MEANINGS does not know.
     (lambda parser: parser.add_argument("--noise", type=float, help="σ"), ["not in MEANINGS"]),
     # --delta accepted as an alias where ALIASES does not allow it.
@@ -433,8 +468,8 @@ def test_a_second_meaning_is_caught(parsers, define, expected):
 
 def test_different_choices_for_one_flag_are_caught(parsers):
     clash = _clashing_parsers(parsers, lambda parser: parser.add_argument(
-        "--model", default="lenet5", choices=("lenet5", "vgg"), help="the network"))
-    assert any(problem.startswith("--model: different choices") for problem in meaning_problems(clash))
+        "--optimizer", default="sgd", choices=("sgd", "lamb"), help="the optimizer applied to the privatised update"))
+    assert any(problem.startswith("--optimizer: different choices") for problem in meaning_problems(clash))
 
 
 def test_docs_list_exactly_the_parsers_flags(parsers):

@@ -155,14 +155,26 @@ def test_unused_and_unapplied_layers_have_zero_gradient():
     assert all(torch.equal(summed, torch.zeros_like(summed)) for summed in sums[2:])
 
 
-@pytest.mark.parametrize("model,message", [
-    (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)), "LayerNorm"),
-    (nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 2, 2, padding=1, padding_mode="reflect"), nn.Flatten(),
-                   nn.Linear(18, 3)), "zero padding"),
+@pytest.mark.parametrize("model", [
+    nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)),
+    nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 2, 2, padding=1, padding_mode="reflect"), nn.Flatten(),
+                  nn.Linear(18, 3)),
 ])
-def test_unsupported_layers_are_refused(model, message):
-    with pytest.raises(ValueError, match=message):
-        gradients.per_sample_norms(model, torch.randn(COUNT, 4), torch.arange(COUNT) % 3)
+def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
+    """perinstance/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
+    model = model.double()
+    inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
+    norms, _, _ = gradients.per_sample_norms(model, inputs, labels)
+    weights = torch.linspace(0.5, 2.0, COUNT, dtype=torch.float64)
+    sums, _, clipped_norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, lambda _: weights)
+    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
+            for i in range(COUNT)]
+    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
+                               rtol=1e-10, atol=0)
+    torch.testing.assert_close(clipped_norms, norms, rtol=1e-12, atol=0)
+    for index, summed in enumerate(sums):
+        torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
+                                   rtol=1e-10, atol=1e-12)
 
 
 def test_a_layer_applied_twice_is_refused():

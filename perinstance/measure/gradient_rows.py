@@ -122,16 +122,23 @@ def transformed_norms(model, inputs, labels, transform, device="cpu", progress=N
 
 def transformed_gradient_chunks(model, inputs, labels, transform, device="cpu", progress=None):
     """Yield (start, rows, Predictions) per chunk of examples: rows are h_i = w(||g_i||)·g_i, flattened."""
-    module = gradients.wrap_per_sample(model)
+    from perinstance.train import fallback_norms
+
+    if fallback_norms.needs_fallback(model):  # layers Opacus's hooks may lack: every per-sample gradient by torch.func
+        module, per_sample = None, fallback_norms.per_sample_gradients
+    else:
+        module = gradients.wrap_per_sample(model)
+        per_sample = gradients.per_sample_gradients
     try:
         with training_mode(model):
             for start, x, y in example_chunks(inputs, labels, device):
-                grad_samples, losses, logits = gradients.per_sample_gradients(module, x, y)
+                grad_samples, losses, logits = per_sample(module or model, x, y)
                 weights = transform.weights(gradients.grad_norms(grad_samples))
                 yield start, gradients.flatten(grad_samples).mul_(weights[:, None]), predictions_of(losses, logits, y)
                 advance(progress, len(y))
     finally:
-        module.cleanup()
+        if module is not None:
+            module.cleanup()
 
 
 def parameter_count(model):

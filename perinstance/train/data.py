@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from perinstance.errors import UsageError
 
 DATASET_CHOICES = ("mnist-embedded", "MNIST", "FashionMNIST", "CIFAR10", "synthetic", "imagefolder:PATH",
-                   "scatternet:DATASET", "first:N:DATASET")
+                   "scatternet:DATASET", "first:N:DATASET", "PATH.py:NAME", "package.module:NAME")
 
 IMAGE_SIZE = 32
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
@@ -91,6 +91,10 @@ def _load_full_dataset(name, data_root):
         return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root)
     if key.startswith("imagefolder:"):
         return _load_imagefolder(name[len("imagefolder:"):])
+    from perinstance.train import user_code
+
+    if user_code.is_spec(name):  # PATH.py:NAME or package.module:NAME, the user's own data
+        return user_code.load_dataset(name, data_root)
     loaders = {
         "mnist-embedded": _load_embedded_mnist,
         "mnist": lambda: _load_torchvision("MNIST", data_root),

@@ -247,6 +247,10 @@ def _norms_of_pass(forward, keep_graph):
 
 def per_sample_norms(model, inputs, labels):
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
+    from perinstance.train import fallback_norms
+
+    if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
+        return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
     norms, _ = _norms_of_pass(forward, keep_graph=False)
     return norms, forward.losses.detach(), forward.logits.detach()
@@ -258,6 +262,10 @@ def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
     losses; ||g_i||; logits).
     """
+    from perinstance.train import fallback_norms
+
+    if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
+        return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
     norms, grad_outputs = _norms_of_pass(forward, keep_graph=True)
     weights = weights_of_norms(norms)

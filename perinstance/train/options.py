@@ -205,15 +205,18 @@ def parse_seeds(specs, flag="--seeds"):
 def add_training_args(parser):
     """Every flag that defines a training run. Shared by train_dpsgd.py and compute_sensitivity.py."""
     from perinstance.train.clipping import CLIPPING_CHOICES
-    from perinstance.train.nets import MODEL_CHOICES
+    from perinstance.train.user_code import model_flag
 
     group = parser.add_argument_group("training run")
     group.add_argument("--dataset", default="mnist-embedded",
                        help="mnist-embedded (shipped, offline), MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH; "
                             "scatternet:DATASET: fixed ScatterNet features of DATASET's images; first:N:DATASET: the "
-                            "first N training points of DATASET")
+                            "first N training points of DATASET; your own: PATH.py:NAME or package.module:NAME (a "
+                            "function returning (train, test))")
     group.add_argument("--data-root", default="./data", help="where torchvision datasets live, and cache/ with scatternet: features")
-    group.add_argument("--model", default="lenet5", choices=MODEL_CHOICES, help="the network")
+    group.add_argument("--model", default="lenet5", type=model_flag, metavar="{lenet5,resnet20,mlp,linear,PATH.py:NAME}",
+                       help="the network: lenet5, resnet20, mlp, linear, or your own, PATH.py:NAME or "
+                            "package.module:NAME (a class or function returning an nn.Module)")
     group.add_argument("--norm-type", default="group", choices=("group", "batch", "none"),
                        help="normalisation layers of resnet20 (batch is refused with DP)")
     group.add_argument("--batch-size", type=int, default=256, help="expected batch size B_exp; q = B_exp/N")

@@ -24,7 +24,7 @@ from opacus.accountants.utils import get_noise_multiplier
 
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
-from perinstance.train import clipping
+from perinstance.train import clipping, user_code
 from perinstance.train.canaries import check_canary_flags, parse_canary_norms
 from perinstance.train.data import Dataset
 from perinstance.train.options import Parser, add_training_args, parse_points
@@ -202,7 +202,8 @@ def identity_args(args: TrainingFlags) -> dict:
 def default_save_name(args: TrainingFlags) -> str:
     """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
-    parts = [args.dataset, args.model, args.reduction, args.clipping, privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
+    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model), args.reduction, args.clipping,
+             privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
     if args.canaries is not None:
@@ -270,6 +271,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         versions=VERSIONS,
         canaries=args.canaries or 0,
         canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
+        user_code=user_code.sources(args.model, args.dataset, args.data_root),
     )
 
 
@@ -346,7 +348,9 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
         fileio.writable_folder(run_dir, "--save-name")
     fileio.remove_stale_temps(run_dir)
     if os.path.exists(run_file(run_dir)):
-        differing = run_differences(load_run(run_dir), config)
+        existing = load_run(run_dir)
+        user_code.check_unchanged(existing.user_code, config.user_code, run_dir)
+        differing = run_differences(existing, config)
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
                              "use another --save-name or --overwrite")

@@ -66,6 +66,9 @@ class RunConfig:
     versions: dict
     canaries: int = 0  # white-box gradient canaries (perinstance/train/canaries.py)
     canary_norms: tuple | None = None  # their norms' groups, as multiples of Γ
+    # The files behind --model / --dataset specs, {"model"|"dataset": {spec, path, sha256}} (user_code.sources);
+    # None for built-in ones, and in run.json files written before specs existed.
+    user_code: dict | None = None
 
     @property
     def private(self) -> bool:
@@ -91,7 +94,7 @@ class RunConfig:
                                    f"{RUN_FORMAT}); update the code, or use another --save-name or --models-dir")
         if version == 1:
             data = _from_format_1(data, path)
-        data = {**CANARY_DEFAULTS, **data}
+        data = {**LATER_KEY_DEFAULTS, **data}
         missing = [key for key in RUN_KEYS if key not in data]
         if missing:
             raise UsageError(FLAG, f"{path} lacks the key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
@@ -159,9 +162,9 @@ RUN_KEYS = {
     "dataset_fingerprint": ("a text", lambda value: isinstance(value, str)),
     "dataset_size": ("an integer > 0", lambda value: _integer(value) and value > 0),
     "num_classes": ("an integer > 0", lambda value: _integer(value) and value > 0),
-    "input_shape": ("a list of 3 integers > 0",
-                    lambda value: isinstance(value, list) and len(value) == 3
-                    and all(_integer(size) and size > 0 for size in value)),
+    # C×H×W images; any shape for data of a --dataset spec (token ids: a length).
+    "input_shape": ("a list of integers > 0",
+                    lambda value: isinstance(value, list) and all(_integer(size) and size > 0 for size in value)),
     "model": ("a text", lambda value: isinstance(value, str)),
     "norm_type": ("a text", lambda value: isinstance(value, str)),
     "dp": ("0 or 1", lambda value: _integer(value) and value in (0, 1)),
@@ -190,12 +193,13 @@ RUN_KEYS = {
     "dec_lr": ("a list of numbers >= 0", lambda value: isinstance(value, list)
                and all(_number(epoch) and epoch >= 0 for epoch in value)),
     "versions": ("an object", lambda value: isinstance(value, dict)),
+    "user_code": ("an object or null", _optional(lambda value: isinstance(value, dict))),
     "canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
     "canary_norms": ("a list of numbers in (0, 1] or null",
                      _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
 }
-# Runs written before canaries existed have none.
-CANARY_DEFAULTS = {"canaries": 0, "canary_norms": None}
+# Runs written before canaries, or before --model / --dataset specs, existed have none.
+LATER_KEY_DEFAULTS = {"canaries": 0, "canary_norms": None, "user_code": None}
 
 
 def _json_type(value):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio, results
-from perinstance.train import canaries, clipping, gradients, run_plan, runs, sampling
+from perinstance.train import canaries, clipping, gradients, run_plan, runs, sampling, user_code
 from perinstance.train.data import load_dataset
 from perinstance.train.nets import build_model
 
@@ -49,6 +49,12 @@ class Outcome:
 
 def model_for_run(run):
     """The untrained architecture of a run (weights come from a checkpoint or the init seed)."""
+    if user_code.is_spec(run.model):  # the user's own network, from the file the run was trained with
+        return user_code.build_model(run.model, run.input_shape, run.num_classes, run.private,
+                                     (run.user_code or {}).get("model"))
+    if len(run.input_shape) != 3:
+        raise UsageError("--model", f"{run.model} takes C×H×W images, but one input of {run.dataset} has shape "
+                                    f"{tuple(run.input_shape)}; give a network of your own (--model PATH.py:NAME)")
     channels, height, _ = run.input_shape
     return build_model(run.model, channels, height, run.num_classes, run.norm_type, dp=run.private)
 

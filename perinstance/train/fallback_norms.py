@@ -1,0 +1,241 @@
+"""Per-sample gradients of layers the fast norms engine (perinstance/gradients.py) does not cover.
+
+The engine's closed forms hold for a Linear layer on (n, features) inputs, a Conv2d with zero padding and a
+GroupNorm, each applied once per forward through its own `forward`. Any other trainable layer of a model (an
+Embedding, a LayerNorm, a MultiheadAttention whose `out_proj` weights are used without calling `out_proj`, a
+Linear on (n, length, features) inputs, a custom module, a layer applied twice, a parameter shared by two
+layers) falls back, layer by layer, to torch.func: vmap over the examples of grad of each example's loss with
+respect to those layers' parameters alone. Both parts are exact, so ||g_i||² is the sum of the two and the
+clipped sum u(B) of accounting.md §1 is the engine's per-layer sums plus Σ_i w_i·g_i of the fallback layers.
+Which layers fall back is printed once per process.
+
+Models built from a --model spec always go through here (user_code.USER_MODEL_MARK), so that every layer is
+checked at every pass, as does any model with a trainable layer of a type (or a Conv2d padding) the engine
+lacks; another model keeps the engine's own checks (a layer applied twice is an error there). A covered layer
+whose closed form disagrees with torch.func on the first examples a process sees (its weights also used outside
+its forward) falls back too. The pass runs the model in eval mode (dropout off), in training as in measurement.
+"""
+
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from perinstance.train import gradients
+from perinstance.train.user_code import USER_MODEL_MARK
+
+# torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
+# result is exact, the warning is about speed only.
+NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
+
+# Each distinct line of which layers fall back, printed once per process.
+_announced = set()
+
+
+def _owners(model):
+    """(name, module, its own trainable parameters) of every module that owns one."""
+    return [(name, module, [param for param in module.parameters(recurse=False) if param.requires_grad])
+            for name, module in model.named_modules()
+            if any(param.requires_grad for param in module.parameters(recurse=False))]
+
+
+def needs_fallback(model: nn.Module) -> bool:
+    """Whether per-sample gradients of `model` go through this module: a model built from a spec, or one with a
+    trainable layer of a type the engine has no closed form for."""
+    if getattr(model, USER_MODEL_MARK, False):
+        return True
+    return any(type(module) not in gradients.SQUARED_NORMS or not _zero_padded(module) for _, module, _ in _owners(model))
+
+
+def _zero_padded(layer):
+    """False for a Conv2d whose padding the engine's closed form does not take (reflected, "same")."""
+    return not isinstance(layer, nn.Conv2d) or (layer.padding_mode == "zeros" and not isinstance(layer.padding, str))
+
+
+@contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _covered(layer, layer_input, output):
+    """Whether the engine's closed form holds for this application of `layer`."""
+    if type(layer) not in gradients.SQUARED_NORMS or not isinstance(layer_input, torch.Tensor) \
+            or not isinstance(output, torch.Tensor):
+        return False
+    if isinstance(layer, nn.Linear):
+        return layer_input.dim() == 2
+    if isinstance(layer, nn.Conv2d):
+        return _zero_padded(layer) and layer_input.dim() == 4
+    return True
+
+
+@dataclass
+class _Split:
+    """One forward pass: the covered layers with their inputs and outputs, the names of the parameters that
+    fall back (in model.named_parameters() order), the logits and per-example losses."""
+
+    layers: list
+    inputs: list
+    outputs: list
+    fallback: list
+    logits: torch.Tensor
+    losses: torch.Tensor
+
+
+# The engine's closed form of a layer holds only if its parameters are used by its own forward alone; a parent
+# that also calls F.linear(x, self.layer.weight) is invisible to hooks. So the first pass of each structure
+# (model class, parameter names) in a process compares every covered layer's closed form with torch.func on
+# CHECK_EXAMPLES examples; the layers that disagree fall back from then on. {structure: names of those layers}
+_wrongly_covered = {}
+CHECK_EXAMPLES = 2
+# Float32 closed forms and torch.func agree to ~1e-6 relative; a missed use of a parameter changes far more.
+CHECK_RTOL = 1e-3
+
+
+def _split_forward(model, inputs, labels, check=True):
+    owners = _owners(model)
+    owner_count = {}
+    for _, _, params in owners:
+        for param in params:
+            owner_count[param] = owner_count.get(param, 0) + 1
+    calls = {}
+
+    def record(layer, layer_inputs, output):
+        calls.setdefault(layer, []).append((layer_inputs[0].detach() if layer_inputs and isinstance(
+            layer_inputs[0], torch.Tensor) else None, output))
+
+    handles = [module.register_forward_hook(record) for _, module, _ in owners]
+    try:
+        logits = model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    structure = (type(model), tuple(name for name, _ in model.named_parameters()))
+    if check and structure not in _wrongly_covered:
+        _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])
+    wrong = _wrongly_covered.get(structure, set())
+    covered, falling = [], []
+    for name, module, params in owners:
+        applications = calls.get(module, [])
+        if name not in wrong and len(applications) == 1 and all(owner_count[param] == 1 for param in params) \
+                and _covered(module, *applications[0]):
+            covered.append(module)
+        else:
+            falling.append((name, module))
+    if check:
+        _announce(covered, falling)
+    falling_params = {param for _, module in falling for param in module.parameters(recurse=False)}
+    fallback = [name for name, param in model.named_parameters() if param in falling_params]
+    return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][1] for layer in covered],
+                  fallback, logits, F.cross_entropy(logits, labels, reduction="none"))
+
+
+def _check_closed_forms(model, inputs, labels):
+    """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's."""
+    split = _split_forward(model, inputs, labels, check=False)
+    if not split.layers:
+        return set()
+    grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, materialize_grads=True)
+    layer_names = {module: name for name, module in model.named_modules()}
+    parameter_names = {param: name for name, param in model.named_parameters()}
+    wrong = set()
+    for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
+        with torch.no_grad():
+            closed = gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+        own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
+        direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
+                     for grad in per_example_gradients(model, own, inputs, labels))
+        if not torch.allclose(closed, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
+            wrong.add(layer_names[layer])
+    return wrong
+
+
+def _announce(covered, falling):
+    if not falling:
+        return
+    line = (f"per-sample gradients: the fast norms engine for {len(covered)} layer(s), torch.func (vmap of grad) "
+            f"for {len(falling)} it does not cover: "
+            + ", ".join(f"{name or '(the model)'} ({type(module).__name__})" for name, module in falling))
+    if line not in _announced:
+        _announced.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, labels: torch.Tensor) -> list:
+    """g_i of the cross-entropy of each example with respect to the parameters `names` (the others held fixed):
+    one (n, *shape) tensor per name, by torch.func's vmap over the examples of grad."""
+    values = {name: param.detach() for name, param in model.named_parameters() if name in set(names)}
+
+    def loss(params, example, label):
+        logits = torch.func.functional_call(model, params, (example.unsqueeze(0),))
+        return F.cross_entropy(logits, label.unsqueeze(0))
+
+    # torch.func.grad differentiates inside; nothing outside needs a graph.
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=NO_BATCHING_RULE)
+        grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, inputs, labels)
+    return [grads[name] for name in names]
+
+
+def _squared(split, keep_graph):
+    """||g_i||² of the covered layers (the engine's closed forms) and the fallback gradients (torch.func)."""
+    squared = torch.zeros_like(split.losses.detach())
+    grad_outputs = []
+    if split.layers:
+        grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, retain_graph=keep_graph,
+                                           materialize_grads=True)
+        with torch.no_grad():
+            for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
+                squared = squared + gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+    return squared, grad_outputs
+
+
+def per_sample_norms(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
+    with _eval_mode(model):
+        split = _split_forward(model, inputs, labels)
+        squared, _ = _squared(split, keep_graph=False)
+        for grad in per_example_gradients(model, split.fallback, inputs, labels):
+            squared = squared + grad.reshape(len(grad), -1).square().sum(dim=1)
+    return squared.sqrt(), split.losses.detach(), split.logits.detach()
+
+
+def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, weights_of_norms):
+    """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits)."""
+    with _eval_mode(model):
+        split = _split_forward(model, inputs, labels)
+        squared, grad_outputs = _squared(split, keep_graph=True)
+        fallback = per_example_gradients(model, split.fallback, inputs, labels)
+        for grad in fallback:
+            squared = squared + grad.reshape(len(grad), -1).square().sum(dim=1)
+        norms = squared.sqrt()
+        weights = weights_of_norms(norms)
+        parameters = dict(model.named_parameters())
+        summed = dict(zip((parameters[name] for name in split.fallback), gradients.weighted_sum(fallback, weights)))
+        for last, (layer, output, grad_output) in enumerate(zip(split.layers, split.outputs, grad_outputs), 1):
+            params = [param for param in layer.parameters(recurse=False) if param.requires_grad]
+            weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
+            summed.update(zip(params, torch.autograd.grad(output, params, weighted,
+                                                          retain_graph=last < len(split.layers))))
+    return ([summed[param] for param in gradients.trainable_parameters(model)], split.losses.detach(), norms,
+            split.logits.detach())
+
+
+def per_sample_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """As gradients.per_sample_gradients, for a model Opacus's hooks may not cover: every trainable parameter's
+    per-sample gradients by torch.func, per-example losses, logits."""
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    with _eval_mode(model):
+        with torch.no_grad():
+            logits = model(inputs)
+        grads = per_example_gradients(model, names, inputs, labels)
+    return grads, F.cross_entropy(logits, labels, reduction="none"), logits

@@ -1,0 +1,364 @@
+"""Your own network and data from the command line: `--model PATH.py:NAME` or `--model package.module:NAME`,
+and `--dataset` alike (docs/flags.md, "Your own model and data").
+
+A spec names a Python file (or an importable module) and an attribute of it. The model's attribute is a
+class or a factory returning an `nn.Module`, called with those of `in_channels`, `image_size`, `num_classes`
+and `input_shape` that its signature names; the dataset's is a function returning `(train, test)`, each a
+torch Dataset of `(input, label)` pairs or a pair `(inputs, labels)` of tensors, called with `data_root`
+when it names it. run.json records each spec with the sha256 of its file's text, so that a run is never
+resumed or measured with a changed file (`check_unchanged`, `build_model`).
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import random
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from perinstance.errors import UsageError
+
+# PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
+# are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.
+SPEC = re.compile(r"^(?P<source>.+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<name>[A-Za-z_]\w*)$")
+SPEC_FORMS = "PATH.py:NAME or package.module:NAME"
+# The seed of torch's, numpy's and Python's global generators while a dataset function runs (restored after):
+# data drawn at random is then the same in every process, so its fingerprint names it.
+DATASET_SEED = 0
+# Set on every model built from a spec: the per-sample engine then checks each layer at every pass
+# (perinstance/fallback_norms.py) instead of trusting that the fast engine covers it.
+USER_MODEL_MARK = "perinstance_user_model"
+
+
+@dataclass(frozen=True)
+class Source:
+    """The file behind a spec, as run.json records it."""
+
+    spec: str
+    path: str | None  # the file's absolute path (None: a module without a file)
+    sha256: str | None  # of the file's bytes when it was imported
+
+    def to_json(self) -> dict:
+        return {"spec": self.spec, "path": self.path, "sha256": self.sha256}
+
+
+def is_spec(text: str) -> bool:
+    """Whether `text` is a spec (PATH.py:NAME or package.module:NAME) rather than a built-in name."""
+    return isinstance(text, str) and SPEC.match(text) is not None
+
+
+# Modules imported from files in this process, by (absolute path, sha256 of the text): a script that builds a
+# model at every checkpoint imports the file once, and a changed file is imported afresh.
+_file_modules = {}
+
+
+def _import_file(path: str, flag: str):
+    if not os.path.isfile(path):
+        raise UsageError(flag, f"{path}: no such file (expected {SPEC_FORMS})")
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except OSError as error:
+        raise UsageError(flag, f"cannot read {path}: {error.strerror or error}") from None
+    digest = hashlib.sha256(text).hexdigest()
+    key = (os.path.abspath(path), digest)
+    if key not in _file_modules:
+        name = f"perinstance_user_code_{re.sub(r'[^A-Za-z0-9_]', '_', os.path.basename(path)[:-3])}_{digest[:12]}"
+        module_spec = importlib.util.spec_from_file_location(name, key[0])
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # dataclasses and pickling look a class's module up there
+        try:
+            # The bytes hashed are the bytes run: the file cannot change between the two.
+            exec(compile(text, key[0], "exec"), module.__dict__)
+        except Exception as error:
+            del sys.modules[name]
+            raise UsageError(flag, f"importing {path} failed: {_describe(error, key[0])}") from None
+        _file_modules[key] = module
+    return _file_modules[key], Source(spec="", path=key[0], sha256=digest)
+
+
+def _import_module(dotted: str, flag: str):
+    if os.getcwd() not in sys.path:  # a module beside the command, as `python -m` finds it
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(dotted)
+    except ModuleNotFoundError as error:
+        raise UsageError(flag, f"no module named {error.name!r} (expected {SPEC_FORMS}; a path must end in .py)") \
+            from None
+    except Exception as error:
+        raise UsageError(flag, f"importing {dotted} failed: {_describe(error, getattr(error, 'filename', ''))}") \
+            from None
+    path = getattr(module, "__file__", None)
+    digest = None
+    if path is not None:
+        with open(path, "rb") as handle:
+            digest = hashlib.sha256(handle.read()).hexdigest()
+    return module, Source(spec="", path=path and os.path.abspath(path), sha256=digest)
+
+
+def _describe(error: BaseException, path: str) -> str:
+    """`Type: message (file:line)` of an exception raised by user code, on one line: the line is the
+    deepest frame in `path`, else the deepest of all."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if isinstance(error, SyntaxError) and error.lineno is not None:
+        where = f" ({error.filename}:{error.lineno})"
+    else:
+        inside = [frame for frame in frames if frame.filename == path] or frames[-1:]
+        where = f" ({inside[-1].filename}:{inside[-1].lineno})" if inside else ""
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}{': ' + message if message else ''}{where}"
+
+
+def load_object(spec: str, flag: str):
+    """The attribute that `spec` names, and its Source; a one-line UsageError for a bad spec."""
+    match = SPEC.match(spec) if isinstance(spec, str) else None
+    if match is None:
+        raise UsageError(flag, f"{spec!r} is not {SPEC_FORMS}")
+    source, name = match["source"], match["name"]
+    if source.endswith(".py"):
+        module, origin = _import_file(source, flag)
+    else:
+        module, origin = _import_module(source, flag)
+    if not hasattr(module, name):
+        defined = sorted(key for key, value in vars(module).items()
+                         if not key.startswith("_") and callable(value) and getattr(value, "__module__", None)
+                         == module.__name__)
+        raise UsageError(flag, f"{source} has no {name!r} (it defines: {', '.join(defined) or 'nothing callable'})")
+    return getattr(module, name), Source(spec=spec, path=origin.path, sha256=origin.sha256)
+
+
+def _call(target, available: dict, spec: str, flag: str, what: str):
+    """`target(**arguments)` with the arguments of `available` that its signature names."""
+    if not callable(target):
+        raise UsageError(flag, f"{spec} is a {type(target).__name__}, not {what}")
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    arguments = {key: value for key, value in available.items() if key in parameters}
+    missing = [key for key, parameter in parameters.items()
+               if key not in arguments and parameter.default is inspect.Parameter.empty
+               and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+    if missing:
+        offered = ", ".join(available) or "none"
+        raise UsageError(flag, f"{spec} needs {', '.join(missing)}, which is not passed (passed when named: "
+                               f"{offered}); give it a default")
+    try:
+        return target(**arguments)
+    except UsageError:
+        raise
+    except Exception as error:
+        path = inspect.getsourcefile(target) if inspect.isfunction(target) or inspect.isclass(target) else None
+        raise UsageError(flag, f"{spec} raised {_describe(error, path or '')}") from None
+
+
+# --- models --------------------------------------------------------------------------------------
+
+def model_arguments(input_shape: tuple, num_classes: int) -> dict:
+    """What a model's class or factory may receive: num_classes and input_shape (one input's shape, without the
+    batch dimension) always; in_channels and image_size (C and H) when one input is C×H×W."""
+    arguments = {"num_classes": num_classes, "input_shape": tuple(input_shape)}
+    if len(input_shape) == 3:
+        arguments = {"in_channels": input_shape[0], "image_size": input_shape[1], **arguments}
+    return arguments
+
+
+def build_model(spec: str, input_shape: tuple, num_classes: int, dp: bool = True,
+                recorded: dict | None = None) -> nn.Module:
+    """A fresh `nn.Module` from `spec`. With `recorded` (run.json's entry of the run), the file must be the one
+    the run was trained with. Under DP, a layer that mixes the examples of a batch is refused."""
+    target, source = load_object(spec, "--model")
+    if recorded is not None:
+        check_source(recorded, source, "--model", "the run was trained with")
+    model = _call(target, model_arguments(input_shape, num_classes), spec, "--model",
+                  "a class or function returning a torch.nn.Module")
+    if not isinstance(model, nn.Module):
+        raise UsageError("--model", f"{spec} returned a {type(model).__name__}, not a torch.nn.Module")
+    if not any(param.requires_grad for param in model.parameters()):
+        raise UsageError("--model", f"{spec} has no trainable parameter")
+    if dp:
+        refuse_sample_mixing(model, spec)
+    setattr(model, USER_MODEL_MARK, True)
+    return model
+
+
+def refuse_sample_mixing(model: nn.Module, spec: str) -> None:
+    """A layer that Opacus's ModuleValidator refuses because it mixes the examples of a batch (BatchNorm, an
+    InstanceNorm with running statistics) breaks per-example privacy: a one-line error naming it and the fix.
+    Other layers Opacus's hooks lack (MultiheadAttention, a custom module) are covered by torch.func."""
+    from opacus.validators import ModuleValidator
+
+    for name, module in model.named_modules():
+        mixing = isinstance(module, nn.modules.batchnorm._BatchNorm | nn.modules.instancenorm._InstanceNorm)
+        validator = ModuleValidator.VALIDATORS.get(type(module))
+        if mixing and validator is not None and validator(module):
+            raise UsageError("--model", f"{spec}: layer {name or '(the model)'} ({type(module).__name__}) mixes the "
+                                        "examples of a batch, which breaks per-example privacy (Opacus's "
+                                        "ModuleValidator refuses it too); use nn.GroupNorm instead")
+
+
+# --- datasets ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Examples:
+    """One split of a user's dataset as tensors: inputs (N × input shape) and integer labels."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+
+
+def load_examples(spec: str, data_root: str) -> tuple[Examples, Examples, Source]:
+    """The (train, test) splits that the dataset function of `spec` returns, as tensors, and its Source."""
+    target, source = load_object(spec, "--dataset")
+    with _seeded_generators(DATASET_SEED):
+        splits = _call(target, {"data_root": data_root}, spec, "--dataset", "a function returning (train, test)")
+    if not isinstance(splits, tuple | list) or len(splits) != 2:
+        raise UsageError("--dataset", f"{spec} returned {_kind(splits)}, not a pair (train, test)")
+    train, test = (_examples(split, spec, name) for split, name in zip(splits, ("train", "test"), strict=True))
+    if train.inputs.shape[1:] != test.inputs.shape[1:] or train.inputs.dtype != test.inputs.dtype:
+        raise UsageError("--dataset", f"{spec}: train inputs are {_shape(train.inputs)} but test inputs "
+                                      f"{_shape(test.inputs)}")
+    return train, test, source
+
+
+class _seeded_generators:
+    """torch's, numpy's and Python's global generators seeded for the block, their states restored after."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self.states = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+        torch.manual_seed(self.seed)
+        np.random.seed(self.seed)
+        random.seed(self.seed)
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.states[0])
+        np.random.set_state(self.states[1])
+        random.setstate(self.states[2])
+
+
+def _kind(value) -> str:
+    return f"a {type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, tuple | list) else "")
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return f"{'×'.join(map(str, tensor.shape[1:])) or 'scalars'} of {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def _examples(split, spec: str, which: str) -> Examples:
+    """A split (a pair of tensors or arrays, or a Dataset of (input, label) pairs) as tensors: floating inputs
+    in torch's default dtype (float32), integer inputs (token ids) kept integer, labels int64."""
+    problem = f"{spec}: the {which} split must be a torch Dataset of (input, label) pairs or a pair (inputs, labels)"
+    if isinstance(split, tuple | list) and len(split) == 2 and not isinstance(split[0], tuple | list):
+        inputs, labels = split
+    elif isinstance(split, torch.utils.data.TensorDataset) and len(split.tensors) == 2:
+        inputs, labels = split.tensors
+    elif isinstance(split, torch.utils.data.Dataset) and hasattr(split, "__len__"):
+        try:
+            pairs = [split[index] for index in range(len(split))]
+            inputs = torch.stack([torch.as_tensor(pair[0]) for pair in pairs]) if pairs else torch.zeros(0)
+            labels = torch.as_tensor([int(pair[1]) for pair in pairs])
+        except (TypeError, ValueError, IndexError, RuntimeError) as error:
+            raise UsageError("--dataset", f"{problem}: {' '.join(str(error).split())}") from None
+    else:
+        raise UsageError("--dataset", f"{problem}, not {_kind(split)}")
+    try:
+        inputs, labels = torch.as_tensor(inputs), torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise UsageError("--dataset", f"{problem}: {' '.join(str(error).split())}") from None
+    if len(inputs) == 0 or inputs.dim() == 0 or len(inputs) != len(labels) or labels.dim() != 1:
+        raise UsageError("--dataset", f"{problem}: got {tuple(inputs.shape)} inputs and {tuple(labels.shape)} "
+                                      "labels (need N >= 1 of each, one label per input)")
+    if (labels.is_floating_point() and not bool((labels == labels.round()).all())) or labels.is_complex() \
+            or labels.dtype == torch.bool or bool((labels < 0).any()):
+        raise UsageError("--dataset", f"{spec}: {which} labels must be class indices 0, 1, 2, ...")
+    if inputs.is_floating_point():
+        inputs = inputs.to(torch.get_default_dtype())
+    elif inputs.is_complex():
+        raise UsageError("--dataset", f"{spec}: {which} inputs are complex; give real or integer inputs")
+    return Examples(inputs.contiguous(), labels.to(torch.int64).contiguous())
+
+
+# --- run.json --------------------------------------------------------------------------------------
+
+def sources(model: str, dataset: str, data_root: str) -> dict | None:
+    """run.json's record of the files behind the --model and --dataset specs of a run (None: neither is one)."""
+    record = {}
+    if is_spec(model):
+        record["model"] = load_object(model, "--model")[1].to_json()
+    dataset_spec = dataset_spec_of(dataset)
+    if dataset_spec is not None:
+        record["dataset"] = load_object(dataset_spec, "--dataset")[1].to_json()
+    return record or None
+
+
+def dataset_spec_of(dataset: str) -> str | None:
+    """The spec inside a --dataset value (first:N:SPEC and scatternet:SPEC wrap one), or None."""
+    for prefix in ("first:", "scatternet:"):
+        if dataset.lower().startswith(prefix):
+            rest = dataset[len(prefix):]
+            return dataset_spec_of(rest.partition(":")[2] if prefix == "first:" else rest)
+    if dataset.lower().startswith("imagefolder:"):
+        return None
+    return dataset if is_spec(dataset) else None
+
+
+def check_source(recorded: dict, current: Source, flag: str, when: str) -> None:
+    """The file of `current` must be the one `recorded` (run.json's entry) describes."""
+    if recorded.get("sha256") != current.sha256:
+        raise UsageError(flag, f"{current.path} has changed since {when} (sha256 {str(recorded.get('sha256'))[:12]} "
+                               f"then, {str(current.sha256)[:12]} now); restore the file, or train a new run "
+                               "(--overwrite, or another --save-name or --id)")
+
+
+def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -> None:
+    """A run folder's recorded files against those of the run about to resume in it: a changed model or data
+    file is a one-line error naming it, never a run that mixes two versions."""
+    for key, flag in (("model", "--model"), ("dataset", "--dataset")):
+        before, now = (recorded or {}).get(key), (planned or {}).get(key)
+        if before is not None and now is not None and before.get("spec") == now.get("spec"):
+            check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
+
+
+def load_dataset(spec: str, data_root: str):
+    """The data.Dataset of a dataset spec: named by the spec, its classes 0..max label, fingerprinted as every
+    dataset is (data.py)."""
+    from perinstance.train import data
+
+    train, test, _ = load_examples(spec, data_root)
+    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
+    return data._make_dataset(spec, train.inputs, train.labels, test.inputs, test.labels,
+                              [str(label) for label in range(num_classes)])
+
+
+def model_flag(text: str) -> str:
+    """argparse type of --model: a built-in network's name or a spec."""
+    import argparse
+
+    from perinstance.train.nets import MODEL_CHOICES
+
+    if text in MODEL_CHOICES or is_spec(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in network ({', '.join(MODEL_CHOICES)}) "
+                                     f"nor {SPEC_FORMS}")
+
+
+def short_name(text: str) -> str:
+    """A spec as run names show it: the file's (or module's last) name and the attribute, `my_model.Net`;
+    anything else unchanged. The run name's hash covers the whole spec."""
+    match = SPEC.match(text) if is_spec(text) else None
+    if match is None:
+        return text
+    source = match["source"]
+    stem = os.path.basename(source)[:-3] if source.endswith(".py") else source.rsplit(".", 1)[-1]
+    return f"{stem}.{match['name']}"
