@@ -23,7 +23,8 @@ ROW_CHUNK = 128
 # Examples per norms-only pass (Δ*, the mean-rule statistics), at most and at least: `norm_chunk` halves
 # NORM_CHUNK while the chunk's largest layer output exceeds NORM_CHUNK_BYTES, so that each layer's
 # per-sample work runs on blocks that stay in cache and under the 32 MB above which glibc maps fresh pages
-# (ResNet-20's 16×32×32 outputs: 128 examples, 1.4× the throughput of 512; LeNet-5: 256).
+# (ResNet-20's 16×32×32 outputs: 128 examples, measured 2.4–3× the throughput of 512 with one thread;
+# LeNet-5: 256, 1.2× that of 512).
 NORM_CHUNK = 512
 MIN_NORM_CHUNK = 32
 NORM_CHUNK_BYTES = 8 << 20

@@ -71,9 +71,10 @@ PATCH_CHUNK = 32
 # Each layer's per-sample gradient is a function of its input a_i and of the gradient b_i of
 # the summed loss w.r.t. its output (no layer here mixes samples). One backward pass w.r.t. the
 # layer outputs gives every b_i and skips all weight gradients; each layer's ||g_i||² then
-# comes from (a_i, b_i) by a closed form. With weights w_i, the gradient of Σ w_i·loss_i is
-# each layer's ordinary weight gradient for outputs' gradients w_i·b_i: the clipped sum u(B)
-# of §1 (accounting.md) without a second backward through the network.
+# comes from (a_i, b_i) by a closed form or from g_i formed per sample, whichever the layer's
+# shapes make cheaper. With weights w_i, the gradient of Σ w_i·loss_i is Σ_i w_i·g_i where g_i
+# was formed, and elsewhere each layer's ordinary weight gradient for outputs' gradients w_i·b_i:
+# the clipped sum u(B) of §1 (accounting.md) without a second backward through the network.
 
 @dataclass
 class LayerNorms:
@@ -121,17 +122,17 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
             if form == "patches":
                 # The patches are p/c times the input: a few examples at a time they stay in cache (LeNet-5's
                 # first two convolutions: 1.2–1.5× faster than all of a chunk's at once).
-                weights = torch.cat([
+                weight_grads = torch.cat([
                     torch.bmm(output_rows[first:first + PATCH_CHUNK],
                               _patches(layer, inputs[first:first + PATCH_CHUNK]).transpose(1, 2))
                     for first in range(0, count, PATCH_CHUNK)])
             else:
-                weights = torch.nn.grad.conv2d_weight(
+                weight_grads = torch.nn.grad.conv2d_weight(
                     inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
                     grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding,
                     layer.dilation, count * layer.groups)
-            per_sample[layer.weight] = weights.reshape(count, *layer.weight.shape)
-            squared = weights.reshape(count, -1).square().sum(dim=1)
+            per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
+            squared = weight_grads.reshape(count, -1).square().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
         per_sample[layer.bias] = output_rows.sum(dim=2)
         squared = squared + per_sample[layer.bias].square().sum(dim=1)
