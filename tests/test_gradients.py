@@ -1,12 +1,15 @@
 """Per-sample norms and the clipped gradient sum (gradients.py) against Opacus GradSampleModule's
 materialised per-sample gradients, for every layer type of nets.py and each form of conv2d_squared_norms."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from perinstance.measure import gradient_rows
 from perinstance.train import gradients
+from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
 COUNT = 6
@@ -40,13 +43,7 @@ def data(channels, image_size, dtype=torch.float64, count=COUNT):
 def conv_form(conv, image_size):
     """The form conv2d_squared_norms takes for `conv` on image_size² inputs."""
     output_size = conv(torch.zeros(1, conv.in_channels, image_size, image_size)).shape[2:]
-    costs = gradients.conv2d_norm_costs(conv.in_channels // conv.groups, conv.out_channels, conv.kernel_size,
-                                        (image_size, image_size), output_size, conv.padding)
-    if conv.groups == 1 and costs["ghost"] < costs["materialised"]:
-        return "ghost"
-    if conv.groups == 1 and conv.in_channels < gradients.VECTOR_CHANNELS:
-        return "patches"
-    return "grouped"
+    return gradients.conv2d_norm_form(conv, (image_size, image_size), output_size)
 
 
 # (layer, image size, the form it must take): every branch, with padding, stride, dilation, groups, no bias.
@@ -182,3 +179,44 @@ def test_a_layer_applied_twice_is_refused():
     model = nn.Sequential(layer, nn.Tanh(), layer)
     with pytest.raises(ValueError, match="twice"):
         gradients.per_sample_norms(model, torch.randn(COUNT, 3), torch.arange(COUNT) % 3)
+
+
+def test_resnet20_layers_take_the_forms_of_the_cost_model():
+    """By hand from conv2d_norm_costs (docs/sensitivity.md): the 3-channel first convolution is unfolded, the
+    32×32 and 16×16 stages (T = 1,024 and 256 positions, T² far above p·o) are materialised, the 8×8 stage
+    (T = 64) takes the ghost form, as do Linear layers; GroupNorm's per-channel gradients are formed per sample."""
+    torch.manual_seed(0)
+    model = build_model("resnet20", 3, 32, 10)
+    forms = gradients.norm_forms(model, torch.zeros(1, 3, 32, 32))
+    expected = {"conv": "patches", "fc": "ghost"}
+    for block in range(9):
+        expected[f"blocks.{block}.norm1"] = expected[f"blocks.{block}.norm2"] = "per-sample"
+        # Block 6 opens the 8×8 stage: its first convolution reads the 16×16 maps (stride 2).
+        expected[f"blocks.{block}.conv1"] = "grouped" if block <= 6 else "ghost"
+        expected[f"blocks.{block}.conv2"] = "grouped" if block < 6 else "ghost"
+    expected["norm"] = "per-sample"
+    assert forms == expected
+
+
+@pytest.mark.parametrize("name,shape,chunk", [("resnet20", (3, 32, 32), 128), ("lenet5", (1, 32, 32), 256),
+                                              ("mlp", (1, 8, 8), 512)])
+def test_norm_chunk_keeps_the_largest_layer_output_under_its_budget(name, shape, chunk):
+    """ResNet-20's largest output is 16×32×32 float32 = 64 KiB per example, 128 of them fill the 8 MiB;
+    LeNet-5's is 6×28×28 (18.4 KiB): 256; the MLP's are small, so the chunk stays at its largest."""
+    torch.manual_seed(0)
+    model = build_model(name, shape[0], shape[1], 10)
+    assert gradient_rows.norm_chunk(model, torch.zeros(2, *shape)) == chunk
+
+
+def test_norms_do_not_depend_on_the_chunk(monkeypatch):
+    torch.manual_seed(0)
+    model = build_model("lenet5", 1, 32, 10).double()
+    inputs, labels = data(1, 32, count=10)
+    transform = Transform("flat", 0.1)
+    whole, _ = gradient_rows.transformed_norms(model, inputs, labels, transform)
+    monkeypatch.setattr(gradient_rows, "MIN_NORM_CHUNK", 4)
+    monkeypatch.setattr(gradient_rows, "NORM_CHUNK_BYTES", 4 * 6 * 28 * 28 * 8)
+    assert gradient_rows.norm_chunk(model, inputs) == 4
+    monkeypatch.setattr(gradients, "PATCH_CHUNK", 3)
+    chunked, _ = gradient_rows.transformed_norms(model, inputs, labels, transform)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-12)

@@ -22,7 +22,8 @@ from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError
 from perinstance.measure import poisson_batches
-from perinstance.measure.gradient_rows import Bags, PointGradients, Predictions, checkpoint_gradients, held_rows
+from perinstance.measure.batch_sums import Bags
+from perinstance.measure.gradient_rows import PointGradients, Predictions, checkpoint_gradients, held_rows
 from perinstance.train import sampling, training
 from perinstance.train.clipping import Transform
 

@@ -17,11 +17,11 @@ import torch
 
 from perinstance.accounting import batch_sizes
 from perinstance.measure.gradient_rows import (
-    NORM_CHUNK,
     Predictions,
     advance,
     column_spans,
     example_chunks,
+    norm_chunk,
     pass_batches,
     predictions_of,
     square_norms,
@@ -32,8 +32,6 @@ from perinstance.train import gradients, sampling
 # products than other passes over the rows: 10,000 draws for 8,000 points in one pass, which
 # centres the points once instead of three times.
 COUPLING_PASS_BYTES = 1 << 30
-# Examples per pass of the statistics-only measurement, which holds no per-sample gradient.
-STATISTICS_CHUNK = NORM_CHUNK
 # Panels per product: each float32 product sums over PRODUCT_PANELS panels before it is added to
 # the float64 total, a quarter of the float64 additions of one product per panel.
 PRODUCT_PANELS = 4
@@ -173,8 +171,10 @@ def checkpoint_statistics(model, train_x, train_y, point_x, point_y, point_train
     ||h_i − μ||² = ||h_i||² − 2·w_i·⟨g_i, μ⟩ + ||μ||² with h_i = w_i·g_i, and dataset_statistics turns those
     into d*, v_X, b_X. Two passes over the training set, whatever the number of parameters.
     """
+    # Examples per pass: as for Δ*, this measurement holds no per-sample gradient.
+    chunk = norm_chunk(model, train_x, device)
     total, grad_norms, predictions = None, [], []
-    for _, x, y in example_chunks(train_x, train_y, device, STATISTICS_CHUNK):
+    for _, x, y in example_chunks(train_x, train_y, device, chunk):
         summed, losses, norms, logits = gradients.clipped_gradient_sum(model, x, y, transform.weights)
         summed = [part.detach().double() for part in summed]
         total = summed if total is None else [left + right for left, right in zip(total, summed)]
@@ -183,7 +183,7 @@ def checkpoint_statistics(model, train_x, train_y, point_x, point_y, point_train
         advance(progress, len(y))
     mean = [part / len(train_y) for part in total]
     row_centred_sq = _centred_square_norms_along(model, train_x, train_y, transform, mean, torch.cat(grad_norms),
-                                                 device)
+                                                 device, chunk)
     point_train_rows = np.asarray(point_train_rows)
     in_training = point_train_rows >= 0
     point_centred_sq = row_centred_sq[np.maximum(point_train_rows, 0)]
@@ -191,24 +191,24 @@ def checkpoint_statistics(model, train_x, train_y, point_x, point_y, point_train
     outside = np.flatnonzero(~in_training)
     if len(outside):
         outside_norms, outside_predictions = [], []
-        for _, x, y in example_chunks(point_x[outside], point_y[outside], device, STATISTICS_CHUNK):
+        for _, x, y in example_chunks(point_x[outside], point_y[outside], device, chunk):
             norms, losses, logits = gradients.per_sample_norms(model, x, y)
             outside_norms.append(norms.cpu())
             outside_predictions.append(predictions_of(losses, logits, y))
         point_centred_sq[outside] = _centred_square_norms_along(
-            model, point_x[outside], point_y[outside], transform, mean, torch.cat(outside_norms), device)
+            model, point_x[outside], point_y[outside], transform, mean, torch.cat(outside_norms), device, chunk)
         outside_predictions = Predictions.concat(outside_predictions)
         predictions.losses[outside] = outside_predictions.losses
         predictions.correct[outside] = outside_predictions.correct
     return dataset_statistics(row_centred_sq, point_centred_sq, in_training), predictions
 
 
-def _centred_square_norms_along(model, inputs, labels, transform, mean, grad_norms, device):
+def _centred_square_norms_along(model, inputs, labels, transform, mean, grad_norms, device, chunk):
     """||h_i − μ||² = ||h_i||² − 2·w_i·⟨g_i, μ⟩ + ||μ||² of each example (float64), h_i = w_i·g_i, from its
     gradient norm ||g_i|| and one forward-mode pass along μ (the sum in float64 keeps its cancellation small)."""
     mean_square = sum(float((part ** 2).sum()) for part in mean)
     dots = []
-    for _, x, y in example_chunks(inputs, labels, device, STATISTICS_CHUNK):
+    for _, x, y in example_chunks(inputs, labels, device, chunk):
         with torch.no_grad():
             dots.append(gradients.directional_derivatives(model, x, y, mean)[0].double().cpu())
     grad_norms = grad_norms.double()

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from perinstance.accounting.guarantees import Direction
-from perinstance.measure.gradient_rows import Bags, advance
+from perinstance.measure.batch_sums import Bags
+from perinstance.measure.gradient_rows import advance
 from perinstance.train import sampling
 
 DIRECTIONS = (Direction.REMOVE, Direction.ADD)

@@ -150,7 +150,7 @@ def _check_closed_forms(model, inputs, labels):
     wrong = set()
     for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
         with torch.no_grad():
-            closed = gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+            closed = gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output).squared
         own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
         direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
                      for grad in per_example_gradients(model, own, inputs, labels))
@@ -195,7 +195,7 @@ def _squared(split, keep_graph):
                                            materialize_grads=True)
         with torch.no_grad():
             for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
-                squared = squared + gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+                squared = squared + gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output).squared
     return squared, grad_outputs
 
 

@@ -62,6 +62,8 @@ def flatten(grad_samples):
 # Input channels below which the grouped convolution kernel is slower than unfolding patches: the
 # convolution library vectorises over channels, 16 float32 to a 512-bit register.
 VECTOR_CHANNELS = 16
+# Examples whose unfolded patches are formed at once (conv2d_squared_norms, "patches").
+PATCH_CHUNK = 32
 
 
 # --- norms only, and the clipped sum from them (no per-sample gradients kept) ---------------
@@ -69,52 +71,86 @@ VECTOR_CHANNELS = 16
 # Each layer's per-sample gradient is a function of its input a_i and of the gradient b_i of
 # the summed loss w.r.t. its output (no layer here mixes samples). One backward pass w.r.t. the
 # layer outputs gives every b_i and skips all weight gradients; each layer's ||g_i||² then
-# comes from (a_i, b_i) by a closed form. With weights w_i, the gradient of Σ w_i·loss_i is
-# each layer's ordinary weight gradient for outputs' gradients w_i·b_i: the clipped sum u(B)
-# of §1 (accounting.md) without a second backward through the network.
+# comes from (a_i, b_i) by a closed form or from g_i formed per sample, whichever the layer's
+# shapes make cheaper. With weights w_i, the gradient of Σ w_i·loss_i is Σ_i w_i·g_i where g_i
+# was formed, and elsewhere each layer's ordinary weight gradient for outputs' gradients w_i·b_i:
+# the clipped sum u(B) of §1 (accounting.md) without a second backward through the network.
 
-def linear_squared_norms(layer, inputs, grad_outputs):
-    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||²."""
+@dataclass
+class LayerNorms:
+    """||g_i||² of one layer's trainable parameters (n,), and the per-sample gradients (n, *param.shape) that
+    its form materialised on the way, by parameter: the clipped sum takes those as Σ_i w_i·g_i (book-keeping)
+    instead of a weight gradient of its own."""
+
+    squared: torch.Tensor
+    per_sample: dict
+
+
+def linear_squared_norms(layer: nn.Linear, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||². Nothing is
+    materialised (the clipped sum is the layer's weight gradient for the weighted b)."""
     if inputs.dim() != 2:
         raise ValueError(f"per-sample norms need (n, features) inputs to Linear, got shape {tuple(inputs.shape)}")
     output_squares = grad_outputs.square().sum(dim=1)
     squared = inputs.square().sum(dim=1) * output_squares if layer.weight.requires_grad else 0
     if layer.bias is not None and layer.bias.requires_grad:
         squared = squared + output_squares
-    return squared
+    return LayerNorms(squared, {})
 
 
-def conv2d_squared_norms(layer, inputs, grad_outputs):
-    """||g_i||² of a Conv2d layer, by the cheaper of two exact forms (`conv2d_norm_costs`).
+def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a Conv2d layer, by the form `conv2d_norm_form` picks from its shapes.
 
     With input patches a_t and output gradients b_t at the T output positions, g = Σ_t b_t a_tᵀ.
-    Materialised: one grouped convolution-weight gradient (groups = samples) in the convolution
-    library, or, with fewer input channels than VECTOR_CHANNELS, where that library's grouped
-    kernel is slow, a batched product of unfolded patches. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'),
-    with the patch products a_t·a_t' summed from the products of input pixels (`_patch_gram`).
+    Materialised ("grouped"): one grouped convolution-weight gradient (groups = samples) in the convolution
+    library, or ("patches"), with fewer input channels than VECTOR_CHANNELS, where that library's grouped
+    kernel is slow, a batched product of unfolded patches; the per-sample gradients are returned with the
+    norms. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'), with the patch products a_t·a_t' summed from the
+    products of input pixels (`_patch_gram`). The bias gradient Σ_t b_t is always returned per sample.
     """
     if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
         raise ValueError("per-sample norms of Conv2d need numeric zero padding")
     count, outputs = grad_outputs.shape[:2]
     output_rows = grad_outputs.reshape(count, outputs, -1)
-    squared = 0
+    squared, per_sample = 0, {}
     if layer.weight.requires_grad:
-        costs = conv2d_norm_costs(layer.in_channels // layer.groups, outputs, layer.kernel_size,
-                                  inputs.shape[2:], grad_outputs.shape[2:], layer.padding)
-        if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
+        form = conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:])
+        if form == "ghost":
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
             squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
-        elif layer.groups == 1 and layer.in_channels < VECTOR_CHANNELS:
-            squared = torch.bmm(output_rows, _patches(layer, inputs).transpose(1, 2)).square().sum(dim=(1, 2))
         else:
-            per_sample = torch.nn.grad.conv2d_weight(
-                inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
-                grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding, layer.dilation,
-                count * layer.groups)
-            squared = per_sample.reshape(count, -1).square().sum(dim=1)
+            if form == "patches":
+                # The patches are p/c times the input: a few examples at a time they stay in cache (LeNet-5's
+                # first two convolutions: 1.2–1.5× faster than all of a chunk's at once).
+                weight_grads = torch.cat([
+                    torch.bmm(output_rows[first:first + PATCH_CHUNK],
+                              _patches(layer, inputs[first:first + PATCH_CHUNK]).transpose(1, 2))
+                    for first in range(0, count, PATCH_CHUNK)])
+            else:
+                weight_grads = torch.nn.grad.conv2d_weight(
+                    inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
+                    grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding,
+                    layer.dilation, count * layer.groups)
+            per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
+            squared = weight_grads.reshape(count, -1).square().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
-        squared = squared + output_rows.sum(dim=2).square().sum(dim=1)
-    return squared
+        per_sample[layer.bias] = output_rows.sum(dim=2)
+        squared = squared + per_sample[layer.bias].square().sum(dim=1)
+    return LayerNorms(squared, per_sample)
+
+
+def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) -> str:
+    """How conv2d_squared_norms takes ||g_i||² of `layer` on inputs of spatial `input_size` (outputs of
+    `output_size`): "ghost" where `conv2d_norm_costs` finds it cheaper than materialising, else "patches"
+    (fewer input channels than VECTOR_CHANNELS) or "grouped". A function of the shapes alone, so every pass
+    (Δ*, the mean-rule statistics, training) takes each layer the same way (docs/sensitivity.md)."""
+    costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
+                              input_size, output_size, layer.padding)
+    if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
+        return "ghost"
+    if layer.groups == 1 and layer.in_channels < VECTOR_CHANNELS:
+        return "patches"
+    return "grouped"
 
 
 def conv2d_norm_costs(in_channels, out_channels, kernel_size, input_size, output_size, padding):
@@ -176,16 +212,17 @@ def _patches(layer, inputs):
     return windows.permute(0, 1, 4, 5, 2, 3).reshape(len(inputs), -1, windows.shape[2] * windows.shape[3])
 
 
-def group_norm_squared_norms(layer, inputs, grad_outputs):
-    """||g_i||² of a GroupNorm layer: per channel g_γ = Σ_positions b·x̂ and g_β = Σ_positions b."""
-    squared = 0
+def group_norm_squared_norms(layer: nn.GroupNorm, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a GroupNorm layer: per channel g_γ = Σ_positions b·x̂ and g_β = Σ_positions b, both
+    returned per sample ((n, channels) each)."""
+    per_sample = {}
     if layer.weight is not None and layer.weight.requires_grad:
         # In place: on CPU a second buffer of this size costs about as much again in fresh pages.
         products = F.group_norm(inputs, layer.num_groups, eps=layer.eps).mul_(grad_outputs)
-        squared = products.flatten(2).sum(dim=2).square().sum(dim=1)
+        per_sample[layer.weight] = products.flatten(2).sum(dim=2)
     if layer.bias is not None and layer.bias.requires_grad:
-        squared = squared + grad_outputs.flatten(2).sum(dim=2).square().sum(dim=1)
-    return squared
+        per_sample[layer.bias] = grad_outputs.flatten(2).sum(dim=2)
+    return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
 
 
 SQUARED_NORMS = {nn.Linear: linear_squared_norms, nn.Conv2d: conv2d_squared_norms,
@@ -224,6 +261,37 @@ def _forward(model, inputs, labels):
                  logits, F.cross_entropy(logits, labels, reduction="none"))
 
 
+def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
+    """(layer, input shape, output shape) of every parameter layer the forward of `example` (a batch of one)
+    applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass."""
+    shapes = []
+
+    def record(layer, layer_inputs, output):
+        shapes.append((layer, layer_inputs[0].shape, output.shape))
+
+    handles = [layer.register_forward_hook(record) for layer in _parameter_layers(model)]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return shapes
+
+
+def norm_forms(model: nn.Module, example: torch.Tensor) -> dict:
+    """How the norms pass takes each parameter layer (by name) on examples shaped as `example`: the
+    convolutions' `conv2d_norm_form`, "ghost" for a Linear layer, "per-sample" for a GroupNorm layer."""
+    names = {layer: name for name, layer in model.named_modules()}
+    forms = {}
+    for layer, input_shape, output_shape in layer_shapes(model, example):
+        if isinstance(layer, nn.Conv2d):
+            forms[names[layer]] = conv2d_norm_form(layer, input_shape[2:], output_shape[2:])
+        else:
+            forms[names[layer]] = "ghost" if isinstance(layer, nn.Linear) else "per-sample"
+    return forms
+
+
 def _parameter_layers(model):
     """The modules that own trainable parameters; each must be a type of SQUARED_NORMS."""
     layers = [module for module in model.modules()
@@ -235,14 +303,14 @@ def _parameter_layers(model):
     return layers
 
 
-def _norms_of_pass(forward, keep_graph):
-    """||g_i|| from one backward w.r.t. the layer outputs, and those outputs' gradients b_i."""
+def _layer_norms(forward, keep_graph):
+    """The gradients b_i of the summed loss w.r.t. every layer output (one backward, no weight gradient), and
+    each layer's LayerNorms, one at a time as the caller (under no_grad) takes them, so that a layer's
+    materialised gradients are freed unless kept."""
     grad_outputs = torch.autograd.grad(forward.losses.sum(), forward.outputs, retain_graph=keep_graph,
                                        materialize_grads=True)
-    with torch.no_grad():
-        squared = sum(SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
-                      for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
-    return squared.sqrt(), grad_outputs
+    return grad_outputs, (SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
+                          for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
 
 
 def per_sample_norms(model, inputs, labels):
@@ -252,12 +320,17 @@ def per_sample_norms(model, inputs, labels):
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
-    norms, _ = _norms_of_pass(forward, keep_graph=False)
-    return norms, forward.losses.detach(), forward.logits.detach()
+    _, layer_norms = _layer_norms(forward, keep_graph=False)
+    with torch.no_grad():
+        squared = sum(norms.squared for norms in layer_norms)
+    return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
 
 
 def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
-    """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), never materialising g_i.
+    """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
+    gives the norms (book-keeping): a parameter whose per-sample gradients the norms materialised gets
+    Σ_i w_i·g_i as one matrix-vector product; the others (ghost-form convolutions, Linear layers) get their
+    layer's own weight gradient for the outputs' gradients w_i·b_i, without a backward through the network.
 
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
     losses; ||g_i||; logits).
@@ -267,15 +340,22 @@ def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
-    norms, grad_outputs = _norms_of_pass(forward, keep_graph=True)
-    weights = weights_of_norms(norms)
-    summed = {}
-    for last, (layer, output, grad_output) in enumerate(zip(forward.layers, forward.outputs, grad_outputs), 1):
+    grad_outputs, layer_norms = _layer_norms(forward, keep_graph=True)
+    with torch.no_grad():
+        layer_norms = list(layer_norms)
+        norms = sum(norms.squared for norms in layer_norms).sqrt()
+        weights = weights_of_norms(norms)
+        summed = {param: (weights @ grads.reshape(len(weights), -1)).reshape(param.shape)
+                  for norms_of_layer in layer_norms for param, grads in norms_of_layer.per_sample.items()}
+    del layer_norms
+    rest = [(output, grad_output, params)
+            for layer, output, grad_output in zip(forward.layers, forward.outputs, grad_outputs)
+            if (params := [param for param in layer.parameters(recurse=False)
+                           if param.requires_grad and param not in summed])]
+    for last, (output, grad_output, params) in enumerate(rest, 1):
         # Only the layer's own backward node runs: its inputs' gradient is not asked for.
-        params = [param for param in layer.parameters(recurse=False) if param.requires_grad]
         weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-        grads = torch.autograd.grad(output, params, weighted, retain_graph=last < len(forward.layers))
-        summed.update(zip(params, grads))
+        summed.update(zip(params, torch.autograd.grad(output, params, weighted, retain_graph=last < len(rest))))
     # A layer the forward never applied has zero gradient.
     return ([summed.get(param, torch.zeros_like(param)) for param in trainable_parameters(model)],
             forward.losses.detach(), norms, forward.logits.detach())
