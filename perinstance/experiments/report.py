@@ -190,8 +190,8 @@ def one_run_lines(config: ReproduceConfig, findings: dict) -> list[str]:
         + ("the sum rule's accounting does NOT cover the realised-size mean rule: the trained run leaks more"
            if seen else
            f"not seen: these canaries cannot show more than {gap['eps_cap']:.3g}; passing {gap['eps_upper']:.4g} "
-           f"takes {needed} (the cap, §11.6; necessary, not sufficient). More canaries would not do it with this "
-           f"score: the {gap['included']} in already add {gap['canaries_per_step']:.2g} per step to a batch of "
+           f"takes {needed} (the cap, §11.6; necessary, not sufficient). More canaries of this kind do not help "
+           f"(measured up to 1,024 in docs/audit.md §1c): the {gap['included']} in already add {gap['canaries_per_step']:.2g} per step to a batch of "
            f"{gap['batch_size']} expected points, and a canary's summed projection carries on average "
            f"{gap['signal_ratio']:.3g}× the sum rule's signal (docs/audit.md §1c), less as canaries are added; the "
            "gap lives in the rare steps whose realised batch is tiny, which the per-step audit (above) tests"))
