@@ -90,7 +90,8 @@ def main(argv=None):
     commands = Commands()
     started = time.time()
 
-    # 1-3. The main run (sum rule, with the one-run audit's canaries), Δ* of every point at every checkpoint, and the accountants on it.
+    # 1-3. The main run (sum rule, with the one-run audit's canaries), Δ* of every point at every checkpoint, and
+    # the accountants on it.
     main_name, run_dir, run, sensitivities = main_run.train_and_measure(commands, config, preset, name, device)
     accounted = main_run.account_main_run(commands, config, main_name, run_dir, run.total_steps)
 

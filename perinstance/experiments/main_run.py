@@ -1,6 +1,6 @@
-"""The main run (sum rule): training with tracked points, Δ* of every point at every checkpoint, and the
-accountants on it (per-step (ε, δ) at the final checkpoint, composition along the run by RDP and by PLD,
-composition from the tracked points' every-step norms).
+"""The main run (sum rule): training with tracked points and the one-run audit's canaries (one_run.py), Δ* of
+every point at every checkpoint, and the accountants on it (per-step (ε, δ) at the final checkpoint, composition
+along the run by RDP and by PLD, composition from the tracked points' every-step norms).
 
 Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
 the loss and the classes, checkpoints-only against every-step norms); figures 1, 2, 4, 5 and 6, drawn by
