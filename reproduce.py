@@ -8,7 +8,7 @@
 A preset is a typed configuration (ReproduceConfig); `--set FIELD=VALUE` overrides any of its
 fields, checked against the field's type (`--dataset X` is `--set dataset=X`). Runs
 train_dpsgd.py, compute_sensitivity.py and the accountant scripts exactly as a user would (same
-code, same files under models/ and res/), skips what a previous run finished, and writes six
+code, same files under models/ and res/), skips what a previous run finished, and writes its
 figures and report.md to --out-dir (default figures/). report.md lists the configuration and
 every command that produced its numbers.
 """
@@ -19,9 +19,19 @@ import sys
 import time
 
 from perinstance.errors import UsageError, run_main
-from perinstance.experiments import audits, figures, main_run, membership, nonprivate_run, report, sampling_rates
+from perinstance.experiments import (
+    audits,
+    figures,
+    main_run,
+    membership,
+    nonprivate_run,
+    one_run,
+    report,
+    sampling_rates,
+)
 from perinstance.experiments.commands import FIGURES, Commands, peak_resident_bytes
 from perinstance.experiments.config import (
+    GAP_CANARY_RUN_FIELDS,
     GAP_RUN_FIELDS,
     MAIN_RUN_FIELDS,
     MEAN_RULE_FIELDS,
@@ -80,7 +90,8 @@ def main(argv=None):
     commands = Commands()
     started = time.time()
 
-    # 1-3. The main run (sum rule), Δ* of every point at every checkpoint, and the accountants on it.
+    # 1-3. The main run (sum rule, with the one-run audit's canaries), Δ* of every point at every checkpoint, and
+    # the accountants on it.
     main_name, run_dir, run, sensitivities = main_run.train_and_measure(commands, config, preset, name, device)
     accounted = main_run.account_main_run(commands, config, main_name, run_dir, run.total_steps)
 
@@ -99,7 +110,13 @@ def main(argv=None):
     attack_findings["membership"] = membership.membership_attack(commands, config, main_name, nodp_name, out_dir,
                                                                  device)
 
-    # 6. Figures and report.
+    # 6. The one-run audit: the main run's canaries per norm group against the accounting of their sensitivity,
+    # and a realised-size mean-rule run's canaries against the sum rule's accounting.
+    attack_findings["one_run"] = one_run.main_run_audit(commands, config, main_name, out_dir)
+    gap_canary_name = f"{name}{variant_tag(config, preset, GAP_CANARY_RUN_FIELDS)}-gap-canaries"
+    attack_findings["one_run_gap"] = one_run.gap_run_audit(commands, config, gap_canary_name, device)
+
+    # 7. Figures and report.
     with commands.timed("figures 1-6 and their numbers"):
         findings = figures.draw_figures(out_dir, config, run, run_dir, sensitivities, *accounted, mean_results, device)
     findings.update(attack_findings)

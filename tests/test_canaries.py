@@ -104,14 +104,20 @@ def test_one_run_audit_of_the_run(models, tmp_path):
     assert "lower/upper" in result.stdout
 
 
-def test_a_lower_bound_above_the_accounting_is_a_loud_violation(models, tmp_path):
-    # The same canaries held against the accounting of a run with 1000 times the noise: they must break it.
+def copy_run(models, tmp_path):
+    """The trained run's files that the one-run audit reads, copied under tmp_path/models/tiny: (folder, config)."""
     copy = tmp_path / "models" / "tiny"
     os.makedirs(copy)
     config = runs.load_run(models / "tiny")
     for name in ("run.json", canaries.CANARY_FILE, f"step_{config.total_steps:07d}.pt"):
         with open(models / "tiny" / name, "rb") as source, open(copy / name, "wb") as target:
             target.write(source.read())
+    return copy, config
+
+
+def test_a_lower_bound_above_the_accounting_is_a_loud_violation(models, tmp_path):
+    # The same canaries held against the accounting of a run with 1000 times the noise: they must break it.
+    copy, config = copy_run(models, tmp_path)
     table = pd.read_csv(copy / canaries.CANARY_FILE)
     table["score"] = np.where(table["included"] == 1, 10.0, 0.0) + table["canary"] * 1e-3
     table.to_csv(copy / canaries.CANARY_FILE, index=False)
@@ -122,6 +128,18 @@ def test_a_lower_bound_above_the_accounting_is_a_loud_violation(models, tmp_path
     assert result.returncode == 1
     assert "VIOLATION: the canaries prove more than the accounting allows at norm(s) 0.5, 1" in result.stdout
     assert pd.read_csv(tmp_path / "res" / "tiny_one_run_audit.csv")["violated"].all()
+
+
+def test_a_group_without_held_out_canaries_is_refused(models, tmp_path):
+    copy, _ = copy_run(models, tmp_path)
+    table = pd.read_csv(copy / canaries.CANARY_FILE)
+    table.loc[table["norm"] == 1.0, "included"] = 1
+    table.to_csv(copy / canaries.CANARY_FILE, index=False)
+    result = run_in_process("audit.py", "--run", "tiny", "--models-dir", tmp_path / "models", "--one-run",
+                            cwd=tmp_path)
+    assert_usage_error(result, "--run")
+    assert "every canary of norm 1 is held in" in result.stderr
+    assert not (tmp_path / "res").exists()
 
 
 def test_scores_from_files(tmp_path):

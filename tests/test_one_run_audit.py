@@ -141,3 +141,40 @@ def test_clopper_pearson_epsilon_by_hand():
     expected = math.log((tpr_low - DELTA) / fpr_high)
     assert one_run_audit.clopper_pearson_epsilon(in_scores, out_scores, significance=SIGNIFICANCE,
                                                  delta=DELTA) == pytest.approx(expected, rel=1e-9)
+
+
+def test_cap_is_the_bound_of_perfectly_separated_scores():
+    # δ → 0 and K = 3 thresholds: every member guessed right rejects while (e^ε/(1+e^ε))^members <= α/3.
+    cap = one_run_audit.one_run_cap(members=33, non_members=40, significance=SIGNIFICANCE, delta=1e-12)
+    assert cap == pytest.approx(logit((SIGNIFICANCE / 3) ** (1 / 33)), rel=1e-6)
+    # δ only lowers it: 2mδ is added to every p-value.
+    assert one_run_audit.one_run_cap(members=500, non_members=500, significance=0.05, delta=1e-5) < logit(
+        (0.05 / 3) ** (1 / 500))
+    with pytest.raises(ValueError, match="at least one in-canary"):
+        one_run_audit.one_run_cap(members=0, non_members=4, significance=SIGNIFICANCE, delta=DELTA)
+
+
+@pytest.mark.parametrize("epsilon", [0.5, 2.0, 4.0])
+def test_canaries_needed_by_hand(epsilon):
+    # By hand, δ → 0: m // 2 members must satisfy (e^ε/(1+e^ε))^(m//2) <= α/3, i.e. m // 2 >= log(α/3)/log(expit(ε)).
+    members = math.ceil(math.log(SIGNIFICANCE / 3) / math.log(1 / (1 + math.exp(-epsilon))))
+    needed = one_run_audit.canaries_needed(epsilon=epsilon, significance=SIGNIFICANCE, delta=1e-12)
+    assert needed == 2 * members
+    # ε = 2: log(0.05/3)/log(0.8808) = 32.26, so 33 members, 66 canaries.
+    if epsilon == 2.0:
+        assert needed == 66
+
+
+def test_canaries_needed_is_none_past_what_delta_allows():
+    # At δ = 1e-5 the cap peaks near 6.4 (around m = 16,000: 2mδ grows with m), so ε = 8.69 is out of reach; at
+    # δ = 1e-7 it is reached, and the m found is the first whose cap passes it.
+    assert one_run_audit.canaries_needed(epsilon=8.69, significance=0.05, delta=1e-5) is None
+    needed = one_run_audit.canaries_needed(epsilon=8.69, significance=0.05, delta=1e-7)
+    cap = [one_run_audit.one_run_cap(members=m // 2, non_members=m - m // 2, significance=0.05, delta=1e-7)
+           for m in (needed - 1, needed)]
+    assert cap[0] <= 8.69 < cap[1]
+
+
+def test_canaries_needed_refuses_invalid_levels():
+    with pytest.raises(ValueError, match="significance"):
+        one_run_audit.canaries_needed(epsilon=1.0, significance=1.5, delta=DELTA)

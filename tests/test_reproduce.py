@@ -4,10 +4,14 @@ import typing
 
 import matplotlib.image
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import assert_usage_error, run_in_process, snapshot
 from PIL import Image
+from scipy.special import logit
+from scipy.stats import binom
 
+from perinstance.experiments import one_run
 from perinstance.experiments.commands import FIGURES
 from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
@@ -86,8 +90,9 @@ def test_report_states_findings_with_numbers(image_runs):
     findings = [line for line in report.splitlines() if re.match(r"^\d+\. ", line)]
     # Two per-step findings of the sum rule; the mean rule's three designs (fixed early and final checkpoint,
     # matched steps) and GLA's claim judged on them; four of composition; the audits (sum rule, mean rule, the
-    # realised-size mean rule's gap) and the membership attack.
-    assert len(findings) == 14
+    # realised-size mean rule's gap), the membership attack, and the one-run audit (a line per canary group, what it
+    # can show, the realised-size mean rule's canaries against the sum rule's accounting).
+    assert len(findings) == 19
     for line in findings:
         assert re.search(r"\d", line.split(". ", 1)[1]), line
     designs = findings[2:5]
@@ -100,9 +105,41 @@ def test_report_states_findings_with_numbers(image_runs):
     assert "audit, sum rule" in findings[10] and "audit, mean rule" in findings[11]
     assert "violated: 0 of" in findings[10] and "violated: 0 of" in findings[11]
     assert "realised-size mean rule" in findings[12] and "membership inference" in findings[13]
+    for line, norm in zip(findings[14:17], ("0.1", "0.3", "1")):
+        assert f"canaries of norm {norm}·Γ" in line and "lower/upper" in line and line.endswith("no violation"), line
+    assert "capped by the number of canaries" in findings[17]
+    assert "sum rule's accounting in a trained run" in findings[18] and "canaries" in findings[18]
     assert "baseline" in findings[0] and "Pearson r" in report
     for name in FIGURES:
         assert f"({name})" in report
+
+
+def test_one_run_audit_of_the_tiny_preset(image_runs):
+    workdir, _, runs = image_runs
+    report = runs["first"][1]
+    tiny = PRESETS["tiny"]
+    (main_audit,) = (workdir / "res").glob("*-sum_one_run_audit.csv")
+    rows = pd.read_csv(main_audit)
+    assert rows["norm"].tolist() == pytest.approx(list(tiny.canary_norms))
+    assert rows["canaries"].tolist() == [tiny.canaries // len(tiny.canary_norms)] * len(tiny.canary_norms)
+    assert not rows["violated"].any()
+    # The c = 1 group's upper bounds are the main run's worst case composed by each accountant (finding 7, its
+    # baseline from renyi_per_instance_sum_compo.py), at the 4 digits the report quotes.
+    worst = {name: float(value) for name, value in re.findall(r"(RDP|PLD): median [^;]*?worst case ([\d.]+)", report)}
+    last = rows.iloc[-1]
+    assert last["eps_upper_rdp"] == pytest.approx(worst["RDP"], rel=1e-3)
+    assert last["eps_upper_pld"] == pytest.approx(worst["PLD"], rel=1e-3)
+    # Each group's cap in the report: below logit((α/3)^(1/members)), the δ → 0 cap of perfectly separated scores,
+    # and above every lower bound.
+    caps = [float(value) for value in re.findall(r"no lower bound from these canaries can exceed ([\d.]+)", report)]
+    for cap, row in zip(caps, rows.itertuples(), strict=True):
+        assert row.eps_lower <= cap <= logit((tiny.audit_significance / 3) ** (1 / row.included)) + 1e-2
+    (gap_audit,) = (workdir / "res").glob("*-gap-canaries_one_run_audit.csv")
+    gap = pd.read_csv(gap_audit)
+    assert gap["canaries"].tolist() == [tiny.gap_canaries] and gap["norm"].tolist() == [1.0]
+    # The timing table has the audit's steps.
+    assert re.search(r"\| audit.py run=[^|]*-sum \| [\d.]+ \|", report)
+    assert "| figure 10: the one-run audit |" in report
 
 
 def test_report_reflects_the_dataset_override(image_runs):
@@ -114,10 +151,11 @@ def test_report_reflects_the_dataset_override(image_runs):
     assert "| `mean_batch_sizes` | `8,16` (overridden) |" in report
     assert "| `num_batches` | `64` |" in report  # not overridden: the preset's value, unmarked
     trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
-    # The main run, one mean-rule run per batch size, the small run of the gap audit (the dataset's first points)
-    # and the non-private run of the membership attack.
-    assert len(trainings) == 5 and all(f"{dataset} " in line for line in trainings)
-    assert sum(f"--dataset first:32:{dataset} " in line for line in trainings) == 1
+    # The main run, one mean-rule run per batch size, the small runs of the gap audit and of its one-run audit (the
+    # dataset's first points, the second with canaries) and the non-private run of the membership attack.
+    assert len(trainings) == 6 and all(f"{dataset} " in line for line in trainings)
+    assert sum(f"--dataset first:32:{dataset} " in line for line in trainings) == 2
+    assert sum("--canaries" in line for line in trainings) == 2
     # Every command of the report is one that the run printed as it executed it, and vice versa.
     printed = [line[2:] for line in result.stdout.splitlines() if line.startswith("$ ")]
     assert [line for line in report_commands(report) if not line.startswith("# in-process: ")] == printed
@@ -150,10 +188,11 @@ def test_rerun_reuses_everything(image_runs):
     assert "0 rows written" in again.stdout
     assert uncached_accountants(runs["again"][1]) == []
     # Four accountants of the main run; per checkpoint of the fixed-checkpoint design its measurement and one
-    # accountant per rate; four accountants per mean-rule run; three audits and the membership attack.
+    # accountant per rate; four accountants per mean-rule run; three audits and the membership attack; the one-run
+    # audits of the main run and of the gap run with canaries.
     rates = len(PRESETS["tiny"].fixed_sample_rates)
     assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == (
-        4 + 2 * (1 + rates) + 4 * 2 + 4)
+        4 + 2 * (1 + rates) + 4 * 2 + 4 + 2)
     assert runs["again"][2] == runs["first"][2]
 
 
@@ -227,6 +266,10 @@ def test_a_changed_run_or_measurement_gets_a_new_name_and_an_accountant_flag_doe
     (["--set", "lr=nan"], "--set", ["lr=nan", "finite"]),
     (["--set", "eps=inf"], "--set", ["eps=inf", "finite"]),
     (["--set", "per_step_method=gla"], "--set", ["per_step_method=gla", "one of exact, holder"]),
+    (["--set", "canaries=100"], "--set", ["canaries=100", "multiple of the 3 canary_norms"]),
+    (["--set", "canary_norms=0.1,2"], "--set", ["canary_norms=0.1,2.0", "(0, 1]"]),
+    (["--set", "audit_significance=1.5"], "--set", ["audit_significance=1.5", "(0, 1)"]),
+    (["--set", "gap_canaries=1"], "--set", ["gap_canaries=1", "at least 2"]),
 ])
 def test_bad_input(tmp_path, run, flags, flag, fragments):
     before = snapshot(tmp_path)
@@ -242,3 +285,12 @@ def test_out_dir_that_is_a_file_is_refused(tmp_path, run):
     before = snapshot(tmp_path)
     assert_usage_error(run("reproduce.py", "--preset", "tiny", "--out-dir", "taken"), "--out-dir")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("others, sample_rate, expected_batch", [(72, 1 / 16, 4.0), (590, 1 / 16, 4.0), (0, 0.5, 1.0)])
+def test_mean_rule_signal_ratio_by_enumeration(others, sample_rate, expected_batch):
+    # E[B_exp/(1 + K)], K ~ Binomial(others, q), summed term by term.
+    counts = np.arange(others + 1)
+    enumerated = float(np.sum(binom.pmf(counts, others, sample_rate) * expected_batch / (1 + counts)))
+    assert one_run.mean_rule_signal_ratio(others=others, sample_rate=sample_rate,
+                                          expected_batch=expected_batch) == pytest.approx(enumerated, rel=1e-12)

@@ -10,6 +10,8 @@ bounds, each the largest ε that the scores reject at the significance level:
 - one_run_fdp_epsilon: its f-DP version for the Gaussian trade-off curve of (ε, δ) (Mahloujifar,
   Melis, Chaudhuri, "Auditing f-differential privacy in one run", 2024) (§11.3);
 - clopper_pearson_epsilon: ε ≥ log((TPR − δ)/FPR) with Clopper–Pearson bounds on both rates (§11.4).
+
+one_run_cap and canaries_needed say what m canaries can show at most, and how many it takes (§11.6).
 """
 
 import math
@@ -221,3 +223,43 @@ def clopper_pearson_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, si
     true_positive_low, _ = clopper_pearson(frontier.true_positives, frontier.members, confidence)
     _, false_positive_high = clopper_pearson(frontier.false_positives, frontier.non_members, confidence)
     return float(np.max(epsilon_from_rates(true_positive_low, false_positive_high, delta)))
+
+
+# --- §11.6: what m canaries can show -----------------------------------------------------------
+
+def one_run_cap(*, members: int, non_members: int, significance: float, delta: float) -> float:
+    """§11.6: the largest §11.2 bound `members` in-canaries and `non_members` out-canaries can give.
+
+    It is the bound of perfectly separated scores (every in-canary above every out-canary): the
+    frontier is then (0, 0), (0, members), (non_members, members), K = 3 thresholds, and every
+    guess at the middle one is right.
+    """
+    check_level(significance=significance, delta=delta)
+    if members < 1 or non_members < 1:
+        raise ValueError(f"need at least one in-canary and one out-canary, got {members} and {non_members}")
+    return one_run_epsilon(np.ones(members), np.zeros(non_members), significance=significance, delta=delta)
+
+
+def canaries_needed(*, epsilon: float, significance: float, delta: float) -> int | None:
+    """§11.6: the fewest canaries m (half in: m // 2 members) whose cap exceeds `epsilon`; None if no m does.
+
+    Necessary, not sufficient: m canaries can show more than `epsilon` only if their scores
+    separate perfectly or nearly. The cap rises with m until the 2mδ term of §11.2 takes over and
+    it falls again, so m is searched by doubling from 2 (None once a positive cap stops rising), then
+    bisected inside the first bracket that exceeds `epsilon`.
+    """
+    check_level(significance=significance, delta=delta)
+
+    def cap(canaries: int) -> float:
+        members = canaries // 2
+        return one_run_cap(members=members, non_members=canaries - members, significance=significance, delta=delta)
+
+    low, high, previous = 1, 2, -math.inf
+    while (current := cap(high)) <= epsilon:
+        if 0 < current <= previous:
+            return None
+        low, high, previous = high, 2 * high, current
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if cap(middle) > epsilon else (middle, high)
+    return high

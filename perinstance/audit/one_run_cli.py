@@ -108,7 +108,13 @@ def audit_run(name: str, models_dir: str, *, significance: float, delta: float) 
         raise UsageError("--run", f"{config.run} has no canaries: train it with --canaries M")
     if config.total_steps not in checkpoints.saved_steps(run_dir):
         raise UsageError("--run", f"{config.run} is not trained to its last step; rerun its train_dpsgd.py command")
-    return config, audit_canaries(config, canaries.read_canaries(run_dir), significance=significance, delta=delta)
+    scores = canaries.read_canaries(run_dir)
+    for norm in np.unique(scores.norms):
+        held_in = scores.included[scores.norms == norm]
+        if held_in.all() or not held_in.any():
+            raise UsageError("--run", f"{config.run}: every canary of norm {norm:g} is held {'in' if held_in.all() else 'out'}"
+                                      f"; a group needs both to be audited: train with more --canaries")
+    return config, audit_canaries(config, scores, significance=significance, delta=delta)
 
 
 def table_lines(config: runs.RunConfig, rows: pd.DataFrame) -> list[str]:

@@ -21,11 +21,12 @@ from perinstance.train.memory import release_freed_memory
 # The repository: the scripts a reproduction runs live there.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RES_DIR = "res"
-# Every figure the run writes; the last two are drawn by audit.py itself (its own figure of the bounds).
+# Every figure the run writes; 7_audit_mean and 9_gap_audit_bounds are drawn by audit.py itself (its own
+# figure of the bounds).
 FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
            "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
            "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png", "7_audit_mean.png",
-           "9_gap_audit_bounds.png"]
+           "9_gap_audit_bounds.png", "10_one_run_audit.png"]
 
 
 def call_script(script: str, argv: list[str]) -> None:

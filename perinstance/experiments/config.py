@@ -57,6 +57,14 @@ class ReproduceConfig:
     gap_epochs: float = 2.0
     gap_lr: float = 0.1
     gap_trials: int = 1_000_000
+    # The one-run audit (docs/audit.md §1b): the main run carries `canaries` white-box gradient canaries in equal
+    # groups, one per norm of `canary_norms` (multiples of Γ), audited group by group at `audit_significance`.
+    # `gap_canaries` > 0 also trains the gap run's realised-size mean rule with that many canaries of norm Γ
+    # and audits them against the sum rule's accounting (docs/audit.md §1c); 0 skips it.
+    canaries: int = 3000
+    canary_norms: tuple[float, ...] = (0.1, 0.3, 1.0)
+    audit_significance: float = 0.05
+    gap_canaries: int = 16
     # The accountants.
     delta: float = 1e-5  # δ of every reported (ε, δ) guarantee
     per_step_method: typing.Literal["exact", "holder"] = "exact"  # eps_delta.py --method of the sum rule (§3.3)
@@ -67,7 +75,7 @@ PRESETS = {
         dataset="synthetic", model="mlp", batch_size=32, lr=0.5, epochs=2.0, eps=10.0, save_freq=8, save_steps="1,2,4",
         track_points="random:64", mean_batch_sizes=(16, 64, 128), mean_points="random:4", num_batches=64,
         fixed_sample_rates=(0.03125, 0.125, 0.5), audit_points=6, audit_trials=5_000, nodp_lr=0.5, gap_points=32,
-        gap_lr=0.5, gap_trials=20_000),
+        gap_lr=0.5, gap_trials=20_000, canaries=300, gap_canaries=8),
     "quick": ReproduceConfig(  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
         dataset="mnist-embedded", model="lenet5", batch_size=256, lr=2.0, epochs=4.0, eps=10.0, save_freq=16,
         save_steps="1,2,4,8,12,20,24,40", track_points="random:200", mean_batch_sizes=(64, 256, 1024),
@@ -91,9 +99,11 @@ PRESETS = {
 # Fields that define the main run, and those that define the mean-rule runs and measurements: a
 # change of one of them gives the runs and result files new names (see `variant_tag`). The dataset
 # is not among them: every name starts with it.
-MAIN_RUN_FIELDS = ("model", "batch_size", "lr", "epochs", "eps", "save_freq", "save_steps", "track_points")
+MAIN_RUN_FIELDS = ("model", "batch_size", "lr", "epochs", "eps", "save_freq", "save_steps", "track_points",
+                   "canaries", "canary_norms")
 MEAN_RULE_FIELDS = ("mean_points", "num_batches", "renyi_order", "fixed_sample_rates", "early_stage", "mean_checkpoints")
 GAP_RUN_FIELDS = ("model", "gap_points", "gap_batch_size", "gap_sigma", "gap_epochs", "gap_lr")
+GAP_CANARY_RUN_FIELDS = (*GAP_RUN_FIELDS, "gap_canaries")
 NODP_RUN_FIELDS = ("model", "batch_size", "epochs", "nodp_lr")
 
 
@@ -175,6 +185,11 @@ def training_flags(config: ReproduceConfig, device: str) -> list[str]:
             "--save-freq", str(config.save_freq), *save_steps, "--device", device]
 
 
+def canary_flags(canaries: int, norms: tuple[float, ...]) -> list[str]:
+    """The flags of train_dpsgd.py that train `canaries` canaries in one equal group per norm."""
+    return ["--canaries", str(canaries), "--canary-norms", field_text(norms)]
+
+
 def check_dataset(config: ReproduceConfig, preset: str, flag: str) -> None:
     """Load a dataset other than the preset's once, so that a bad one fails before any work."""
     if config.dataset == PRESETS[preset].dataset:
@@ -192,7 +207,16 @@ def check_config(config: ReproduceConfig) -> None:
                f"fixed_sample_rates={field_text(config.fixed_sample_rates)}: every rate must be in (0, 1]"),
               (0 <= config.early_stage <= 1, f"early_stage={config.early_stage:g}: a fraction of training in [0, 1]"),
               (config.gap_batch_size <= config.gap_points,
-               f"gap_batch_size={config.gap_batch_size}: must be at most gap_points={config.gap_points}")]
+               f"gap_batch_size={config.gap_batch_size}: must be at most gap_points={config.gap_points}"),
+              (all(0 < norm <= 1 for norm in config.canary_norms),
+               f"canary_norms={field_text(config.canary_norms)}: every norm must be in (0, 1] (a multiple of Γ)"),
+              (config.canaries % len(config.canary_norms) == 0 and config.canaries >= 2 * len(config.canary_norms),
+               f"canaries={config.canaries}: must be a multiple of the {len(config.canary_norms)} canary_norms, "
+               "at least 2 per group"),
+              (0 < config.audit_significance < 1,
+               f"audit_significance={config.audit_significance:g}: must be in (0, 1)"),
+              (config.gap_canaries == 0 or config.gap_canaries >= 2,
+               f"gap_canaries={config.gap_canaries}: 0 (no gap run with canaries) or at least 2")]
     checks += [(getattr(config, name) >= 1, f"{name}={getattr(config, name)}: must be >= 1")
                for name in ("mean_checkpoints", "gap_points", "gap_batch_size", "num_batches", "audit_points")]
     for holds, problem in checks:

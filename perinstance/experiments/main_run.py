@@ -1,6 +1,6 @@
-"""The main run (sum rule): training with tracked points, Δ* of every point at every checkpoint, and the
-accountants on it (per-step (ε, δ) at the final checkpoint, composition along the run by RDP and by PLD,
-composition from the tracked points' every-step norms).
+"""The main run (sum rule): training with tracked points and the one-run audit's canaries (one_run.py), Δ* of
+every point at every checkpoint, and the accountants on it (per-step (ε, δ) at the final checkpoint, composition
+along the run by RDP and by PLD, composition from the tracked points' every-step norms).
 
 Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
 the loss and the classes, checkpoints-only against every-step norms); figures 1, 2, 4, 5 and 6, drawn by
@@ -13,7 +13,13 @@ import os
 import pandas as pd
 
 from perinstance.experiments.commands import RES_DIR, Commands, result_file
-from perinstance.experiments.config import MAIN_RUN_FIELDS, ReproduceConfig, training_flags, variant_tag
+from perinstance.experiments.config import (
+    MAIN_RUN_FIELDS,
+    ReproduceConfig,
+    canary_flags,
+    training_flags,
+    variant_tag,
+)
 from perinstance.files import storage
 from perinstance.train import runs
 from perinstance.train.runs import RunConfig
@@ -28,7 +34,8 @@ def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, 
     """The main run (sum rule) with per-step norms of the tracked points (figure 6), then Δ* of every training point
     at every checkpoint: (run name, run folder, RunConfig, sensitivity rows)."""
     main_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS)}-sum"
-    main_flags = [*training_flags(config, device), "--save-name", main_name, "--track-points", config.track_points]
+    main_flags = [*training_flags(config, device), "--save-name", main_name, "--track-points", config.track_points,
+                  *canary_flags(config.canaries, config.canary_norms)]
     commands.run("train_dpsgd.py", main_flags)
     run_dir = os.path.join("models", main_name)
     main_run = runs.load_run(run_dir)
