@@ -1,14 +1,17 @@
 """The two workloads the speed benchmarks time side by side: LeNet-5 on MNIST and ResNet-20 (GroupNorm)
 on CIFAR-10-shaped inputs. ResNet-20's inputs are random: timings do not depend on the data."""
 
+import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from _smoke import synthetic_lenet_dataset
 
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
+from perinstance.train.options import add_device_argument
 
 CIFAR_SHAPE = (3, 32, 32)
 CIFAR_CLASSES = 10
@@ -19,11 +22,11 @@ class Workload:
     model_name: str
     dataset: Dataset
 
-    def model(self, dp=True):
-        """The model at its seeded initialisation (timings do not depend on the weights)."""
+    def model(self, dp: bool = True, device: str = "cpu") -> torch.nn.Module:
+        """The model at its seeded initialisation on `device` (timings do not depend on the weights)."""
         torch.manual_seed(0)
         channels, size, _ = self.dataset.train_x.shape[1:]
-        return build_model(self.model_name, channels, size, self.dataset.num_classes, dp=dp)
+        return build_model(self.model_name, channels, size, self.dataset.num_classes, dp=dp).to(device)
 
     @property
     def label(self):
@@ -58,10 +61,37 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def add_timing_arguments(parser):
-    """--threads and --clock, the same in every side-by-side benchmark."""
+    """--device, --threads and --clock, the same in every side-by-side benchmark."""
+    add_device_argument(parser)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads; under load, one thread per process times the methods more fairly, "
                              "as a thread waiting for a descheduled one at every operation slows small ones many-fold")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall seconds, or this process's CPU seconds (with --threads 1: the same on an idle "
-                             "machine, and far less disturbed by other processes)")
+                             "machine, and far less disturbed by other processes); on CUDA always wall seconds "
+                             "read after torch.cuda.synchronize()")
+
+
+def timer(clock: str, device: str) -> Callable[[], float]:
+    """The clock a benchmark reads for `--clock` on `device`. On CUDA, wall seconds once the device has
+    finished its queued work: kernels run asynchronously, so neither the CPU seconds of this process nor
+    an unsynchronised wall clock see them."""
+    if torch.device(device).type != "cuda":
+        return CLOCKS[clock]
+
+    def synchronised_wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synchronised_wall
+
+
+def require_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Stop with a usage error when --device names a GPU this machine does not have."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device: {device} requested but no CUDA device is available (allowed: cpu, auto)")
+
+
+def device_name(device: str) -> str:
+    """The device the benchmark ran on, for its header line."""
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU"

@@ -1,6 +1,7 @@
 """Benchmark of the sensitivity engine (not a test).
 
     python benchmarks/bench_sensitivity.py [--rounds 3] [--resnet-points 512] [--reference-sets 5] [--threads 1] [--clock cpu]
+                                           [--device cpu|cuda|auto]
     python benchmarks/bench_sensitivity.py --smoke   # seconds: synthetic data, one round, small Monte Carlo
 
 1. Δ* of every training point at one checkpoint, for LeNet-5 on the embedded MNIST subset (8,000
@@ -12,7 +13,8 @@
    of α batches, batches of 128) for 10 points, both directions: the engine's seconds, and
    the reference (one forward/backward per batch) timed on a slice and extrapolated.
 
-Timings do not depend on the weights, so the checkpoint is each model at its initialisation.
+Timings do not depend on the weights, so the checkpoint is each model at its initialisation. Every
+method runs on --device; on CUDA the clock is the wall clock read after torch.cuda.synchronize().
 """
 
 import argparse
@@ -20,7 +22,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from torch.func import functional_call, grad, vmap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests' oracle
 
-from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
+from _workloads import add_timing_arguments, device_name, require_device, timer, workloads  # noqa: E402
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
@@ -64,7 +65,7 @@ SMOKE_RESNET_POINTS = 8
 # --- 1. Δ* of every point ---------------------------------------------------------------------
 
 def engine_norms(model, x, y):
-    gradient_rows.transformed_norms(model, x, y, TRANSFORM)
+    gradient_rows.transformed_norms(model, x, y, TRANSFORM, x.device)
 
 
 def opacus_materialised_norms(model, x, y):
@@ -105,7 +106,7 @@ def torch_func_norms(model, x, y):
 def engine_without_norms(model, x, y):
     """The engine's passes with no per-layer norm: the forward and the backward to the layer outputs, a
     floor under the engine's time (its norms pass replaces the weight gradients of a plain backward)."""
-    for _, inputs, labels in gradient_rows.example_chunks(x, y, "cpu", gradient_rows.norm_chunk(model, x)):
+    for _, inputs, labels in gradient_rows.example_chunks(x, y, x.device, gradient_rows.norm_chunk(model, x, x.device)):
         forward = gradients._forward(model, inputs, labels)
         torch.autograd.grad(forward.losses.sum(), forward.outputs)
 
@@ -129,20 +130,21 @@ NORM_TARGETS = {"resnet20": {"torch.func vmap(grad)": 1.2, "plain forward+backwa
                 "lenet5": {"plain forward+backward (non-private)": 0.9}}
 
 
-def bench_norms(workload, rounds, clock):
-    x, y = workload.dataset.train_x, workload.dataset.train_y
+def bench_norms(workload, rounds, clock, device):
+    x, y = workload.dataset.train_x.to(device), workload.dataset.train_y.to(device)
     rates = {name: [] for name in NORM_METHODS}
     for _ in range(rounds):
         for name, method in NORM_METHODS.items():
-            model = workload.model()
+            model = workload.model(device=device)
             started = clock()
             method(model, x, y)
             rates[name].append(len(y) / (clock() - started))
     engine = rates["engine (per_sample_norms)"]
-    model = workload.model()
+    model = workload.model(device=device)
     forms = gradients.norm_forms(model, x[:1])
     print(f"\n1. Δ* of all {workload.label}, {gradient_rows.parameter_count(model)} parameters, engine chunks of "
-          f"{gradient_rows.norm_chunk(model, x)}, others {CHUNK}, {rounds} interleaved rounds ({clock.__name__}). "
+          f"{gradient_rows.norm_chunk(model, x, device)}, others {CHUNK}, {rounds} interleaved rounds on {device} "
+          f"({clock.__name__}). "
           "Best round (least disturbed by other processes), and the median over rounds of the same-round ratio:")
     print("   layer forms of the engine: " + ", ".join(f"{form} {list(forms.values()).count(form)}"
                                                      for form in sorted(set(forms.values()))))
@@ -158,25 +160,26 @@ def bench_norms(workload, rounds, clock):
 
 # --- 2. the Rényi mean experiment --------------------------------------------------------------
 
-def time_reference(model, dataset, pool, point, reference_sets, alpha):
+def time_reference(model, dataset, pool, point, reference_sets, alpha, device):
     """Seconds of the reference for one target batch and for one set of α batches (the fastest of
     `reference_sets` timings: the least disturbed by other processes), and its S values."""
     x, y = dataset.train_x, dataset.train_y
     target = np.flatnonzero(pool.draw(1, RENYI_TARGET_KEY, 0)[0])
     target = target[target != point]
+    clock = timer("wall", device)
     target_seconds, set_seconds, values = [], [], []
     for key in range(reference_sets):
-        started = time.perf_counter()
-        reference_batch_means(model, x, y, TRANSFORM, [target])
-        target_seconds.append(time.perf_counter() - started)
+        started = clock()
+        reference_batch_means(model, x, y, TRANSFORM, [target], device)
+        target_seconds.append(clock() - started)
         batches = [np.flatnonzero(mask) for mask in pool.draw(alpha, RENYI_SET_KEY, 0, key)]
-        started = time.perf_counter()
-        values.append(reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches])[0])
-        set_seconds.append(time.perf_counter() - started - target_seconds[-1])
+        started = clock()
+        values.append(reference_renyi_statistics(model, x, y, TRANSFORM, target, [batches], device)[0])
+        set_seconds.append(clock() - started - target_seconds[-1])
     return min(target_seconds), min(set_seconds), np.asarray(values)
 
 
-def bench_renyi(workload, reference_sets, setting):
+def bench_renyi(workload, reference_sets, setting, device):
     dataset = workload.dataset
     x, y = dataset.train_x, dataset.train_y
     size = len(y)
@@ -184,18 +187,20 @@ def bench_renyi(workload, reference_sets, setting):
     num_points = setting.num_points
     points = np.sort(np.random.default_rng(0).choice(size, num_points, replace=False))
     pool = Pool(seed=0, step=0, universe=size, sample_rate=setting.batch_size / size, train_columns=np.arange(size))
-    model = workload.model()
+    model = workload.model(device=device)
+    clock = timer("wall", device)
 
     # The reference is timed before and after the engine; the fastest timing counts, which keeps
     # the extrapolated reference (and the speed-up) on the low side.
-    before = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
-    started = time.perf_counter()
-    rows, point_gradients = gradient_rows.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM)
-    gradient_seconds = time.perf_counter() - started
+    before = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
+    started = clock()
+    rows, point_gradients = gradient_rows.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM,
+                                                               device)
+    gradient_seconds = clock() - started
     engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
-    engine_seconds = time.perf_counter() - started
+    engine_seconds = clock() - started
     del rows, point_gradients
-    after = time_reference(model, dataset, pool, points[0], reference_sets, alpha)
+    after = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
     target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
     per_direction = num_iters * (target_seconds + num_batches * set_seconds)
     reference_seconds = num_points * len(poisson_batches.DIRECTIONS) * per_direction
@@ -225,15 +230,17 @@ def main():
     parser.add_argument("--smoke", action="store_true",
                         help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
     args = parser.parse_args()
+    require_device(parser, args.device)
     if args.smoke:
         args.rounds, args.reference_sets, args.resnet_points, args.threads = 1, 1, SMOKE_RESNET_POINTS, 1
     torch.set_num_threads(args.threads)
     lenet, resnet = workloads(args.smoke, args.resnet_points)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {device_name(args.device)}, "
           f"load average before: {os.getloadavg()[0]:.2f}")
-    bench_norms(lenet, args.rounds, CLOCKS[args.clock])
-    bench_norms(resnet, args.rounds, CLOCKS[args.clock])
-    bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING)
+    clock = timer(args.clock, args.device)
+    bench_norms(lenet, args.rounds, clock, args.device)
+    bench_norms(resnet, args.rounds, clock, args.device)
+    bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING, args.device)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 

@@ -2,14 +2,20 @@
 
 For LeNet-5 on the embedded MNIST subset and ResNet-20 (GroupNorm) on random CIFAR-10-shaped
 inputs: same model, data, expected batch size and number of steps for every method, measured
-side by side (interleaved repeats) in one process; printed as samples/s and ratios.
+side by side (interleaved repeats) in one process on --device; printed as samples/s and ratios. On
+CUDA the clock is the wall clock read after torch.cuda.synchronize(). Opacus and non-private SGD
+draw their batches from their DataLoader and move them to the device before the clock starts, so
+the DataLoader's per-example indexing is not timed; this trainer's timed step includes its own
+Poisson draw from data already on the device.
 
     python benchmarks/bench_training.py [--steps 30] [--batch-size 256] [--resnet-steps 4]
                                         [--resnet-batch-size 128] [--repeats 3] [--threads 1] [--clock cpu]
+                                        [--device cpu|cuda|auto]
     python benchmarks/bench_training.py --smoke     # seconds: tiny data, a few small steps
 """
 
 import argparse
+import itertools
 import os
 import sys
 import warnings
@@ -22,25 +28,28 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _workloads import CLOCKS, add_timing_arguments, workloads  # noqa: E402
+from _workloads import add_timing_arguments, device_name, require_device, timer, workloads  # noqa: E402
 
 from perinstance.train import run_plan, training
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
-# Enough points for the expected batches; ResNet-20's are random, so no more are made than needed.
+# Enough points for the expected batches (sampling rate at most 1/RESNET_BATCHES_PER_EPOCH); ResNet-20's are
+# random, so no more are made than needed.
 RESNET_POINTS = 1024
+RESNET_BATCHES_PER_EPOCH = 8
 SMOKE_RESNET_POINTS = 32
 NOISE_MULTIPLIER, CLIP_NORM, LEARNING_RATE = 1.0, 1.0, 0.5
 # The issue's target (27): this trainer's throughput over non-private SGD's, on both models.
 NON_PRIVATE_TARGET = 0.8
 
 
-def time_this_trainer(workload, steps, batch_size, clock):
+def time_this_trainer(workload, steps, batch_size, clock, device):
     args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([
         "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
-        "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench"]))
-    trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset)
+        "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench",
+        "--device", device]))
+    trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset, args.device)
     trainer.step(1)  # warm-up
     started = clock()
     for step in range(2, steps + 2):
@@ -48,9 +57,9 @@ def time_this_trainer(workload, steps, batch_size, clock):
     return steps * batch_size / (clock() - started)
 
 
-def time_opacus(workload, steps, batch_size, clock, mode):
+def time_opacus(workload, steps, batch_size, clock, device, mode):
     """Opacus's own DP-SGD loop: per-sample gradients by hooks, or ghost clipping (two backwards)."""
-    model = workload.model()
+    model = workload.model(device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     loader = DataLoader(TensorDataset(workload.dataset.train_x, workload.dataset.train_y), batch_size=batch_size)
     private = PrivacyEngine().make_private(module=model, optimizer=optimizer, data_loader=loader,
@@ -60,24 +69,24 @@ def time_opacus(workload, steps, batch_size, clock, mode):
         model, optimizer, criterion, loader = private
     else:
         (model, optimizer, loader), criterion = private, nn.CrossEntropyLoss()
-    return _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock)
+    return _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock, device)
 
 
-def time_non_private(workload, steps, batch_size, clock):
-    model = workload.model(dp=False)
+def time_non_private(workload, steps, batch_size, clock, device):
+    model = workload.model(dp=False, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(workload.dataset.train_x, workload.dataset.train_y), batch_size=batch_size,
                         shuffle=True)
-    return _time_loop(model, optimizer, F.cross_entropy, loader, steps, batch_size, clock)
+    return _time_loop(model, optimizer, F.cross_entropy, loader, steps, batch_size, clock, device)
 
 
-def _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock):
-    batches = iter(_forever(loader))
-    inputs, labels = next(batches)  # warm-up step
-    _train_step(model, optimizer, criterion, inputs, labels)
+def _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock, device):
+    # On a GPU a step of a small model takes about as long as the DataLoader's indexing of a batch, one
+    # example at a time: timed, it would weigh on these methods and not on this trainer.
+    batches = [(inputs.to(device), labels.to(device)) for inputs, labels in itertools.islice(_forever(loader), steps + 1)]
+    _train_step(model, optimizer, criterion, *batches[0])  # warm-up step
     started = clock()
-    for _ in range(steps):
-        inputs, labels = next(batches)
+    for inputs, labels in batches[1:]:
         _train_step(model, optimizer, criterion, inputs, labels)
     return steps * batch_size / (clock() - started)
 
@@ -101,13 +110,13 @@ METHODS = {
 }
 
 
-def bench(workload, steps, batch_size, repeats, clock):
+def bench(workload, steps, batch_size, repeats, clock, device):
     results = {name: [] for name in METHODS}
     for _ in range(repeats):  # interleaved, so load changes hit every method alike
         for name, method in METHODS.items():
-            results[name].append(method(workload, steps, batch_size, clock))
+            results[name].append(method(workload, steps, batch_size, clock, device))
     best = {name: max(values) for name, values in results.items()}
-    print(f"\n{workload.label}, batch {batch_size}, {steps} steps, best of {repeats} ({clock.__name__}):")
+    print(f"\n{workload.label}, batch {batch_size}, {steps} steps, best of {repeats} on {device} ({clock.__name__}):")
     for name, rate in best.items():
         ratio = best["this trainer"] / rate
         target = f"   target ≥ {NON_PRIVATE_TARGET}×: {'met' if ratio >= NON_PRIVATE_TARGET else 'NOT met'}" \
@@ -125,14 +134,17 @@ def main():
     add_timing_arguments(parser)
     parser.add_argument("--smoke", action="store_true", help=f"tiny data, {SMOKE_SIZES}, for CI")
     args = parser.parse_args()
+    require_device(parser, args.device)
     if args.smoke:
         vars(args).update(SMOKE_SIZES)
     torch.set_num_threads(args.threads)
-    lenet, resnet = workloads(args.smoke, SMOKE_RESNET_POINTS if args.smoke else RESNET_POINTS)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average before: "
+    resnet_points = max(RESNET_POINTS, RESNET_BATCHES_PER_EPOCH * args.resnet_batch_size)
+    lenet, resnet = workloads(args.smoke, SMOKE_RESNET_POINTS if args.smoke else resnet_points)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device_name(args.device)}, load average before: "
           f"{os.getloadavg()[0]:.2f}")
-    bench(lenet, args.steps, args.batch_size, args.repeats, CLOCKS[args.clock])
-    bench(resnet, args.resnet_steps, args.resnet_batch_size, args.repeats, CLOCKS[args.clock])
+    clock = timer(args.clock, args.device)
+    bench(lenet, args.steps, args.batch_size, args.repeats, clock, args.device)
+    bench(resnet, args.resnet_steps, args.resnet_batch_size, args.repeats, clock, args.device)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 

@@ -6,11 +6,14 @@ import os
 import re
 
 import pytest
+import torch
 from conftest import ROOT, run_script
 
 # Every script in benchmarks/ (helpers start with "_"), so a new benchmark is covered when added.
 BENCHMARKS = sorted(name for name in os.listdir(os.path.join(ROOT, "benchmarks"))
                     if name.endswith(".py") and not name.startswith("_"))
+# The benchmarks that time their methods on --device.
+DEVICE_BENCHMARKS = ["bench_sensitivity.py", "bench_training.py"]
 # A ratio as the benchmarks print it: a number followed by × or x, e.g. "1.48×", "speed-up 285x".
 RATIO = re.compile(r"(\d+(?:\.\d+)?|nan|inf)\s?[×x](?!\w)")
 
@@ -24,8 +27,30 @@ def test_every_benchmark_is_found():
 @pytest.mark.parametrize("script", BENCHMARKS)
 def test_smoke_mode_runs_and_prints_finite_ratios(script, tmp_path):
     result = run_script(os.path.join("benchmarks", script), "--smoke", cwd=tmp_path)
+    assert_finite_ratios(result)
+    assert not os.listdir(tmp_path), "a smoke run writes nothing where it is started"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("script", DEVICE_BENCHMARKS)
+def test_smoke_mode_runs_every_method_on_cuda(script, tmp_path):
+    # A tensor left on the CPU while the model is on the GPU (or the reverse) stops the run with an error.
+    result = run_script(os.path.join("benchmarks", script), "--smoke", "--device", "cuda", cwd=tmp_path)
+    assert_finite_ratios(result)
+    assert "on cuda" in result.stdout and "on cpu" not in result.stdout, result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
+@pytest.mark.parametrize("script", DEVICE_BENCHMARKS)
+def test_cuda_without_a_gpu_is_a_usage_error(script, tmp_path):
+    result = run_script(os.path.join("benchmarks", script), "--smoke", "--device", "cuda", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "--device" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not result.stdout
+
+
+def assert_finite_ratios(result):
     assert result.returncode == 0, result.stderr[-3000:]
     ratios = RATIO.findall(result.stdout)
     assert ratios, result.stdout
     assert all(math.isfinite(float(ratio)) and float(ratio) > 0 for ratio in ratios), (ratios, result.stdout)
-    assert not os.listdir(tmp_path), "a smoke run writes nothing where it is started"

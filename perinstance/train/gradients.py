@@ -378,5 +378,5 @@ def directional_derivatives(model, inputs, labels, direction):
         logits, tangent = torch.func.jvp(logits_of, values, tuple(part.to(values[0].dtype) for part in direction))
     # d/dt of cross_entropy(logits + t·tangent) is ⟨softmax(logits) − onehot(y), tangent⟩.
     residual = torch.softmax(logits, dim=1)
-    residual[torch.arange(len(labels)), labels] -= 1
+    residual[torch.arange(len(labels), device=labels.device), labels] -= 1
     return (residual * tangent).sum(dim=1), F.cross_entropy(logits, labels, reduction="none"), logits
