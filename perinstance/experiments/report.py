@@ -84,7 +84,8 @@ def verdict_text(judged: list[dict]) -> str:
     for pair in judged:
         factor, low, high = (math.exp(value) for value in (pair["change"].estimate, pair["change"].low,
                                                             pair["change"].high))
-        parts.append(f"{pair['from']:.4g}→{pair['to']:.4g} {pair['verdict']} (×{factor:.3g} [{low:.3g}, {high:.3g}])")
+        parts.append(f"{pair['from']:.4g}→{pair['to']:.4g} {pair['verdict']} "
+                     f"(×{factor:.3g} [{low:.3g}, {high:.3g}])")
     return ", ".join(parts)
 
 
@@ -190,8 +191,10 @@ def attack_lines(findings: dict) -> list[str]:
     lines = []
     for rule, summary in findings["audit"].items():
         for step, result in summary.items():
-            groups = ", ".join(f"{group} {values['median_lower']:.3g}/{values['median_upper']:.3g} "
-                               f"(ratio {values['median_ratio']:.3g}, {values['points']} points)"
+            groups = ", ".join(f"{group} {values['median_lower']:.3g}/{values['median_upper']:.3g} (ratio "
+                               + (interval_text(values["ratio_interval"]) if values["ratio_interval"] else
+                                  f"{values['median_ratio']:.3g}")
+                               + f", {values['points']} points)"
                                for group, values in result["groups"].items() if group != "all")
             lines.append(f"audit, {rule} rule, step {step}, {result['trials']:,} simulated steps per law, "
                          f"δ={result['delta']:g}: eps_lower/eps_upper medians ({result['upper_kind']} upper bound) "
@@ -200,7 +203,8 @@ def attack_lines(findings: dict) -> list[str]:
     lines.append(
         f"the realised-size mean rule against the sum rule's accounting (run {gap['run']}: N={gap['dataset_size']}, "
         f"B={gap['batch_size']}, σ={gap['noise_multiplier']:g}, audited at step {gap['step']}, {gap['trials']:,} "
-        f"simulated steps per law, δ={gap['delta']:g}): eps_lower (95%) median {gap['median_lower']:.3g}, max "
+        f"simulated steps per law, δ={gap['delta']:g}): eps_lower (95%) median "
+        f"{interval_text(gap['median_lower_interval'])} (95% interval over the points), max "
         f"{gap['max_lower']:.3g}; above the sum rule's per-step ε {gap['sum_rule_eps']:.4g} for {gap['above_sum_rule']} "
         f"of {gap['points']} points ({gap['above_sum_rule_jointly']} with all bounds holding together), above the mean "
         f"rule's own baseline {gap['mean_baseline_eps']:.4g} (k_min={gap['k_min']}) for {gap['above_baseline']}"

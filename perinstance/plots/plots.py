@@ -93,14 +93,10 @@ def _draw_interval_band(ax, interval, color):
         ax.axvspan(interval.low, interval.high, color=color, alpha=0.2, linewidth=0)
 
 
-def _fmt_r(pearson):
-    return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
-
-
-def _fmt_r_interval(pearson, interval):
-    """r with its 95% interval where it has one."""
-    if interval is None:
-        return _fmt_r(pearson)
+def _fmt_r(pearson, interval=None):
+    """r, with its 95% interval where it has one."""
+    if np.isnan(pearson) or interval is None:
+        return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
     return f"{pearson:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
 
 
@@ -384,7 +380,7 @@ def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
         grid = np.linspace(log_loss.min(), log_loss.max(), 200)
         ax.plot(np.exp(grid), intercept + slope * grid, color="tab:red", linewidth=2,
                 label=f"ε ≈ {intercept:.3g} {'−' if slope < 0 else '+'} {abs(slope):.3g}·ln(loss), "
-                      f"Pearson r = {_fmt_r_interval(pearson, pearson_interval)}")
+                      f"Pearson r = {_fmt_r(pearson, pearson_interval)}")
     else:
         ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
@@ -403,7 +399,7 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
     pearson = _pearson(accuracies, means) if len(names) >= 3 else float("nan")
     pearson_interval = _pearson_interval(accuracies, means) if len(names) >= 3 else None
     ax.scatter(accuracies, means, s=40, color="tab:purple", zorder=3,
-               label=f"class mean ε, {len(names)} classes (Pearson r = {_fmt_r_interval(pearson, pearson_interval)})")
+               label=f"class mean ε, {len(names)} classes (Pearson r = {_fmt_r(pearson, pearson_interval)})")
     for name, accuracy, mean in zip(names, accuracies, means, strict=True):
         ax.annotate(str(name), (accuracy, mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
@@ -496,7 +492,7 @@ def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, base
     ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
     ax.set_xlabel("ε from gradient norms at every step (ground truth)")
     ax.set_ylabel("ε from gradient norms at checkpoints")
-    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r_interval(pearson, pearson_interval)} (95%)\n"
+    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson, pearson_interval)} (95%)\n"
                  f"mean |error| = {_fmt(mean_abs_error)}, max |error| = {_fmt(max_abs_error)}")
     ax.legend(loc="lower right")
     _save(fig, path)
