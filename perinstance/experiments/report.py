@@ -42,7 +42,7 @@ def finding_lines(config: ReproduceConfig, findings: dict) -> list[str]:
          f"{r_text(individual['pearson_class'], individual['pearson_class_interval'])}: the class with the lowest "
          f"test accuracy ({individual['lowest_class']}) has mean ε {class_eps[individual['lowest_class']]:.4g}, the "
          f"highest ({individual['highest_class']}) {class_eps[individual['highest_class']]:.4g}"),
-        (f"ε from norms at checkpoints only vs at every step: Pearson r = "
+        (f"ε from norms at checkpoints only vs at every step, {estimate['points']} points: Pearson r = "
          f"{r_text(estimate['pearson'], estimate['pearson_interval'])}, mean |error| {estimate['mean_abs_error']:.3g}, "
          f"max |error| {estimate['max_abs_error']:.3g}"),
         *attack_lines(findings),

@@ -462,7 +462,7 @@ def _draw_accountant_panel(ax, by_accountant):
                            "q90": float(np.quantile(values, 0.9)), "worst": worst,
                            "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
         ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
-                label=f"{name}: median {_fmt(summaries[name]['median'])}")
+                label=f"{name}: median {interval_text(summaries[name]['median_interval'])} (95%)")
         ax.axvline(worst, color=color, linestyle="--", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
     ax.set_xlabel("composed per-instance ε")
     ax.set_ylabel("share of points with at most this ε")
