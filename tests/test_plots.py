@@ -5,6 +5,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from perinstance.accounting import intervals
 from perinstance.plots import audit_plots, one_run_plots, plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -104,7 +105,8 @@ def test_histogram_constant_values_at_half_the_baseline(tmp_path):
     path = tmp_path / "hist.png"
     result = draw_without_warnings(lambda: plots.plot_per_step_histogram(np.full(20, 0.2), 0.4, path))
     assert_png(path)
-    assert result == {"median": 0.2, "baseline": 0.4, "share_2x_below": 1.0}
+    assert result == {"median": 0.2, "median_interval": intervals.Interval(0.2, 0.2, 0.2, 20), "baseline": 0.4,
+                      "share_2x_below": 1.0}
 
 
 def test_histogram_rejects_non_finite_values(tmp_path):

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from perinstance.accounting import audit_bounds, exact_eps_delta
+from perinstance.accounting import audit_bounds, exact_eps_delta, intervals
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError
@@ -343,8 +343,9 @@ def audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, 
 def audit_summary(rows):
     """Per checkpoint step: the rule, the kind of upper bound, trials, δ, the number of violated
     points, and per group (easy, hard, misclassified, all) the number of points and the medians
-    of eps_lower, eps_upper and their ratio. Easy/hard: correctly classified points below / at
-    or above the median eps_upper of the correctly classified points audited at that step."""
+    of eps_lower, eps_upper and their ratio, the ratio's with its 95% interval (docs/accounting.md §10).
+    Easy/hard: correctly classified points below / at or above the median eps_upper of the correctly
+    classified points audited at that step."""
     summary = {}
     for step, group in rows.groupby("step"):
         right = group[group["correct"] == 1]
@@ -357,7 +358,9 @@ def audit_summary(rows):
             "violated": int(group["violated"].sum()), "points": len(group),
             "groups": {name: {"points": len(subset), "median_lower": float(subset["eps_lower"].median()),
                               "median_upper": float(subset["eps_upper"].median()),
-                              "median_ratio": float(subset["ratio"].median())}
+                              "median_ratio": float(subset["ratio"].median()),
+                              "ratio_interval": intervals.median_interval(subset["ratio"].dropna().to_numpy())
+                              if subset["ratio"].notna().any() else None}
                        for name, subset in subsets.items() if len(subset)},
         }
     return summary
@@ -394,8 +397,8 @@ def gap_summary(rows, mechanism, size_delta=None):
             "sum_rule_eps": sum_eps, "mean_baseline_eps": mean_eps, "k_min": k_min, "delta_size": delta_size,
             "above_sum_rule": int((lower > sum_eps).sum()), "above_baseline": int((lower > mean_eps).sum()),
             "above_sum_rule_jointly": int((jointly > sum_eps).sum()), "median_lower_jointly": float(np.median(jointly)),
-            "median_lower": float(lower.median()), "max_lower": float(lower.max()),
-            "median_upper": float(group["eps_upper"].median()),
+            "median_lower": float(lower.median()), "median_lower_interval": intervals.median_interval(lower.to_numpy()),
+            "max_lower": float(lower.max()), "median_upper": float(group["eps_upper"].median()),
         }
     return summary
 

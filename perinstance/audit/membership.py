@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from perinstance.accounting import audit_bounds
+from perinstance.accounting import audit_bounds, intervals
 from perinstance.errors import UsageError
 from perinstance.train import runs, sampling, training
 
@@ -133,12 +133,20 @@ def class_mean_eps(path, labels, total_steps, flag="--eps-csv"):
 
 
 def membership_summary(rows):
-    """Per model: classes, mean attack accuracy, and the Pearson r across classes of the attack
-    accuracy and of the test accuracy with the class's mean composed ε."""
+    """Per model: classes, attack points (members and non-members), the mean attack accuracy over classes with
+    its 95% interval (docs/accounting.md §10, the classes resampled: each has its own threshold), and the
+    Pearson r across classes of the attack accuracy and of the test accuracy with the class's mean composed ε,
+    the first with its interval (None where r is undefined)."""
     summary = {}
     for model, group in rows.groupby("model", sort=False):
         valid = group.dropna(subset=["attack_accuracy", "mean_eps"])
-        summary[model] = {"classes": len(valid), "mean_attack_accuracy": float(valid["attack_accuracy"].mean()),
-                          "pearson_attack": audit_bounds.pearson(valid["mean_eps"], valid["attack_accuracy"]),
+        pearson_attack = audit_bounds.pearson(valid["mean_eps"], valid["attack_accuracy"])
+        accuracies = valid["attack_accuracy"].to_numpy()
+        summary[model] = {"classes": len(valid), "points": int((valid["members"] + valid["nonmembers"]).sum()),
+                          "mean_attack_accuracy": float(accuracies.mean()) if len(valid) else float("nan"),
+                          "attack_accuracy_interval": intervals.block_mean_interval(accuracies) if len(valid) else None,
+                          "pearson_attack": pearson_attack,
+                          "pearson_attack_interval": (None if np.isnan(pearson_attack) else intervals.pearson_interval(
+                              valid["mean_eps"].to_numpy(), valid["attack_accuracy"].to_numpy())),
                           "pearson_test": audit_bounds.pearson(valid["mean_eps"], valid["test_accuracy"])}
     return summary

@@ -8,12 +8,12 @@ import numpy as np
 import pandas as pd
 
 from perinstance.accountants import composition
-from perinstance.accounting import rdp_composition
+from perinstance.accounting import intervals, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.experiments.commands import FIGURES
 from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B
-from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED
+from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED, design_verdicts
 from perinstance.files import checkpoints
 from perinstance.plots import plots
 from perinstance.train import training
@@ -78,29 +78,34 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main_run: RunConfig, run
         composed.loc[exact.index, "eps"].to_numpy(), exact.to_numpy(), path(FIGURES[5]),
         float(composed["baseline_eps"].iloc[0]))
     findings["estimate"]["points"] = len(exact)
-    findings["composed_median"] = float(composed["eps"].median())
+    findings["composed_median"] = intervals.median_interval(composed["eps"].to_numpy())
     findings["composed_baseline"] = float(composed["baseline_eps"].iloc[0])
     findings["total_steps"] = main_run.total_steps
     return findings
 
 
 def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> dict:
-    """Figure 3 and its numbers: both designs' per-step and whole-run guarantees of the mean rule by sampling rate."""
-    designs, facts = {}, {}
+    """Figure 3 and its numbers: both designs' per-step and whole-run guarantees of the mean rule by sampling rate,
+    with the verdicts on their change between adjacent rates (§10; paired over the points in the fixed-checkpoint
+    designs, independent runs in the matched-steps one)."""
+    designs, facts, paired = {}, {}, {}
     for label, step in ((DESIGN_EARLY, "early"), (DESIGN_FINAL, "final")):
         by_rate = mean_results["fixed"][step]
-        facts[label] = {rate: series[2] for rate, series in by_rate.items()}
-        checkpoint = next(iter(facts[label].values()))["checkpoint"]
+        checkpoint = next(iter(by_rate.values()))[2]["checkpoint"]
         label_at = f"{label} (step {checkpoint})"
         designs[label_at] = ({rate: series[0] for rate, series in by_rate.items()},
                              {rate: series[1] for rate, series in by_rate.items()})
-        facts[label_at] = facts.pop(label)
+        facts[label_at] = {rate: series[2] for rate, series in by_rate.items()}
+        paired[label_at] = True
     matched = mean_results["matched"]
     designs[DESIGN_MATCHED] = ({rate: series[0] for rate, series in matched.items()},
                                {rate: series[1] for rate, series in matched.items()})
     facts[DESIGN_MATCHED] = {rate: series[2] for rate, series in matched.items()}
+    paired[DESIGN_MATCHED] = False
     drawn = plots.plot_sampling_rate_designs(designs, config.renyi_order, config.delta, path)
-    return {design: {**values, "facts": facts[design]} for design, values in drawn.items()}
+    return {design: {**values, "facts": facts[design],
+                     "verdicts": design_verdicts(*designs[design], paired=paired[design])}
+            for design, values in drawn.items()}
 
 
 def pick_points(eps: pd.Series, correct: pd.Series) -> dict[str, int]:

@@ -1,97 +1,162 @@
 """report.md: the findings' sentences, the configuration, every command, the timing table and the figures.
 """
 
+import math
 import os
 import shlex
 
+from perinstance.accounting.intervals import FALLS, RISES, Interval
 from perinstance.experiments.commands import FIGURES, Commands
 from perinstance.experiments.config import ReproduceConfig, field_text, field_types, overridden
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, holder_text
 from perinstance.experiments.sampling_rates import DESIGN_MATCHED, FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
 from perinstance.files import fileio
+from perinstance.plots.plots import interval_text
 from perinstance.train.runs import RunConfig
 
 
 def finding_lines(config: ReproduceConfig, findings: dict) -> list[str]:
-    """The numbered findings of the report, every setting quoted from `config` and the constants."""
+    """The numbered findings of the report, every setting quoted from `config` and the constants, every median,
+    ratio and correlation a finding rests on with its 95% interval and the points behind it (§10)."""
     hist, corr, rates = findings["histogram"], findings["correctness"], findings["rates"]
     individual, estimate = findings["individual"], findings["estimate"]
-    misclassified_more = corr["count_misclassified"] > 0 and corr["median_misclassified"] > corr["median_correct"]
     class_eps = list(individual["class_mean_eps"].values())
     return [
-        f"median per-instance per-step ε is {hist['median']:.4g}, baseline {hist['baseline']:.4g}; "
+        f"median per-instance per-step ε is {interval_text(hist['median_interval'], 4)} (95% interval, "
+        f"{hist['median_interval'].count} points), baseline {hist['baseline']:.4g}; "
         f"{100 * hist['share_2x_below']:.1f}% of points are at least 2× below the baseline",
-        (f"misclassified median / correct median = {corr['ratio']:.3g} "
-         f"({corr['count_misclassified']} misclassified, {corr['count_correct']} correct points)"
-         + ("" if misclassified_more else " — NOT borne out by this run: misclassified points do not pay more")),
+        correctness_line(corr),
         *mean_rule_lines(config, rates),
         (f"composed ε over {findings['total_steps']} steps (b={holder_text(COMPOSITION_HOLDER_B)}, "
-         f"δ={config.delta:g}): median {findings['composed_median']:.4g}, "
-         f"baseline {findings['composed_baseline']:.4g}; "
+         f"δ={config.delta:g}): median {interval_text(findings['composed_median'], 4)} "
+         f"({findings['composed_median'].count} points), baseline {findings['composed_baseline']:.4g}; "
          + ", ".join(f"{label}: {value:.4g}" for label, value in findings["curves"]["final"].items())),
         "composed ε by accountant (every point, b=∞): " + "; ".join(
-            f"{name}: median {values['median']:.4g} (10-90%: {values['q10']:.4g}-{values['q90']:.4g}), worst case "
-            f"{values['worst']:.4g}, {100 * values['share_below_half']:.1f}% of points below half the worst case"
+            f"{name}: median {interval_text(values['median_interval'], 4)} ({values['points']} points; 10-90%: "
+            f"{values['q10']:.4g}-{values['q90']:.4g}), worst case {values['worst']:.4g}, "
+            f"{100 * values['share_below_half']:.1f}% of points below half the worst case"
             for name, values in individual["accountants"].items()),
-        (f"Pearson r between composed ε and log final loss = {individual['pearson_log_loss']:.3f}; "
-         f"class with the lowest test accuracy ({individual['lowest_class']}) has mean ε "
-         f"{class_eps[individual['lowest_class']]:.4g}, the highest ({individual['highest_class']}) "
-         f"{class_eps[individual['highest_class']]:.4g}"),
+        ("Pearson r between composed ε and log final loss = "
+         f"{r_text(individual['pearson_log_loss'], individual['pearson_log_loss_interval'])}"
+         f"; across classes, r between class mean ε and class test accuracy = "
+         f"{r_text(individual['pearson_class'], individual['pearson_class_interval'])}: the class with the lowest "
+         f"test accuracy ({individual['lowest_class']}) has mean ε {class_eps[individual['lowest_class']]:.4g}, the "
+         f"highest ({individual['highest_class']}) {class_eps[individual['highest_class']]:.4g}"),
         (f"ε from norms at checkpoints only vs at every step, {estimate['points']} points: Pearson r = "
-         f"{estimate['pearson']:.3f}, mean |error| {estimate['mean_abs_error']:.3g}, max |error| "
-         f"{estimate['max_abs_error']:.3g}"),
+         f"{r_text(estimate['pearson'], estimate['pearson_interval'])}, mean |error| {estimate['mean_abs_error']:.3g}, "
+         f"max |error| {estimate['max_abs_error']:.3g}"),
         *attack_lines(findings),
         *one_run_lines(config, findings),
     ]
 
 
+def r_text(pearson: float, interval: Interval | None) -> str:
+    """Pearson r with its 95% interval and the number of pairs behind it, or why it is undefined."""
+    if interval is None:
+        return "undefined (fewer than two distinct values)" if math.isnan(pearson) else f"{pearson:.3f}"
+    return f"{pearson:.3f} [{interval.low:.3f}, {interval.high:.3f}] (95% interval, {interval.count} pairs)"
+
+
+def correctness_line(corr: dict) -> str:
+    """Finding 2: whether misclassified points pay more, from the interval of the ratio of the two medians."""
+    ratio = corr["ratio_interval"]
+    counts = f"{corr['count_misclassified']} misclassified, {corr['count_correct']} correct points"
+    if ratio is None:
+        return f"misclassified median / correct median undefined ({counts}) — NOT borne out by this run"
+    if ratio.low > 1:
+        meaning = "misclassified points pay more"
+    elif ratio.high < 1:
+        meaning = "NOT borne out by this run: misclassified points pay less"
+    else:
+        meaning = "NOT borne out by this run: no difference at this precision"
+    return f"misclassified median / correct median = {interval_text(ratio)} (95% interval; {counts}) — {meaning}"
+
+
+def median_text(medians: dict, found: dict, series: str, rate: float, digits: int = 4) -> str:
+    """A median of figure 3 with its 95% interval where it has one."""
+    interval = found[series][rate]
+    return interval_text(interval, digits) if interval is not None else f"{medians[series][rate]:.{digits}g}"
+
+
+def verdict_text(judged: list[dict]) -> str:
+    """'0.008→0.032 falls (×0.57 [0.52, 0.61]), …': the verdict per adjacent pair of rates and the factor by which
+    the median changes, with its 95% interval."""
+    parts = []
+    for pair in judged:
+        factor, low, high = (math.exp(value) for value in (pair["change"].estimate, pair["change"].low,
+                                                            pair["change"].high))
+        parts.append(f"{pair['from']:.4g}→{pair['to']:.4g} {pair['verdict']} "
+                     f"(×{factor:.3g} [{low:.3g}, {high:.3g}])")
+    return ", ".join(parts)
+
+
+VERDICT_PARTS = {"ratio": "per step ÷ mean-rule baseline", "per_step": "per-step value", "whole_run": "whole-run ε"}
+
+
+def claim_steps(ratio_verdicts: dict[str, list[dict]]) -> list[tuple[float, float, str]]:
+    """Per adjacent pair of rates, the certified and estimated ratios' verdicts together: one verdict where they
+    agree, "mixed (…)" naming both where they do not."""
+    by_pair = {}
+    for series, judged in ratio_verdicts.items():
+        for pair in judged:
+            by_pair.setdefault((pair["from"], pair["to"]), {})[series] = pair["verdict"]
+    steps = []
+    for (first, second), verdicts in sorted(by_pair.items()):
+        agreed = set(verdicts.values())
+        steps.append((first, second, agreed.pop() if len(agreed) == 1 else
+                      "mixed (" + ", ".join(f"{series} {verdict}" for series, verdict in verdicts.items()) + ")"))
+    return steps
+
+
 def mean_rule_lines(config: ReproduceConfig, rates: dict) -> list[str]:
-    """Findings 3 and 4: the mean rule per sampling rate in both designs, per step and over the whole run, and
-    GLA's sampling-rate claim judged on the per-step data-dependent values relative to the mean rule's baseline."""
-    lines, verdicts, spans = [], {}, {}
+    """Findings 3 to 6: the mean rule per sampling rate in both designs, per step and over the whole run, each
+    median with its 95% interval, the verdicts between adjacent rates (§10), and GLA's sampling-rate claim judged
+    on the per-step data-dependent values relative to the mean rule's baseline."""
+    lines, phrases, tally = [], [], {FALLS: 0, RISES: 0, "other": 0}
     for design, drawn in rates.items():
         facts, step, whole = drawn["facts"], drawn["per_step"], drawn["composed"]
+        step_found, whole_found = drawn["per_step_intervals"], drawn["composed_intervals"]
+        ratios, ratio_found = drawn["ratios"], drawn["ratios_intervals"]
         ordered = sorted(facts)
         per_rate = "; ".join(
             f"q={rate:.4g} (B={facts[rate]['batch_size']}, σ={facts[rate]['sigma']:.3g}, T={facts[rate]['steps']}, "
-            f"k_min={facts[rate]['k_min']}): certified {step['certified'][rate]:.4g} (k*=k_min for "
-            f"{100 * facts[rate]['dominated_by_k_min']:.0f}% of {facts[rate]['points']} points), estimate "
-            f"{step['estimate'][rate]:.4g} (Monte Carlo, {facts[rate]['estimate_samples']} batches per point), "
-            f"mean-rule baseline {step['baseline'][rate]:.4g}, sum rule at the same θ and σ {step['sum_rule'][rate]:.4g} "
-            f"(worst case {step['sum_baseline'][rate]:.4g}); whole run: certified {whole['certified'][rate]:.4g}, "
-            + (f"estimate {whole['estimate'][rate]:.4g}, " if "estimate" in whole else "")
+            f"k_min={facts[rate]['k_min']}): certified {median_text(step, step_found, 'certified', rate)} "
+            f"({facts[rate]['points']} points; k*=k_min for {100 * facts[rate]['dominated_by_k_min']:.0f}%), "
+            f"estimate {median_text(step, step_found, 'estimate', rate)} (Monte Carlo, "
+            f"{facts[rate].get('estimate_points', facts[rate]['points'])} points, {facts[rate]['estimate_samples']} "
+            f"batches per point), mean-rule baseline {step['baseline'][rate]:.4g}, sum rule at the same θ and σ "
+            f"{median_text(step, step_found, 'sum_rule', rate)} (worst case {step['sum_baseline'][rate]:.4g}); "
+            f"whole run: certified {median_text(whole, whole_found, 'certified', rate)}, "
+            + (f"estimate {median_text(whole, whole_found, 'estimate', rate)}, " if "estimate" in whole else "")
             + f"mean-rule baseline {whole['baseline'][rate]:.4g}, sum rule worst case {whole['sum_baseline'][rate]:.4g}"
             for rate in ordered)
-        ratios = drawn["ratios"]
-        falls = {kind: decreasing([ratios[kind][rate] for rate in ordered]) for kind in ("certified", "estimate")}
-        verdicts[design] = falls["certified"] and falls["estimate"]
-        spans[design] = (f"{design}: certified/baseline " + " → ".join(f"{ratios['certified'][rate]:.3g}" for rate in ordered)
-                         + ", estimate/baseline " + " → ".join(f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
-                         + f" over q = {', '.join(f'{rate:.4g}' for rate in ordered)}")
-        ratio_text = ", ".join(f"q={rate:.4g}: certified/baseline {ratios['certified'][rate]:.3g}, estimate/baseline "
-                               f"{ratios['estimate'][rate]:.3g}" for rate in ordered)
+        ratio_text = ", ".join(f"q={rate:.4g}: certified/baseline "
+                               f"{median_text(ratios, ratio_found, 'certified', rate, 3)}"
+                               + (f", estimate/baseline {median_text(ratios, ratio_found, 'estimate', rate, 3)}"
+                                  if rate in ratios["estimate"] else "") for rate in ordered)
+        verdicts = drawn["verdicts"]
+        judged_text = "; ".join(f"{VERDICT_PARTS[part]}, {series}: {verdict_text(judged)}"
+                                for part, by_series in verdicts.items() for series, judged in by_series.items())
         whole_run_meaning = MATCHED_WHOLE_RUN if design == DESIGN_MATCHED else FIXED_WHOLE_RUN
-        lines.append(f"mean rule, {design}: per-step Rényi DP at α={config.renyi_order:g} (medians) and ε over the "
-                     f"whole run (δ={config.delta:g}, b=∞; {whole_run_meaning}): {per_rate}. Relative to the mean "
-                     "rule's baseline: "
-                     f"{ratio_text} — " + ("both fall as q grows" if verdicts[design] else
-                                          "certified " + ("falls" if falls["certified"] else "does not fall")
-                                          + ", estimate " + ("falls" if falls["estimate"] else "does not fall")
-                                          + " as q grows"))
-    reproduced = [design for design, held in verdicts.items() if held]
-    verdict = ("GLA's claim that a higher sampling rate gives the mean rule better data-dependent privacy (relative "
-               "to its own baseline, per step) is " + (
-                   "REPRODUCED in every controlled design" if len(reproduced) == len(verdicts) else
-                   f"REPRODUCED only in {', '.join(reproduced)} and NOT in the others" if reproduced else
-                   "NOT reproduced in any controlled design")
-               + "; judged on the per-step estimate and certified bound, each divided by the mean rule's baseline "
-                 "at the same q, since the whole-run values also change with T and σ (medians: "
-               + "; ".join(spans.values()) + ")")
+        pairing = ("the same points at one checkpoint, resampled together" if design != DESIGN_MATCHED else
+                   "one independent run per rate, each resampled on its own")
+        lines.append(f"mean rule, {design}: per-step Rényi DP at α={config.renyi_order:g} (medians, 95% intervals) "
+                     f"and ε over the whole run (δ={config.delta:g}, b=∞; {whole_run_meaning}): {per_rate}. "
+                     f"Relative to the mean rule's baseline: {ratio_text}. Between adjacent rates, as q grows "
+                     f"(factor of the median, 95% interval; {pairing}): {judged_text}")
+        steps = claim_steps(verdicts["ratio"])
+        for _, _, verdict in steps:
+            tally[verdict if verdict in (FALLS, RISES) else "other"] += 1
+        phrases.append(f"{design}: " + ", ".join(f"{first:.4g}→{second:.4g} {verdict}"
+                                                 for first, second, verdict in steps))
+    verdict = ("GLA's claim that a higher sampling rate gives the mean rule better data-dependent privacy (per "
+               "step, relative to its own baseline) holds, by the 95% intervals of the certified and estimated "
+               f"ratios (figure 3, right column: a step up in q supports it where both ratios' error bars fall "
+               f"apart downwards), at {tally[FALLS]} of {sum(tally.values())} steps up in q; both ratios rise at "
+               f"{tally[RISES]}, and {tally['other']} are mixed or show no difference at this precision — "
+               + "; ".join(phrases)
+               + "; the whole-run values also change with T and σ, so they do not judge it")
     return [*lines, verdict]
-
-
-def decreasing(values: list[float]) -> bool:
-    return all(first > second for first, second in zip(values, values[1:]))
 
 
 def configuration_lines(preset: str, config: ReproduceConfig) -> list[str]:
@@ -127,8 +192,10 @@ def attack_lines(findings: dict) -> list[str]:
     lines = []
     for rule, summary in findings["audit"].items():
         for step, result in summary.items():
-            groups = ", ".join(f"{group} {values['median_lower']:.3g}/{values['median_upper']:.3g} "
-                               f"(ratio {values['median_ratio']:.3g}, {values['points']} points)"
+            groups = ", ".join(f"{group} {values['median_lower']:.3g}/{values['median_upper']:.3g} (ratio "
+                               + (interval_text(values["ratio_interval"]) if values["ratio_interval"] else
+                                  f"{values['median_ratio']:.3g}")
+                               + f", {values['points']} points)"
                                for group, values in result["groups"].items() if group != "all")
             lines.append(f"audit, {rule} rule, step {step}, {result['trials']:,} simulated steps per law, "
                          f"δ={result['delta']:g}: eps_lower/eps_upper medians ({result['upper_kind']} upper bound) "
@@ -137,7 +204,8 @@ def attack_lines(findings: dict) -> list[str]:
     lines.append(
         f"the realised-size mean rule against the sum rule's accounting (run {gap['run']}: N={gap['dataset_size']}, "
         f"B={gap['batch_size']}, σ={gap['noise_multiplier']:g}, audited at step {gap['step']}, {gap['trials']:,} "
-        f"simulated steps per law, δ={gap['delta']:g}): eps_lower (95%) median {gap['median_lower']:.3g}, max "
+        f"simulated steps per law, δ={gap['delta']:g}): eps_lower (95%) median "
+        f"{interval_text(gap['median_lower_interval'])} (95% interval over the points), max "
         f"{gap['max_lower']:.3g}; above the sum rule's per-step ε {gap['sum_rule_eps']:.4g} for {gap['above_sum_rule']} "
         f"of {gap['points']} points ({gap['above_sum_rule_jointly']} with all bounds holding together), above the mean "
         f"rule's own baseline {gap['mean_baseline_eps']:.4g} (k_min={gap['k_min']}) for {gap['above_baseline']}"
@@ -145,9 +213,9 @@ def attack_lines(findings: dict) -> list[str]:
            else " — no gap shown at this size"))
     attack = findings["membership"]
     lines.append("membership inference (loss threshold, per class): " + "; ".join(
-        f"{model}: mean attack accuracy {values['mean_attack_accuracy']:.3f}, Pearson r(attack, class ε) = "
-        f"{values['pearson_attack']:.2f}, r(test accuracy, class ε) = {values['pearson_test']:.2f} "
-        f"({values['classes']} classes)" for model, values in attack.items()))
+        f"{model}: mean attack accuracy {attack_accuracy_text(values)}, Pearson r(attack, class ε) = "
+        f"{r_text(values['pearson_attack'], values['pearson_attack_interval'])}, r(test accuracy, class ε) = "
+        f"{values['pearson_test']:.2f}" for model, values in attack.items()))
     return lines
 
 
@@ -196,3 +264,16 @@ def one_run_lines(config: ReproduceConfig, findings: dict) -> list[str]:
            f"{gap['signal_ratio']:.3g}× the sum rule's signal (docs/audit.md §1c), less as canaries are added; the "
            "gap lives in the rare steps whose realised batch is tiny, which the per-step audit (above) tests"))
     return lines
+
+
+def attack_accuracy_text(values: dict) -> str:
+    """The membership attack's mean accuracy over classes, its 95% interval (classes resampled), and its verdict
+    against chance (0.5)."""
+    accuracy = values["attack_accuracy_interval"]
+    counts = f"{values['classes']} classes, {values['points']} points"
+    if accuracy is None:
+        return f"undefined ({counts})"
+    against = ("above chance" if accuracy.low > 0.5 else "below chance" if accuracy.high < 0.5
+               else "no difference from chance (0.5) at this precision")
+    return (f"{accuracy.estimate:.3f} [{accuracy.low:.3f}, {accuracy.high:.3f}] (95% interval over {counts}): "
+            f"{against}")

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from perinstance.accountants import accountants, composition
-from perinstance.accounting import rdp_composition, renyi_step
+from perinstance.accounting import intervals, rdp_composition, renyi_step
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.experiments.commands import RES_DIR, Commands, account, result_file
@@ -31,11 +31,49 @@ DESIGN_MATCHED = "(b) matched steps"
 # What "the whole run" means in the report line of a fixed-checkpoint design and of the matched-steps design.
 FIXED_WHOLE_RUN = "T steps at q, each charged at this one checkpoint: a what-if, not a trained run"
 MATCHED_WHOLE_RUN = "the run's own checkpoints; no estimate, its Δ_B are drawn at the final checkpoint only"
+# The series whose change with q is judged: the data-dependent ones (the baselines are single numbers).
+JUDGED_SERIES = ("certified", "estimate")
 # The mean rule's whole-run ε are often tens to hundreds, converted best at orders close to 1: its compositions
 # take three orders below the composition grid's lowest.
 MEAN_RULE_ORDERS = (1.02, 1.05, 1.1, *rdp_composition.COMPOSITION_ORDERS)
 # The fixed-checkpoint design's Δ_B draws: Monte-Carlo blocks and grid sizes, compute_sensitivity.py's defaults.
 FIXED_MC_BLOCKS, FIXED_MAX_SIZES = 4, 32
+
+
+def adjacent_rate_verdicts(values_by_rate: dict[float, np.ndarray], *, paired: bool) -> list[dict]:
+    """§10: per pair of adjacent rates (q, q'), the verdict on the median's change from q to q' ("falls",
+    "rises", "no difference at this precision") and the interval of log(median at q' / median at q). paired: the
+    same points in the same order at every rate (one checkpoint), resampled together; a point whose value is
+    not a positive finite number at either rate is left out of that pair."""
+    rates = sorted(values_by_rate)
+    judged = []
+    for first, second in zip(rates, rates[1:]):
+        before, after = (np.asarray(values_by_rate[rate], dtype=float) for rate in (first, second))
+        if paired:
+            kept = np.isfinite(before) & np.isfinite(after) & (before > 0) & (after > 0)
+            before, after = before[kept], after[kept]
+        else:
+            before = before[np.isfinite(before) & (before > 0)]
+            after = after[np.isfinite(after) & (after > 0)]
+        if len(before) == 0 or len(after) == 0:
+            continue
+        judged.append({"from": first, "to": second,
+                       "verdict": intervals.verdict(before, after, paired=paired),
+                       "change": intervals.change_interval(before, after, paired=paired)})
+    return judged
+
+
+def design_verdicts(per_step: dict[float, dict], whole_run: dict[float, dict], *, paired: bool) -> dict[str, dict]:
+    """§10 for one design of figure 3: {"ratio" (per step ÷ the mean rule's baseline at q), "per_step", "whole_run":
+    {series: adjacent_rate_verdicts}} for the certified bound and the estimate, where the design has them."""
+    def judged(series_by_rate: dict[float, dict], scale: bool) -> dict[str, list[dict]]:
+        return {series: adjacent_rate_verdicts(
+                    {rate: np.atleast_1d(np.asarray(values[series], dtype=float))
+                     / (float(values["baseline"]) if scale else 1.0) for rate, values in series_by_rate.items()},
+                    paired=paired)
+                for series in JUDGED_SERIES if all(series in values for values in series_by_rate.values())}
+
+    return {"ratio": judged(per_step, True), "per_step": judged(per_step, False), "whole_run": judged(whole_run, False)}
 
 
 def rdp_table(rows: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -116,11 +154,20 @@ def fixed_series(mechanism: Mechanism, steps: int, rows: pd.DataFrame, whole: di
     sum_rdp = renyi_step.rdp_sum_rule(norms, mechanism.clip_bound, mechanism.noise_multiplier, mechanism.sample_rate,
                                       orders)
     sum_mechanism = dataclasses.replace(Mechanism.of_run(mechanism, "sum"), total_steps=steps)
-    per_step = {kind: at_order(rdp_table(rows, kind), alpha) for kind in ("certified", "estimate", "baseline")}
-    per_step["baseline"] = float(per_step["baseline"][0])
+    tables = {kind: rdp_table(rows, kind) for kind in ("certified", "estimate", "baseline")}
+    # Every point has a certified bound, not always an estimate: the point-wise series are aligned on the
+    # certified points (NaN where one is missing), so that the rates' verdicts can pair the same points.
+    points = tables["certified"].index
+    per_step = {kind: at_order(tables[kind].reindex(points), alpha) for kind in ("certified", "estimate")}
+    per_step["baseline"] = float(at_order(tables["baseline"], alpha)[0])
     per_step["sum_rule"] = sum_rdp[:, orders.index(alpha)]
     per_step["sum_baseline"] = float(sum_mechanism.baseline_rdp([alpha], steps=1)[0])
-    whole_run = {"certified": whole[Kind.CERTIFIED][1], "estimate": whole[Kind.ESTIMATE][1],
+
+    def on_points(kind: Kind) -> np.ndarray:
+        whole_points, eps, _ = whole[kind]
+        return pd.Series(eps, index=whole_points).reindex(points).to_numpy()
+
+    whole_run = {"certified": on_points(Kind.CERTIFIED), "estimate": on_points(Kind.ESTIMATE),
                  "baseline": whole[Kind.CERTIFIED][2],
                  "sum_rule": composition.repeated_step_eps(sum_rdp, steps, orders, config.delta)[0],
                  "sum_baseline": float(sum_mechanism.baseline_eps(config.delta)[0])}

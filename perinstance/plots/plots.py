@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # no display on the training machines; must precede pyplo
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from perinstance.accounting import intervals
 from perinstance.files.fileio import atomic_path
 
 DPI = 120
@@ -69,8 +70,34 @@ def _fmt(value):
     return f"{value:.3g}"
 
 
-def _fmt_r(pearson):
-    return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
+def interval_text(interval: intervals.Interval, digits: int = 3) -> str:
+    """'0.123 [0.101, 0.14]': an estimate with its 95% interval (accounting.md §10), `digits` significant."""
+    return f"{interval.estimate:.{digits}g} [{interval.low:.{digits}g}, {interval.high:.{digits}g}]"
+
+
+def _median_interval(values):
+    """§10: the median and its 95% bootstrap interval over the points; None without points."""
+    return intervals.median_interval(values) if len(values) else None
+
+
+def _pearson_interval(x, y):
+    """§10: Pearson r over paired points with its 95% bootstrap interval; None where r is undefined."""
+    if np.isnan(_pearson(x, y)):
+        return None
+    return intervals.pearson_interval(np.asarray(x, dtype=float), np.asarray(y, dtype=float))
+
+
+def _draw_interval_band(ax, interval, color):
+    """The 95% interval of a median drawn as a shaded band across a value axis."""
+    if interval is not None and np.isfinite(interval.low) and np.isfinite(interval.high):
+        ax.axvspan(interval.low, interval.high, color=color, alpha=0.2, linewidth=0)
+
+
+def _fmt_r(pearson, interval=None):
+    """r, with its 95% interval where it has one."""
+    if np.isnan(pearson) or interval is None:
+        return "undefined" if np.isnan(pearson) else f"{pearson:.3f}"
+    return f"{pearson:.3f} [{interval.low:.3f}, {interval.high:.3f}]"
 
 
 def _save(fig, path):
@@ -115,18 +142,23 @@ def plot_per_step_histogram(eps, baseline_eps, path, title="Per-instance per-ste
     eps = _as_1d("eps", eps)
     baseline_eps = float(baseline_eps)
     median = _median(eps)
+    median_interval = _median_interval(eps)
     share_2x_below = float(np.mean(eps <= baseline_eps / 2)) if len(eps) else float("nan")
 
     fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
     ax.hist(eps, bins=40, color="tab:blue", alpha=0.75, label=f"{len(eps)} points")
-    ax.axvline(median, color="tab:orange", linewidth=2, label=f"median = {_fmt(median)}")
+    median_label = f"median = {_fmt(median)}" if median_interval is None else \
+        f"median = {interval_text(median_interval)} (95%)"
+    ax.axvline(median, color="tab:orange", linewidth=2, label=median_label)
+    _draw_interval_band(ax, median_interval, "tab:orange")
     ax.axvline(baseline_eps, **BASELINE_STYLE)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("number of points")
     ax.set_title(f"{title}\n{share_2x_below:.0%} of points at ≤ half the baseline")
     ax.legend()
     _save(fig, path)
-    return {"median": median, "baseline": baseline_eps, "share_2x_below": share_2x_below}
+    return {"median": median, "median_interval": median_interval, "baseline": baseline_eps,
+            "share_2x_below": share_2x_below}
 
 
 def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
@@ -139,6 +171,9 @@ def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
     groups = {"correct": values[correct], "misclassified": values[~correct]}
     colors = {"correct": "tab:green", "misclassified": "tab:red"}
     medians = {name: _median(group) for name, group in groups.items()}
+    median_intervals = {name: _median_interval(group) for name, group in groups.items()}
+    ratio_interval = (intervals.median_ratio_interval(groups["misclassified"], groups["correct"])
+                      if all(len(group) for group in groups.values()) else None)
 
     fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
     missing = [name for name, group in groups.items() if len(group) == 0]
@@ -149,12 +184,15 @@ def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
             continue
         _draw_ecdf(ax, group, color=colors[name], linewidth=2, label=f"{name} (n = {len(group)})")
         ax.axvline(medians[name], color=colors[name], linestyle=":", linewidth=1.5,
-                   label=f"median {name} = {_fmt(medians[name])}")
+                   label=f"median {name} = {interval_text(median_intervals[name])} (95%)")
+        _draw_interval_band(ax, median_intervals[name], colors[name])
     ax.axvline(float(baseline), **BASELINE_STYLE)
     ax.set_xlabel(value_label)
     ax.set_ylabel("fraction of points ≤ value")
     ax.set_ylim(0, 1.02)
     title = f"{value_label}: correct vs misclassified points"
+    if ratio_interval is not None:
+        title += f"\nmedian ratio misclassified / correct = {interval_text(ratio_interval)} (95%)"
     if missing:
         title += "\n(" + ", ".join(f"no {name} points" for name in missing) + ")"
     ax.set_title(title)
@@ -166,25 +204,27 @@ def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
         "count_correct": len(groups["correct"]),
         "count_misclassified": len(groups["misclassified"]),
         "ratio": _ratio(medians["misclassified"], medians["correct"]),
+        "ratio_interval": ratio_interval,
     }
 
 
 MEAN_RULE_SERIES = {
     # key: (label, style); estimates say so in the legend (accounting.md §3.5).
-    "certified": ("mean rule, certified bound (median, 10-90%)", {"color": "tab:blue", "marker": "o"}),
-    "estimate": ("mean rule, estimate (Monte Carlo, median)", {"color": "tab:orange", "marker": "s",
-                                                               "linestyle": ":"}),
+    "certified": ("mean rule, certified bound (median, 95% interval; band 10-90%)", {"color": "tab:blue",
+                                                                                     "marker": "o"}),
+    "estimate": ("mean rule, estimate (Monte Carlo, median, 95% interval)", {"color": "tab:orange", "marker": "s",
+                                                                             "linestyle": ":"}),
     "baseline": ("mean rule, data-independent baseline", {"color": "black", "marker": "D", "linestyle": "--"}),
-    "sum_rule": ("sum rule, per instance at the same θ (median)", {"color": "tab:green", "marker": "^",
-                                                                   "linestyle": "-."}),
+    "sum_rule": ("sum rule, per instance at the same θ (median, 95% interval)", {"color": "tab:green", "marker": "^",
+                                                                                 "linestyle": "-."}),
     "sum_baseline": ("sum rule, worst case at the same sigma", {"color": "grey", "marker": "v", "linestyle": "--"}),
 }
 
 
 RATIO_SERIES = {
-    "certified": ("certified / mean-rule baseline (median)", {"color": "tab:blue", "marker": "o"}),
-    "estimate": ("estimate / mean-rule baseline (median; Monte Carlo)", {"color": "tab:orange", "marker": "s",
-                                                                        "linestyle": ":"}),
+    "certified": ("certified / mean-rule baseline (median, 95% interval)", {"color": "tab:blue", "marker": "o"}),
+    "estimate": ("estimate / mean-rule baseline (median, 95% interval; Monte Carlo)",
+                 {"color": "tab:orange", "marker": "s", "linestyle": ":"}),
 }
 
 
@@ -192,17 +232,27 @@ def _finite(values):
     return values[np.isfinite(values)]
 
 
+def _draw_medians(ax, rates, arrays, label, style):
+    """Medians over the rates with their 95% bootstrap intervals as error bars (accounting.md §10); a single
+    value (a baseline) has no interval. Returns ({q: median}, {q: Interval or None})."""
+    medians = [_median(values) for values in arrays]
+    found = [_median_interval(values) if len(values) > 1 else None for values in arrays]
+    low = [median - interval.low if interval else 0.0 for median, interval in zip(medians, found, strict=True)]
+    high = [interval.high - median if interval else 0.0 for median, interval in zip(medians, found, strict=True)]
+    ax.errorbar(rates, medians, yerr=[low, high], label=label, linewidth=2, capsize=4, **style)
+    return dict(zip(rates, medians, strict=True)), dict(zip(rates, found, strict=True))
+
+
 def _draw_ratio_panel(ax, values_by_rate, title):
     """The data-dependent per-step values relative to the mean rule's own baseline, per rate: the quantity
-    GLA's sampling-rate claim is about. Returns {series: {q: median ratio}}."""
+    GLA's sampling-rate claim is about. Returns ({series: {q: median ratio}}, {series: {q: its interval}})."""
     rates = sorted(values_by_rate)
-    drawn = {}
+    drawn, found = {}, {}
     for key, (label, style) in RATIO_SERIES.items():
         present = [q for q in rates if key in values_by_rate[q]]
-        ratios = [_median(_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))))
+        ratios = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float)))
                   / float(values_by_rate[q]["baseline"]) for q in present]
-        drawn[key] = dict(zip(present, ratios, strict=True))
-        ax.plot(present, ratios, label=label, linewidth=2, **style)
+        drawn[key], found[key] = _draw_medians(ax, present, ratios, label, style)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself")
     ax.set_xscale("log")
     ax.set_xticks(rates, [f"{q:g}" for q in rates])
@@ -211,14 +261,15 @@ def _draw_ratio_panel(ax, values_by_rate, title):
     ax.set_ylabel("per-step value / mean-rule baseline")
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
-    return drawn
+    return drawn, found
 
 
 def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"):
-    """One line per series over the sampling rates: medians of per-point arrays (with a 10-90% band
-    for the certified bound) or single values; returns the medians drawn per series and rate."""
+    """One line per series over the sampling rates: medians of per-point arrays with their 95% intervals (and a
+    10-90% band for the certified bound) or single values; returns the medians drawn per series and rate, and
+    their intervals."""
     rates = sorted(values_by_rate)
-    drawn = {}
+    drawn, found = {}, {}
     everything = [np.zeros(0)]
     for key, (label, style) in MEAN_RULE_SERIES.items():
         present = [q for q in rates if key in values_by_rate[q]]
@@ -227,10 +278,8 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"
         # A point without an estimate (NaN: some size unsampled) or without a finite guarantee (inf: δ_fail
         # left nothing to spend) has no place on a log axis; the medians are over the finite values.
         arrays = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))) for q in present]
-        medians = [_median(values) for values in arrays]
-        drawn[key] = dict(zip(present, medians, strict=True))
+        drawn[key], found[key] = _draw_medians(ax, present, arrays, label, style)
         everything.extend(arrays)
-        ax.plot(present, medians, label=label, linewidth=2, **style)
         if key == "certified":
             low = [np.quantile(values, 0.1) if len(values) else np.nan for values in arrays]
             high = [np.quantile(values, 0.9) if len(values) else np.nan for values in arrays]
@@ -242,14 +291,16 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(loc="best", fontsize="small")
-    return drawn
+    return drawn, found
 
 
 def plot_sampling_rate_designs(designs, alpha, delta, path):
     """GLA's sampling-rate claim for the mean rule (its Fig. 3c) in controlled designs (accounting.md §3.2, §4):
     one row per design, {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}}
-    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at order α, ε over the whole run at δ, and the per-step data-dependent
-    values relative to the mean rule's baseline. Returns {design: {"per_step", "composed", "ratios"}}."""
+    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at
+    order α, ε over the whole run at δ, and the per-step data-dependent values relative to the mean rule's
+    baseline, every median with its 95% interval (§10). Returns {design: {"per_step", "composed", "ratios"}
+    (medians) and the same three with "_intervals" (their Interval, None for a single value)}."""
     for title, (per_step, whole_run) in designs.items():
         if set(per_step) != set(whole_run):
             raise ValueError(f"{title}: per_step and whole_run cover different rates: {sorted(per_step)} vs "
@@ -257,12 +308,14 @@ def plot_sampling_rate_designs(designs, alpha, delta, path):
     fig, axes = plt.subplots(len(designs), 3, figsize=(18.0, 4.6 * len(designs)), layout="constrained", squeeze=False)
     drawn = {}
     for row, (title, (per_step, whole_run)) in zip(axes, designs.items()):
-        drawn[title] = {
+        panels = {
             "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
             "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
                                          f"{title}: whole run"),
             "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
         }
+        drawn[title] = {key: medians for key, (medians, _) in panels.items()}
+        drawn[title].update({f"{key}_intervals": found for key, (_, found) in panels.items()})
     _save(fig, path)
     return drawn
 
@@ -314,6 +367,7 @@ def _class_accuracies(class_names, class_test_accuracy):
 def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
     """Left panel of plot_individual_accounting: ε vs final loss with the fit ε ≈ a + b·log(loss)."""
     pearson = _pearson(eps, log_loss)
+    pearson_interval = _pearson_interval(eps, log_loss)
     can_fit = len(np.unique(log_loss)) >= 2  # a line through one x value is undefined
     ax.set_xscale("log")
     if not can_fit and len(log_loss):
@@ -326,7 +380,7 @@ def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
         grid = np.linspace(log_loss.min(), log_loss.max(), 200)
         ax.plot(np.exp(grid), intercept + slope * grid, color="tab:red", linewidth=2,
                 label=f"ε ≈ {intercept:.3g} {'−' if slope < 0 else '+'} {abs(slope):.3g}·ln(loss), "
-                      f"Pearson r = {_fmt_r(pearson)}")
+                      f"Pearson r = {_fmt_r(pearson, pearson_interval)}")
     else:
         ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
@@ -334,7 +388,7 @@ def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
     ax.set_ylabel("per-instance composed ε")
     ax.set_title("Privacy vs final training loss")
     ax.legend(loc="lower right", fontsize="small")
-    return pearson, intercept, slope
+    return pearson, pearson_interval, intercept, slope
 
 
 def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
@@ -343,8 +397,9 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
     accuracies = [class_accuracy[name] for name in names]
     means = [class_mean_eps[name] for name in names]
     pearson = _pearson(accuracies, means) if len(names) >= 3 else float("nan")
+    pearson_interval = _pearson_interval(accuracies, means) if len(names) >= 3 else None
     ax.scatter(accuracies, means, s=40, color="tab:purple", zorder=3,
-               label=f"class mean ε (Pearson r = {_fmt_r(pearson)})")
+               label=f"class mean ε, {len(names)} classes (Pearson r = {_fmt_r(pearson, pearson_interval)})")
     for name, accuracy, mean in zip(names, accuracies, means, strict=True):
         ax.annotate(str(name), (accuracy, mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
@@ -353,7 +408,7 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
     ax.set_ylabel("mean per-instance ε of the class")
     ax.set_title("Class privacy vs class accuracy")
     ax.legend(loc="lower left", fontsize="small")
-    return pearson
+    return pearson, pearson_interval
 
 
 def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path,
@@ -377,17 +432,20 @@ def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_
 
     panels = 2 if by_accountant is None else 3
     fig, axes = plt.subplots(1, panels, figsize=(TWO_PANELS[0] * panels / 2, TWO_PANELS[1]), layout="constrained")
-    pearson_log_loss, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss, baseline_eps)
-    pearson_class = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
+    pearson_log_loss, pearson_log_loss_interval, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss,
+                                                                                    baseline_eps)
+    pearson_class, pearson_class_interval = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
     accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant)
     _save(fig, path)
     return {
         "pearson_log_loss": pearson_log_loss,
+        "pearson_log_loss_interval": pearson_log_loss_interval,
         "fit_intercept": intercept,
         "fit_slope": slope,
         "class_mean_eps": class_mean_eps,
         "class_accuracy": class_accuracy,
         "pearson_class": pearson_class,
+        "pearson_class_interval": pearson_class_interval,
         "accountants": accountants,
     }
 
@@ -399,11 +457,12 @@ def _draw_accountant_panel(ax, by_accountant):
     for (name, (values, worst)), color in zip(by_accountant.items(), ("tab:blue", "tab:orange", "tab:green")):
         values = np.sort(_as_1d(f"ε by {name}", values))
         worst = float(worst)
-        summaries[name] = {"median": float(np.median(values)), "q10": float(np.quantile(values, 0.1)),
+        summaries[name] = {"median": float(np.median(values)), "median_interval": _median_interval(values),
+                           "q10": float(np.quantile(values, 0.1)),
                            "q90": float(np.quantile(values, 0.9)), "worst": worst,
                            "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
         ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
-                label=f"{name}: median {_fmt(summaries[name]['median'])}")
+                label=f"{name}: median {interval_text(summaries[name]['median_interval'])} (95%)")
         ax.axvline(worst, color=color, linestyle="--", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
     ax.set_xlabel("composed per-instance ε")
     ax.set_ylabel("share of points with at most this ε")
@@ -419,6 +478,7 @@ def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, base
     _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)
     baseline_eps = float(baseline_eps)
     pearson = _pearson(truth, estimate)
+    pearson_interval = _pearson_interval(truth, estimate)
     errors = np.abs(estimate - truth)
     mean_abs_error = float(errors.mean()) if len(errors) else float("nan")
     max_abs_error = float(errors.max()) if len(errors) else float("nan")
@@ -432,8 +492,9 @@ def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, base
     ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
     ax.set_xlabel("ε from gradient norms at every step (ground truth)")
     ax.set_ylabel("ε from gradient norms at checkpoints")
-    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson)}\n"
+    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson, pearson_interval)} (95%)\n"
                  f"mean |error| = {_fmt(mean_abs_error)}, max |error| = {_fmt(max_abs_error)}")
     ax.legend(loc="lower right")
     _save(fig, path)
-    return {"pearson": pearson, "mean_abs_error": mean_abs_error, "max_abs_error": max_abs_error}
+    return {"pearson": pearson, "pearson_interval": pearson_interval, "mean_abs_error": mean_abs_error,
+            "max_abs_error": max_abs_error}

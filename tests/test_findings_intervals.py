@@ -1,0 +1,153 @@
+"""The report's findings carry 95% intervals and verdicts drawn from them (docs/accounting.md §10), checked on
+fixtures whose answer is known: clearly separated samples, identical ones, and reversed ones."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
+from perinstance.audit import membership
+from perinstance.experiments import report
+from perinstance.experiments.config import PRESETS
+from perinstance.experiments.sampling_rates import DESIGN_MATCHED, adjacent_rate_verdicts, design_verdicts
+from perinstance.plots import plots
+
+POINTS = 200
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def spread(rng, median, points=POINTS):
+    """Positive values whose median is close to `median`, a factor of about 1.2 either way."""
+    return median * np.exp(rng.normal(0.0, 0.2, points))
+
+
+def test_clearly_separated_rates_fall_and_the_change_is_the_log_ratio_of_medians(rng):
+    high, low = spread(rng, 1.0), spread(rng, 0.25)
+    (pair,) = adjacent_rate_verdicts({0.1: high, 0.2: low}, paired=False)
+    assert (pair["from"], pair["to"], pair["verdict"]) == (0.1, 0.2, FALLS)
+    assert pair["change"].estimate == pytest.approx(math.log(np.median(low) / np.median(high)), rel=1e-12)
+    assert pair["change"].high < 0 and pair["change"].count == POINTS
+    (reverse,) = adjacent_rate_verdicts({0.1: low, 0.2: high}, paired=False)
+    assert reverse["verdict"] == RISES
+
+
+def test_identical_samples_give_no_difference(rng):
+    same = spread(rng, 1.0)
+    for paired in (True, False):
+        (pair,) = adjacent_rate_verdicts({0.1: same, 0.2: same.copy()}, paired=paired)
+        assert pair["verdict"] == NO_DIFFERENCE
+        assert pair["change"].low <= 0 <= pair["change"].high
+
+
+def test_paired_verdicts_leave_out_points_without_a_positive_finite_value_at_either_rate(rng):
+    before, after = spread(rng, 1.0), spread(rng, 0.25)
+    before[:3], after[3:6] = np.inf, 0.0
+    (pair,) = adjacent_rate_verdicts({0.1: before, 0.2: after}, paired=True)
+    assert pair["change"].count == POINTS - 6 and pair["verdict"] == FALLS
+
+
+def designs_fixture(rng):
+    """One design whose per-step ratio to the baseline falls from q=0.01 to 0.1 and is the same from 0.1 to 1
+    (per step the values fall less than the baseline), and its whole run."""
+    baselines = {0.01: 10.0, 0.1: 5.0, 1.0: 2.5}
+    ratios = {0.01: 0.5, 0.1: 0.1, 1.0: 0.1}
+    noise = spread(rng, 1.0)
+    per_step = {rate: {"certified": ratios[rate] * baselines[rate] * noise,
+                       "estimate": 0.8 * ratios[rate] * baselines[rate] * noise,
+                       "baseline": baselines[rate], "sum_rule": noise, "sum_baseline": 3.0} for rate in ratios}
+    whole_run = {rate: {"certified": 5.0 * noise, "estimate": 4.0 * noise, "baseline": 20.0, "sum_baseline": 10.0}
+                 for rate in ratios}
+    facts = {rate: {"sigma": 1.0, "steps": 10, "batch_size": int(rate * 1000), "checkpoint": 5, "k_min": 1,
+                    "points": POINTS, "estimate_samples": 64, "dominated_by_k_min": 0.0} for rate in ratios}
+    return per_step, whole_run, facts
+
+
+def test_design_verdicts_judge_ratio_value_and_whole_run(rng):
+    per_step, whole_run, _ = designs_fixture(rng)
+    verdicts = design_verdicts(per_step, whole_run, paired=True)
+    for series in ("certified", "estimate"):
+        assert [pair["verdict"] for pair in verdicts["ratio"][series]] == [FALLS, NO_DIFFERENCE]
+        # The values themselves fall at both steps (the baseline halves from 0.1 to 1), the whole run stays.
+        assert [pair["verdict"] for pair in verdicts["per_step"][series]] == [FALLS, FALLS]
+        assert [pair["verdict"] for pair in verdicts["whole_run"][series]] == [NO_DIFFERENCE, NO_DIFFERENCE]
+        assert verdicts["ratio"][series][0]["change"].estimate == pytest.approx(math.log(0.1 / 0.5), rel=1e-9)
+
+
+def test_mean_rule_lines_carry_intervals_verdicts_and_one_summary(rng, tmp_path):
+    per_step, whole_run, facts = designs_fixture(rng)
+    designs = {"(a) one checkpoint": (per_step, whole_run), DESIGN_MATCHED: (per_step, whole_run)}
+    drawn = plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
+    rates = {design: {**values, "facts": facts, "verdicts": design_verdicts(*designs[design],
+                                                                           paired=design != DESIGN_MATCHED)}
+             for design, values in drawn.items()}
+    *lines, summary = report.mean_rule_lines(PRESETS["tiny"], rates)
+    assert len(lines) == 2
+    interval = drawn[DESIGN_MATCHED]["ratios_intervals"]["certified"][0.01]
+    assert f"certified/baseline {plots.interval_text(interval)}" in lines[1]
+    expected = np.median(per_step[0.01]["certified"]) / per_step[0.01]["baseline"]
+    assert interval.estimate == pytest.approx(expected, rel=1e-12)
+    assert interval.low < expected < interval.high and interval.count == POINTS
+    assert "0.01→0.1 falls (×0.2 [" in lines[0] and f"0.1→1 {NO_DIFFERENCE}" in lines[0]
+    assert "resampled together" in lines[0] and "each resampled on its own" in lines[1]
+    assert summary.count("GLA's claim") == 1 and "at 2 of 4 steps up in q; both ratios rise at 0, and 2 are" in summary
+    assert f"{DESIGN_MATCHED}: 0.01→0.1 falls, 0.1→1 {NO_DIFFERENCE}" in summary
+    assert "REPRODUCED" not in summary and "NOT reproduced" not in summary
+
+
+def correctness(tmp_path, correct_values, misclassified_values):
+    values = np.concatenate([correct_values, misclassified_values])
+    correct = np.arange(len(values)) < len(correct_values)
+    return plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε")
+
+
+def test_correctness_line_from_the_ratio_interval(rng, tmp_path):
+    more = correctness(tmp_path, spread(rng, 0.1), spread(rng, 1.0, 40))
+    line = report.correctness_line(more)
+    assert more["ratio_interval"].low > 1 and "misclassified points pay more" in line
+    assert f"= {plots.interval_text(more['ratio_interval'])} (95% interval; 40 misclassified, {POINTS} correct" in line
+    same = spread(rng, 1.0)
+    alike = report.correctness_line(correctness(tmp_path, same, same))
+    assert f"NOT borne out by this run: {NO_DIFFERENCE}" in alike
+    none = report.correctness_line(correctness(tmp_path, same, np.zeros(0)))
+    assert "undefined (0 misclassified" in none
+
+
+def membership_rows(accuracies):
+    classes = len(accuracies)
+    return pd.DataFrame({"model": "DP", "class": range(classes), "members": 100, "nonmembers": 90,
+                         "attack_accuracy": accuracies, "mean_eps": np.linspace(1.0, 2.0, classes),
+                         "test_accuracy": np.linspace(0.9, 0.8, classes)})
+
+
+def test_membership_attack_against_chance():
+    chance = membership.membership_summary(membership_rows(0.5 + 0.01 * np.array([-2, 1, 0, 2, -1, 1, -1, 0, 2, -2])))
+    assert chance["DP"]["points"] == 1900 and chance["DP"]["attack_accuracy_interval"].count == 10
+    assert "no difference from chance (0.5) at this precision" in report.attack_accuracy_text(chance["DP"])
+    above = membership.membership_summary(membership_rows(np.linspace(0.7, 0.8, 10)))
+    text = report.attack_accuracy_text(above["DP"])
+    assert text.startswith("0.750 [") and "over 10 classes, 1900 points): above chance" in text
+    # Attack accuracy rises with ε exactly: r is 1 on every resample.
+    assert above["DP"]["pearson_attack_interval"].low == pytest.approx(1.0)
+
+
+def test_pearson_text_names_interval_and_pairs(rng, tmp_path):
+    truth = rng.normal(size=60)
+    drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0)
+    interval = drawn["pearson_interval"]
+    assert interval.low < drawn["pearson"] < interval.high < 1 and interval.count == 60
+    assert report.r_text(drawn["pearson"], interval) == (
+        f"{drawn['pearson']:.3f} [{interval.low:.3f}, {interval.high:.3f}] (95% interval, 60 pairs)")
+    assert report.r_text(float("nan"), None).startswith("undefined")
+
+
+def test_claim_steps_name_both_series_where_they_disagree(rng):
+    fall, same = spread(rng, 1.0), spread(rng, 1.0)
+    ratio_verdicts = {"certified": adjacent_rate_verdicts({0.1: fall, 0.2: 0.25 * fall}, paired=True),
+                      "estimate": adjacent_rate_verdicts({0.1: same, 0.2: 4.0 * same}, paired=True)}
+    assert report.claim_steps(ratio_verdicts) == [(0.1, 0.2, f"mixed (certified {FALLS}, estimate {RISES})")]
