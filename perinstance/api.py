@@ -86,7 +86,8 @@ class IndividualAccountant:
         ratios.flags.writeable = False
         return ratios
 
-    def step(self, *, noise_multiplier: float, sample_rate: float, sensitivities: ArrayLike | torch.Tensor | None = None) -> None:
+    def step(self, *, noise_multiplier: float, sample_rate: float,
+             sensitivities: ArrayLike | torch.Tensor | None = None) -> None:
         """Record one step of Poisson rate `sample_rate` and noise multiplier `noise_multiplier`.
 
         sensitivities: Δ*/Γ of every point at this step (array-like or tensor of num_points values in

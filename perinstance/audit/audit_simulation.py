@@ -233,8 +233,8 @@ def simulate_releases(projections: np.ndarray, own_rows: np.ndarray, own_values:
 
 # --- the upper bounds the audit holds them against ------------------------------------------------
 
-def upper_bounds(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanism: Mechanism, delta: float, upper_batches: int,
-                 seed: int, step: int, clip_bound: float) -> tuple[np.ndarray, np.ndarray, str]:
+def upper_bounds(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanism: Mechanism, delta: float,
+                 upper_batches: int, seed: int, step: int, clip_bound: float) -> tuple[np.ndarray, np.ndarray, str]:
     """(eps_upper, sensitivity, kind) per point: the matching accountant's per-step ε at δ.
 
     Sum rule: exact (accounting.md §3.3 with Δ = Δ*). Mean rule: the estimate of §3.3 from

@@ -235,7 +235,8 @@ def _centred_square_norms(matrix, mean):
 
 # --- the Δ_B draws ---------------------------------------------------------------------------------
 
-def measure_coupling(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan, progress: tqdm | None = None,
+def measure_coupling(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,
+                     progress: tqdm | None = None,
                      blocks: Sequence[int] | None = None) -> tuple[DatasetStatistics, CouplingSamples]:
     """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
     DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given)."""
@@ -245,9 +246,9 @@ def measure_coupling(rows: HeldRows | RecomputedRows, points: PointGradients, pl
     return statistics, samples
 
 
-def coupling_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan, mean: torch.Tensor,
-                           point_centred_sq: torch.Tensor | None, progress: tqdm | None = None,
-                           blocks: Sequence[int] | None = None) -> tuple[CouplingSamples, torch.Tensor]:
+def coupling_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,
+                           mean: torch.Tensor, point_centred_sq: torch.Tensor | None, progress: tqdm | None = None,
+                           blocks: Sequence[int] | None = None) -> tuple[CouplingSamples, torch.Tensor | None]:
     """Δ_B = ||h* − m(B)||/(k+1) (k ≥ 1; ||h*|| for k = 0, m(∅) = 0) of every point for every
     draw of `plan` (accounting.md §2), as CouplingSamples; with `blocks`, only the draws of those
     Monte-Carlo blocks, the others NaN (as rejected draws: CouplingSamples.accepted leaves them out).

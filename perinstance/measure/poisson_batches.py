@@ -158,8 +158,8 @@ def renyi_slices(num_iters: int, num_batches: int, alpha: int, max_batches: int)
     return passes + [current] if current else passes
 
 
-def renyi_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, point_columns: np.ndarray, pool: Pool, alpha: int,
-                     num_iters: int, num_batches: int, directions: tuple[Direction, ...] = DIRECTIONS,
+def renyi_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, point_columns: np.ndarray, pool: Pool,
+                     alpha: int, num_iters: int, num_batches: int, directions: tuple[Direction, ...] = DIRECTIONS,
                      progress: tqdm | None = None) -> dict[Direction, np.ndarray]:
     """S for each direction, point, target batch and set: {direction: (points, num_iters, num_batches)}.
 

@@ -316,7 +316,8 @@ def _layer_norms(forward, keep_graph):
                           for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
 
 
-def per_sample_norms(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
+                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
     from perinstance.train import fallback_norms
 
@@ -329,7 +330,8 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
 
 
-def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
+def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
     gives the norms (book-keeping): a parameter whose per-sample gradients the norms materialised gets

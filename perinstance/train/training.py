@@ -107,8 +107,8 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, devic
 
 
 @torch.no_grad()
-def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, num_classes: int, device: str | torch.device,
-                       chunk: int = 1024) -> list[float]:
+def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                       device: str | torch.device, chunk: int = 1024) -> list[float]:
     """Test accuracy of each class (nan for a class without test points)."""
     model.eval()
     predictions = torch.cat([model(inputs[start:start + chunk].to(device)).argmax(dim=1).cpu()
@@ -153,7 +153,8 @@ class Trainer:
         if self.canaries:
             self.canaries.scores = payload["canary_scores"].cpu()
 
-    def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    def per_sample_pass(self, indices: torch.Tensor
+                        ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
         ||h(g_i)|| and whether the model classifies it correctly."""
         run = self.run
@@ -321,7 +322,8 @@ def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -
                               "kept; train with a smaller --lr")
 
 
-def write_tracked_norms(run_dir: str, run: runs.RunConfig, tracked_rows: list[list[float]], labels: torch.Tensor) -> None:
+def write_tracked_norms(run_dir: str, run: runs.RunConfig, tracked_rows: list[list[float]],
+                        labels: torch.Tensor) -> None:
     """The tracked points' ||h(g)|| at every step as a sensitivity CSV (quantity grad_norm).
 
     Row step s holds the norm at θ_s, which is what step s+1 uses (accounting.md §4).
