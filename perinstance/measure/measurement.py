@@ -2,8 +2,6 @@
 rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (mean rule), each
 row with the point's label, loss and correctness (perinstance/files/results.py)."""
 
-from __future__ import annotations
-
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -26,7 +24,7 @@ NO_DIRECTION = Direction.NONE.value
 NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
 
 
-def measure_checkpoint(request: perinstance.accountants.sensitivity_cli.Request, run: OpenRun, step: int,
+def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request", run: OpenRun, step: int,
                        points: Sequence[int] | np.ndarray, device: str,
                        blocks: Sequence[int] | None = None) -> pd.DataFrame:
     """The rows of one checkpoint for `points` (every requested direction). Coupling under
@@ -114,7 +112,7 @@ def coupling_columns(clip_bound: float, statistics: coupling.DatasetStatistics, 
     }
 
 
-def jensen_columns(request: perinstance.accountants.sensitivity_cli.Request,
+def jensen_columns(request: "perinstance.accountants.sensitivity_cli.Request",
                    statistics: dict[Direction, np.ndarray]) -> dict:
     """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
     parts = []

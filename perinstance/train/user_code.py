@@ -19,16 +19,14 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+import perinstance
 from perinstance.errors import UsageError
-
-if TYPE_CHECKING:
-    from perinstance.train.data import Dataset
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
 # are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.
@@ -334,7 +332,7 @@ def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -
             check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
 
 
-def load_dataset(spec: str, data_root: str) -> "Dataset":
+def load_dataset(spec: str, data_root: str) -> "perinstance.train.data.Dataset":
     """The data.Dataset of a dataset spec: named by the spec, its classes 0..max label, fingerprinted as every
     dataset is (data.py)."""
     from perinstance.train import data
