@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -60,7 +61,7 @@ class IndividualAccountant:
     consecutive equal steps merged, as Opacus's RDPAccountant merges (σ, q); len() is its length.
     """
 
-    def __init__(self, num_points: int):
+    def __init__(self, num_points: int) -> None:
         if isinstance(num_points, bool) or not isinstance(num_points, int | np.integer) or num_points < 1:
             raise ValueError(f"num_points must be an integer >= 1, not {num_points!r}")
         self.num_points = int(num_points)
@@ -85,7 +86,8 @@ class IndividualAccountant:
         ratios.flags.writeable = False
         return ratios
 
-    def step(self, *, noise_multiplier: float, sample_rate: float, sensitivities=None) -> None:
+    def step(self, *, noise_multiplier: float, sample_rate: float,
+             sensitivities: ArrayLike | torch.Tensor | None = None) -> None:
         """Record one step of Poisson rate `sample_rate` and noise multiplier `noise_multiplier`.
 
         sensitivities: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
@@ -253,9 +255,9 @@ def _examples(data, points):
     return inputs[index], labels[index].long()
 
 
-def sensitivities(model: torch.nn.Module, data, clip_bound: float, clipping: str = "flat",
-                  points: Sequence[int] | None = None, *, scale_r: float | None = None,
-                  scale_s: float | None = None) -> torch.Tensor:
+def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[torch.Tensor, torch.Tensor],
+                  clip_bound: float, clipping: str = "flat", points: Sequence[int] | None = None, *,
+                  scale_r: float | None = None, scale_s: float | None = None) -> torch.Tensor:
     """Δ* = ||h(g_i)|| of each point at the model's current parameters (docs/accounting.md §2, sum rule).
 
     g_i is the gradient of the point's cross-entropy; h the transform of `clipping` (§1): flat gives

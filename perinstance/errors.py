@@ -7,7 +7,7 @@ from collections.abc import Callable
 class UsageError(Exception):
     """Bad input from the user. `flag` names what to fix (e.g. '--batch-size')."""
 
-    def __init__(self, flag, message):
+    def __init__(self, flag: str | None, message: str) -> None:
         super().__init__(f"{flag}: {message}" if flag else message)
         self.flag = flag
         self.message = message
@@ -16,7 +16,7 @@ class UsageError(Exception):
 class OutOfSpace(UsageError):
     """The disk (or the file-size limit) ran out while writing `path`; the previous file is intact."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         super().__init__(None, f"no space left while writing {path}")
         self.path = path
 

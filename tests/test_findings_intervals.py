@@ -12,7 +12,7 @@ from perinstance.audit import membership
 from perinstance.experiments import report
 from perinstance.experiments.config import PRESETS
 from perinstance.experiments.sampling_rates import DESIGN_MATCHED, adjacent_rate_verdicts, design_verdicts
-from perinstance.plots import plots
+from perinstance.plots import plots, sampling_rate_plots
 
 POINTS = 200
 
@@ -82,7 +82,7 @@ def test_design_verdicts_judge_ratio_value_and_whole_run(rng):
 def test_mean_rule_lines_carry_intervals_verdicts_and_one_summary(rng, tmp_path):
     per_step, whole_run, facts = designs_fixture(rng)
     designs = {"(a) one checkpoint": (per_step, whole_run), DESIGN_MATCHED: (per_step, whole_run)}
-    drawn = plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
+    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
     rates = {design: {**values, "facts": facts, "verdicts": design_verdicts(*designs[design],
                                                                            paired=design != DESIGN_MATCHED)}
              for design, values in drawn.items()}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from perinstance.accounting import intervals
-from perinstance.plots import audit_plots, one_run_plots, plots
+from perinstance.plots import audit_plots, one_run_plots, plots, sampling_rate_plots
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CLASS_NAMES = ["cat", "dog", "ship", "truck"]
@@ -29,7 +29,8 @@ def panels(monkeypatch):
                           if ax.get_legend() else []} for ax in fig.axes])
         save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", recording_save)
+    for module in (plots, sampling_rate_plots):  # each module holds its own reference to _save
+        monkeypatch.setattr(module, "_save", recording_save)
     return recorded
 
 
@@ -174,7 +175,7 @@ def mean_rule_inputs(rng):
 def test_sampling_rate_designs_numbers_and_file(tmp_path, rng, panels):
     per_step, composed = mean_rule_inputs(rng)
     designs = {"(a) fixed checkpoint": (per_step, composed), "(b) matched steps": mean_rule_inputs(rng)}
-    result = draw_checked(tmp_path, lambda path: plots.plot_sampling_rate_designs(designs, 8, 1e-5, path))
+    result = draw_checked(tmp_path, lambda path: sampling_rate_plots.plot_sampling_rate_designs(designs, 8, 1e-5, path))
     drawn = result["(a) fixed checkpoint"]
     for series in ("certified", "estimate", "sum_rule"):
         assert drawn["per_step"][series] == pytest.approx({q: np.median(v[series]) for q, v in per_step.items()})
@@ -195,7 +196,7 @@ def test_sampling_rate_designs_with_zeros_and_missing_series(tmp_path, panels):
                                                                          "baseline": 1.0}}
     composed = {0.01: {"certified": np.ones(4)}, 0.1: {"certified": np.full(2, 2.0)}}
     path = tmp_path / "rates.png"
-    result = draw_without_warnings(lambda: plots.plot_sampling_rate_designs({"d": (per_step, composed)}, 2, 1e-5,
+    result = draw_without_warnings(lambda: sampling_rate_plots.plot_sampling_rate_designs({"d": (per_step, composed)}, 2, 1e-5,
                                                                             path))
     assert_png(path)
     assert result["d"]["per_step"]["certified"] == pytest.approx({0.01: 0.0, 0.1: 0.1})
@@ -205,7 +206,7 @@ def test_sampling_rate_designs_with_zeros_and_missing_series(tmp_path, panels):
 
 def test_sampling_rate_designs_require_the_same_rates(tmp_path):
     with pytest.raises(ValueError, match="different rates"):
-        plots.plot_sampling_rate_designs({"d": ({0.1: {"baseline": 1.0}}, {0.2: {"baseline": 1.0}})}, 2, 1e-5,
+        sampling_rate_plots.plot_sampling_rate_designs({"d": ({0.1: {"baseline": 1.0}}, {0.2: {"baseline": 1.0}})}, 2, 1e-5,
                                          tmp_path / "r.png")
 
 

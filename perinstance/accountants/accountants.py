@@ -281,7 +281,7 @@ def _select_points(rows, specs, dataset_size):
     return rows[rows["point"].isin(wanted)]
 
 
-def checkpoint_ratios(loaded: Loaded):
+def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Δ*/Γ of the grad_norm rows as an (R, C, P) array over runs, the union of their checkpoint
     steps and points, for rdp_composition.compose_rdp (§4): each run keeps its latest checkpoint,
     the worst case Γ before its first. Returns (ratios, steps, points)."""

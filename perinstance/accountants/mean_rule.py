@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
-from perinstance.accountants.accountants import check_unique, check_values
+from perinstance.accountants.accountants import Loaded, check_unique, check_values
 from perinstance.accounting import batch_sizes, certified_radius, rdp_composition, renyi_step
 from perinstance.accounting.guarantees import Direction, Kind, direction_rows, eps_by_direction
+from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.files.results import STATISTICS
@@ -49,16 +51,16 @@ class SizeModel:
     grid: np.ndarray  # sizes from k_min up (batch_sizes.size_grid)
     log_weights: np.ndarray  # their lumped log-probabilities (batch_sizes.lumped_size_log_weights)
 
-    def delta_fail(self, kind):
+    def delta_fail(self, kind: Kind) -> float:
         """§3.4: δ_size for the estimate and the baseline, δ_size + β for the certified bound."""
         return self.delta_size + (self.failure if kind == Kind.CERTIFIED else 0.0)
 
-    def log_mass(self, kind):
+    def log_mass(self, kind: Kind) -> float:
         """log(1 − delta_fail): the probability the mixture weights of `kind` are normalised by."""
         return math.log(1 - self.delta_fail(kind))
 
 
-def size_model(loaded, failure=None):
+def size_model(loaded: Loaded, failure: float | None = None) -> SizeModel:
     """§3.4 from the rows: k_min as measured (column k_min), n = N − 1 points besides x*.
 
     failure: β of the certified event; default δ_size, or δ/(10·T) with the run's training δ when
@@ -83,7 +85,7 @@ def size_model(loaded, failure=None):
 
 # --- the rows: dataset statistics and Δ_B samples -------------------------------------------------
 
-def statistics_of(loaded):
+def statistics_of(loaded: Loaded) -> pd.DataFrame | None:
     """d*, v_X, b_X per (point, step): a frame with one column per statistic; None without them."""
     rows = loaded.rows[loaded.rows["quantity"].isin(list(STATISTICS))]
     if rows.empty:
@@ -111,16 +113,16 @@ class Samples:
     blocks: np.ndarray
     grid: np.ndarray
 
-    def log_weights(self, sizes):
+    def log_weights(self, sizes: SizeModel) -> np.ndarray:
         """The lumped log-probabilities of the drawn sizes (§3.2)."""
         return batch_sizes.lumped_size_log_weights(self.grid, sizes.n, sizes.sample_rate)
 
-    def block_masks(self):
+    def block_masks(self) -> list[np.ndarray]:
         """Per Monte-Carlo block, which samples are its."""
         return [self.blocks == block for block in np.unique(self.blocks[~np.isnan(self.blocks)])]
 
 
-def samples_of(loaded, sizes):
+def samples_of(loaded: Loaded, sizes: SizeModel) -> Samples | None:
     """The Samples of the batch_sensitivity rows (None without any), checked against `sizes`."""
     rows = loaded.rows[loaded.rows["quantity"] == "batch_sensitivity"]
     if rows.empty:
@@ -162,7 +164,7 @@ def _expand_histograms(rows, loaded):
     return rows.sort_values(["point", "step", "block", "k", "value"], kind="mergesort")
 
 
-def require(part, kind, loaded):
+def require(part: pd.DataFrame | Samples | None, kind: Kind, loaded: Loaded) -> pd.DataFrame | Samples:
     """The statistics (certified) or samples (estimate) a composition of `kind` needs."""
     if part is None and kind == Kind.CERTIFIED:
         raise UsageError(loaded.flag, f"{loaded.path} has no mean-rule statistics (center_distance, spread, "
@@ -184,12 +186,12 @@ class Mixture:
     log_weights: np.ndarray  # (C,)
     sizes: np.ndarray  # (C,)
 
-    def size_starts(self):
+    def size_starts(self) -> np.ndarray:
         """Index of the first component of each size."""
         return np.flatnonzero(np.concatenate([[True], np.diff(self.sizes) != 0]))
 
 
-def certified_sensitivities(statistics, clip_bound, sizes):
+def certified_sensitivities(statistics: pd.DataFrame, clip_bound: float, sizes: SizeModel) -> Mixture:
     """§3.2 with §7's radius: the certified Mixture of each (point, step) of `statistics`, over the grid sizes
     × the tail levels of certified_radius.certified_mixture (this is the one place that builds it)."""
     bound, log_weights, component_sizes = certified_radius.certified_mixture(
@@ -198,13 +200,13 @@ def certified_sensitivities(statistics, clip_bound, sizes):
     return Mixture(bound, log_weights, component_sizes)
 
 
-def baseline_sensitivities(clip_bound, sizes):
+def baseline_sensitivities(clip_bound: float, sizes: SizeModel) -> Mixture:
     """§3.2 baseline Δ̄_k = 2Γ/(k+1) at every size of sizes.grid, as a Mixture of one row."""
     return Mixture(certified_radius.baseline_mean_sensitivity(clip_bound, sizes.grid)[None, :], sizes.log_weights,
                    np.asarray(sizes.grid))
 
 
-def rdp_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
+def rdp_table(mechanism: Mechanism, orders: ArrayLike, sensitivities: list[ArrayLike], relative_step: float = LEVEL_STEP) -> rdp_composition.RdpTable:
     """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
     sensitivities round up to (§5)."""
     ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound
@@ -217,7 +219,7 @@ def rdp_table(mechanism, orders, sensitivities, relative_step=LEVEL_STEP):
 MIXTURE_CHUNK_ENTRIES = 1 << 22
 
 
-def mixture_rdp(table, mixture, log_mass, clip_bound, dominant_sizes=True):
+def mixture_rdp(table: rdp_composition.RdpTable, mixture: Mixture, log_mass: float, clip_bound: float, dominant_sizes: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """§3.2 for every row of `mixture` and order of `table`: (1/(λ−1))·(log Σ_c w_c·exp(M_c(λ)) − log mass),
     and the dominant size k* (the size whose components carry the largest part of the sum; only with
     `dominant_sizes`), computed in chunks of rows. Returns two (P, orders) arrays (the second None without)."""
@@ -243,7 +245,7 @@ def mixture_rdp(table, mixture, log_mass, clip_bound, dominant_sizes=True):
     return np.maximum(result, 0.0), dominant
 
 
-def estimate_rdp(table, samples, sizes, clip_bound, masks=(None,)):
+def estimate_rdp(table: rdp_composition.RdpTable, samples: Samples, sizes: SizeModel, clip_bound: float, masks: tuple[np.ndarray | None, ...] = (None,)) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """§3.2 estimate for every (point, step) and order of `table`, from the samples each mask keeps
     (None: all): per mask, the (P, orders) ρ, the stratified log-means (P, K, orders) and the
     samples per size (P, K) of the last order."""
@@ -261,7 +263,7 @@ def estimate_rdp(table, samples, sizes, clip_bound, masks=(None,)):
     return results
 
 
-def sample_weights(batch_sizes, samples, sizes):
+def sample_weights(batch_sizes: np.ndarray, samples: Samples, sizes: SizeModel) -> tuple[np.ndarray, np.ndarray]:
     """Weight of each Δ_B sample (NaN size = absent) in the stratified expectation of §3.2: its
     size's lumped probability split equally over that point's samples of that size; and per point
     whether some size has no sample (its probability would be lost: no estimate)."""
@@ -287,7 +289,7 @@ def _describe(mechanism, sizes):
 
 # --- per-step (ε, δ) (§3.3) ---------------------------------------------------------------------------
 
-def per_step_eps(loaded, delta, failure=None):
+def per_step_eps(loaded: Loaded, delta: float, failure: float | None = None) -> tuple[pd.DataFrame, str]:
     """eps_delta.py's mean rule: (rows, description). Per (point, step) and direction, the estimate
     with its min..max over Monte-Carlo blocks, the certified bound and the baseline, each with
     k_min and delta_fail; the reported δ includes delta_fail (§3.4)."""
@@ -338,7 +340,7 @@ def per_step_eps(loaded, delta, failure=None):
 
 # --- per-step Rényi DP (§3.2) -------------------------------------------------------------------------
 
-def per_step_rdp(loaded, orders, failure=None):
+def per_step_rdp(loaded: Loaded, orders: ArrayLike, failure: float | None = None) -> tuple[pd.DataFrame, str]:
     """renyi_per_instance_mean.py's coupling: (rows, description). Per (point, step) and order, the
     estimate (with its min..max over blocks), the certified bound and the baseline, each with
     k_min, delta_fail and the dominant size k*; directions remove, add (capped, §3.2) and max."""
@@ -397,7 +399,7 @@ def _estimate_frames(table, samples, sizes, clip_bound):
             for column, alpha in enumerate(table.orders)]
 
 
-def with_directions(frame, sample_rate):
+def with_directions(frame: pd.DataFrame, sample_rate: float) -> pd.DataFrame:
     """§3.2: a mean-rule value bounds both directions; the add direction is also at most log(1/(1−q))."""
     cap = certified_radius.add_direction_cap(sample_rate)
     added = frame.assign(direction=Direction.ADD.value)
@@ -407,7 +409,7 @@ def with_directions(frame, sample_rate):
                      ignore_index=True)
 
 
-def gla_statistic_rdp(loaded, orders, aggregate):
+def gla_statistic_rdp(loaded: Loaded, orders: ArrayLike, aggregate: str) -> tuple[pd.DataFrame, str]:
     """renyi_per_instance_mean.py --estimator jensen: GLA's statistic ρ̂_J per point, step, order and
     direction (§3.2, kept to reproduce the paper): (rows, description)."""
     keys = ["point", "step", "alpha"]
@@ -451,7 +453,7 @@ def gla_statistic_rdp(loaded, orders, aggregate):
 CERTIFIED_CHUNK = 2048
 
 
-def certified_rdp(statistics, mechanism, orders, sizes):
+def certified_rdp(statistics: pd.DataFrame, mechanism: Mechanism, orders: ArrayLike, sizes: SizeModel) -> np.ndarray:
     """The certified per-step ρ (§3.2, §7) of every row of `statistics` at `orders`, for composition: the
     mixtures are built a chunk of rows at a time, twice (once for the RDP table's levels, once for the sums),
     so that memory does not grow with the rows."""
@@ -466,7 +468,7 @@ def certified_rdp(statistics, mechanism, orders, sizes):
                     mechanism.clip_bound, dominant_sizes=False)[0] for chunk in chunks])
 
 
-def checkpoint_rdp(loaded, orders, kind, sizes):
+def checkpoint_rdp(loaded: Loaded, orders: ArrayLike, kind: Kind, sizes: SizeModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The per-step ρ of `kind` (certified or estimate) of every point at every checkpoint (§3.2),
     and the baseline's: (checkpoint steps, points, (C, P, orders) ρ, (orders,) baseline ρ). Every
     point needs a value at every checkpoint."""

@@ -2,9 +2,10 @@
 to checkpoints. The rows of a checkpoint are perinstance/measure/measurement.py's, the result file
 perinstance/files/result_file.py's."""
 
+import argparse
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from perinstance.accounting.guarantees import Direction
@@ -33,7 +34,7 @@ MIN_GRID_SIZES = 32
 
 # --- flags ---------------------------------------------------------------------------------
 
-def add_measurement_args(parser):
+def add_measurement_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("measurement")
     group.add_argument("--run", default=None,
                        help="the run to measure: a name in --models-dir, or a folder (a path with a /); its run.json "
@@ -87,7 +88,7 @@ def add_measurement_args(parser):
     return parser
 
 
-def given_flags(argv):
+def given_flags(argv: Sequence[str]) -> dict[str, object]:
     """The flags given on the command line `argv`, by destination, with their values: what a run's
     run.json must agree with, and what overrides its defaults."""
     not_given = object()  # not a string: argparse would run a string default through the flag's type
@@ -96,7 +97,7 @@ def given_flags(argv):
     return {dest: value for dest, value in vars(parser.parse_args(argv)).items() if value is not not_given}
 
 
-def training_defaults():
+def training_defaults() -> dict[str, object]:
     """Every training flag's destination and default."""
     return run_plan.TrainingFlags.parse().as_dict()
 
@@ -124,11 +125,11 @@ class Request:
     histogram_precision: float | None = None  # coupling: Δ_B stored as histograms (storage.histogram_rows)
 
     @property
-    def family(self):
+    def family(self) -> str:
         """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
         return NORM if self.reduction == "sum" else self.estimator
 
-    def for_run(self, config, given):
+    def for_run(self, config: runs.RunConfig, given: Mapping[str, object]) -> "Request":
         """The request completed from the run: the rule analysed defaults to the rule trained (with
         --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4)."""
         reduction = self.reduction or config.update_rule
@@ -161,7 +162,7 @@ class Command:
     device: str
 
 
-def parse_command(flags: Mapping, given):
+def parse_command(flags: Mapping, given: Mapping[str, object]) -> Command:
     """The command that the parsed flags (a mapping of destination to value) and the flags `given`
     (given_flags) make, checked before the run or the dataset is touched."""
     return Command(request=parse_request(flags, given), run=flags["run"],
@@ -169,7 +170,7 @@ def parse_command(flags: Mapping, given):
                    no_train=bool(flags["no_train"]), part_points=flags["part_points"], device=flags["device"])
 
 
-def parse_request(flags, given):
+def parse_request(flags: Mapping, given: Mapping[str, object]) -> Request:
     """The measurement flags (a mapping of destination to value), checked."""
     num_batches, estimator, alpha = flags["num_batches"], flags["estimator"], flags["alpha"]
     if num_batches is not None and (num_batches < 0 or (num_batches == 0 and estimator == JENSEN)):
@@ -207,7 +208,7 @@ def parse_request(flags, given):
                    automatic_format=storage.extension(res_name) is None, histogram_precision=precision)
 
 
-def parse_stages(tokens):
+def parse_stages(tokens: Sequence[str]) -> list[str | float]:
     """`--stage` tokens as stage names or fractions in [0, 1]."""
     stages = []
     for token in tokens:
@@ -225,7 +226,7 @@ def parse_stages(tokens):
     return stages
 
 
-def resolve_stages(stages, saved_steps, total_steps):
+def resolve_stages(stages: Sequence[str | float], saved_steps: Sequence[int], total_steps: int) -> list[int]:
     """Checkpoint steps for the stages: a fraction f maps to the saved step nearest f·T (ties to the
     earlier), middle to the one nearest T/2, initial/final to the first/last, all to every one."""
     chosen = set()
@@ -253,7 +254,7 @@ class Run(runs.OpenRun):
     finished: bool
 
 
-def find_run(name, training_args, given):
+def find_run(name: str | None, training_args: run_plan.TrainingFlags, given: Mapping[str, object]) -> Run:
     """The run named by --run `name` (None: by the training flags `training_args`), checked against
     what is on disk; nothing is written."""
     if name is not None:
@@ -274,7 +275,8 @@ def find_run(name, training_args, given):
     return run
 
 
-def named_run_args(run, training_args, given):
+def named_run_args(run: str, training_args: run_plan.TrainingFlags,
+                   given: Mapping[str, object]) -> run_plan.TrainingFlags:
     """The training flags of the run that --run names: its run.json's when it exists, else the
     flags given (the run is then trained under that name). A training flag given explicitly must
     agree with run.json, except --reduction: the rule analysed may differ from the rule trained
@@ -295,7 +297,7 @@ def named_run_args(run, training_args, given):
     return replace(training_args, **{dest: value for dest, value in recorded.items() if dest in known})
 
 
-def require_finished(run):
+def require_finished(run: Run) -> None:
     """--no-train: a run without its final checkpoint is an error that says how to train it."""
     if run.finished:
         return
@@ -305,7 +307,7 @@ def require_finished(run):
     raise UsageError("--no-train", f"{state}; train first: {training_command(run.training_args, training_defaults())}")
 
 
-def check_same_run(run_dir, existing, planned):
+def check_same_run(run_dir: str, existing: runs.RunConfig, planned: runs.RunConfig) -> None:
     """The run on disk was trained with these flags on this dataset (fingerprints equal)."""
     differing = run_plan.run_differences(existing, planned)
     if differing:
@@ -313,7 +315,7 @@ def check_same_run(run_dir, existing, planned):
                                         "give the flags it was trained with, or another --save-name")
 
 
-def training_command(args, defaults):
+def training_command(args: run_plan.TrainingFlags, defaults: Mapping[str, object]) -> str:
     """The train_dpsgd.py command line for the training flags that differ from their defaults."""
     words = ["python", "train_dpsgd.py"]
     for dest, default in defaults.items():
@@ -325,7 +327,7 @@ def training_command(args, defaults):
     return shlex.join(words)
 
 
-def ensure_trained(run):
+def ensure_trained(run: Run) -> runs.RunConfig:
     """Train the run if it has no final checkpoint (as the paper repository did); returns its config."""
     if not run.finished:
         run.config = training.train(run.training_args).run

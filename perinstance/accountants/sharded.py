@@ -15,13 +15,16 @@ the blocks measured with it (perinstance/measure/coupling.py).
 
 import json
 import time
+from collections.abc import Sequence
 
 import pandas as pd
 
 from perinstance.accountants import sensitivity_cli
 from perinstance.errors import UsageError
+from perinstance.files.result_file import ResultFile
 from perinstance.measure import gradient_rows, measurement
 from perinstance.train import distributed
+from perinstance.train.runs import RunConfig
 
 # Sum rule: points per part. A multiple of the engine's chunk (gradient_rows.ROW_CHUNK), so that
 # every point is computed in the same chunk as by a single process. The mean rule needs a pass
@@ -29,7 +32,7 @@ from perinstance.train import distributed
 DEFAULT_PART_POINTS = 4 * gradient_rows.ROW_CHUNK
 
 
-def part_size(part_points, request, points):
+def part_size(part_points: int | None, request: sensitivity_cli.Request, points: Sequence[int]) -> int:
     """Points per part: --part-points, or the default of the rule."""
     if part_points is not None and part_points <= 0:
         raise UsageError("--part-points", f"must be > 0, got {part_points}")
@@ -38,7 +41,8 @@ def part_size(part_points, request, points):
     return DEFAULT_PART_POINTS if request.reduction == "sum" else max(len(points), 1)
 
 
-def measure(world, request, run, points, result_file, *, part_points=None, device="cpu"):
+def measure(world: distributed.World, request: sensitivity_cli.Request, run: sensitivity_cli.Run, points: Sequence[int],
+            result_file: ResultFile, *, part_points: int | None = None, device: str = "cpu") -> None:
     """This rank's share of the measurement; prints its `rank R/W:` line."""
     started = time.time()
     chunk = part_size(part_points, request, points)
@@ -78,7 +82,7 @@ def measure(world, request, run, points, result_file, *, part_points=None, devic
           f"{len(todo)} parts to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
 
 
-def job_parts(request, config, points):
+def job_parts(request: sensitivity_cli.Request, config: RunConfig, points: Sequence[int]) -> distributed.Parts:
     """The part files of this request for these points: the same command finds the same folder
     again, also once nothing is left to measure (to remove what a rank killed while it merged left)."""
     description = json.dumps([config.run, repr(request), [int(point) for point in points]])

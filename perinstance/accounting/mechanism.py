@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
+import perinstance
 from perinstance.accounting import batch_sizes, certified_radius, exact_eps_delta, rdp_composition
 
 
@@ -34,7 +35,7 @@ class Mechanism:
     rule: str
 
     @classmethod
-    def of_run(cls, run, rule: str | None = None) -> "Mechanism":
+    def of_run(cls, run: "perinstance.train.runs.RunConfig", rule: str | None = None) -> "Mechanism":
         """The mechanism of a runs.RunConfig, analysed under `rule` (default: the trained rule)."""
         return cls(noise_multiplier=run.noise_multiplier, clip_bound=run.clip_bound, sample_rate=run.sample_rate,
                    batch_size=run.batch_size, dataset_size=run.dataset_size, total_steps=run.total_steps,

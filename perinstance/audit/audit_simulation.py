@@ -11,11 +11,13 @@ projected on e is exactly one-dimensional; a trial is a batch draw and two norma
 """
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from perinstance.accounting import audit_bounds, exact_eps_delta, intervals
 from perinstance.accounting.mechanism import Mechanism
@@ -23,9 +25,17 @@ from perinstance.console import progress_bar
 from perinstance.errors import UsageError
 from perinstance.measure import poisson_batches
 from perinstance.measure.batch_sums import Bags
-from perinstance.measure.gradient_rows import PointGradients, Predictions, checkpoint_gradients, held_rows
+from perinstance.measure.gradient_rows import (
+    HeldRows,
+    PointGradients,
+    Predictions,
+    RecomputedRows,
+    checkpoint_gradients,
+    held_rows,
+)
 from perinstance.train import sampling, training
 from perinstance.train.clipping import Transform
+from perinstance.train.runs import OpenRun
 
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
 # stay in the tens of megabytes.
@@ -55,11 +65,13 @@ class AuditedPoints:
     train_rows: np.ndarray
     predictions: Predictions
 
-    def point_gradients(self):
+    def point_gradients(self) -> PointGradients:
         return PointGradients(self.gradients, self.train_rows, self.predictions)
 
 
-def audited_gradients(run, model, transform, points, spread, device, progress):
+def audited_gradients(run: OpenRun, model: torch.nn.Module, transform: Transform, points: Sequence[int] | None,
+                      spread: int | None, device: str, progress: tqdm | None
+                      ) -> tuple[HeldRows | RecomputedRows, AuditedPoints]:
     """The gradients of every training row (gradient_rows.checkpoint_gradients: on a GPU held as far as the
     memory budget allows, the others recomputed on each pass) and the audited points.
 
@@ -83,7 +95,8 @@ def audited_gradients(run, model, transform, points, spread, device, progress):
     return rows, AuditedPoints(run.train_columns[chosen], rows.take(chosen), chosen, rows.predictions.take(chosen))
 
 
-def top_components(rows, center, rank, seed):
+def top_components(rows: HeldRows | RecomputedRows, center: np.ndarray | None, rank: int,
+                   seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Leading right singular vectors V (d × l) and singular values of H − 1·centerᵀ, H the
     training rows (center None: H itself), by randomised SVD with power iterations. Each product
     is one pass over the rows."""
@@ -111,7 +124,7 @@ def top_components(rows, center, rank, seed):
     return right_vectors.T.cpu().numpy(), singular.cpu().numpy()
 
 
-def shift_targets(rows, audited, rule):
+def shift_targets(rows: HeldRows | RecomputedRows, audited: AuditedPoints, rule: str) -> np.ndarray:
     """What x* moves the update along: h* (sum rule), h* − μ_X (mean rule, the coupling
     direction of accounting.md §3.2, μ_X the mean of the other points' h_i). (P × d) float64."""
     own = audited.gradients.double().cpu().numpy()
@@ -124,7 +137,8 @@ def shift_targets(rows, audited, rule):
     return own - others_mean
 
 
-def directions(rows, audited, mechanism, statistic, seed):
+def directions(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanism: Mechanism, statistic: str,
+               seed: int) -> np.ndarray:
     """Unit directions e (P × d): the shift itself (projection, known-batch), or Fisher's
     discriminant against the other points' batch spread plus the noise (whitened, docs/audit.md)."""
     targets = shift_targets(rows, audited, mechanism.rule)
@@ -149,13 +163,13 @@ def directions(rows, audited, mechanism, statistic, seed):
 
 # --- the simulation ---------------------------------------------------------------------------------
 
-def projections_on(rows, unit):
+def projections_on(rows: HeldRows | RecomputedRows, unit: np.ndarray) -> np.ndarray:
     """a_i = ⟨h_i, e_p⟩ for every training row and direction (float32 products, float64 result)."""
     unit = torch.as_tensor(unit, dtype=rows.dtype, device=rows.device)
     return rows.products(unit, rows.dtype).double().cpu().numpy()
 
 
-def memberships(members, sizes, own_rows):
+def memberships(members: np.ndarray, sizes: np.ndarray, own_rows: np.ndarray) -> np.ndarray:
     """(batches, points) booleans: point p's training row own_rows[p] is in the batch (never for −1)."""
     lookup = np.full(int(max(members.max(initial=-1), own_rows.max(initial=-1))) + 1, -1, dtype=np.int64)
     inside = np.flatnonzero(own_rows >= 0)
@@ -171,8 +185,9 @@ def _chunk_rng(seed, step, *key):
     return sampling.stream_rng(seed, sampling.AUDIT_STREAM, step, *key)
 
 
-def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed, step, points, known_batch=False,
-                      progress=None):
+def simulate_releases(projections: np.ndarray, own_rows: np.ndarray, own_values: np.ndarray, mechanism: Mechanism,
+                      trials: int, seed: int, step: int, points: np.ndarray, known_batch: bool = False,
+                      progress: tqdm | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The projected release ⟨ũ, e_p⟩ of one step over `trials` trials, with x* in the
     training set (law P) and without (law Q): two (trials, P) float32 arrays.
     known_batch: the adversary also knows the other points' batch B and subtracts the
@@ -218,7 +233,8 @@ def simulate_releases(projections, own_rows, own_values, mechanism, trials, seed
 
 # --- the upper bounds the audit holds them against ------------------------------------------------
 
-def upper_bounds(rows, audited, mechanism, delta, upper_batches, seed, step, clip_bound):
+def upper_bounds(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanism: Mechanism, delta: float,
+                 upper_batches: int, seed: int, step: int, clip_bound: float) -> tuple[np.ndarray, np.ndarray, str]:
     """(eps_upper, sensitivity, kind) per point: the matching accountant's per-step ε at δ.
 
     Sum rule: exact (accounting.md §3.3 with Δ = Δ*). Mean rule: the estimate of §3.3 from
@@ -278,7 +294,7 @@ class AuditRequest:
     spread: int | None
 
 
-def audit_checkpoint(run, step, request, device="cpu"):
+def audit_checkpoint(run: OpenRun, step: int, request: AuditRequest, device: str = "cpu") -> pd.DataFrame:
     """Audit rows (AUDIT_COLUMNS) of the requested points at checkpoint `step`.
 
     trials: released steps simulated per law and point; half choose the test, half count it.
@@ -311,7 +327,9 @@ def audit_checkpoint(run, step, request, device="cpu"):
     return audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, kind)
 
 
-def audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, kind):
+def audit_rows(run: OpenRun, step: int, request: AuditRequest, audited: AuditedPoints,
+               outcomes: Sequence[audit_bounds.Outcome], eps_upper: np.ndarray, sensitivities: np.ndarray,
+               kind: str) -> pd.DataFrame:
     eps_lower = np.array([outcome.eps_lower for outcome in outcomes])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(eps_upper > 0, eps_lower / eps_upper, np.where(eps_lower > 0, np.inf, 0.0))
@@ -340,7 +358,7 @@ def audit_rows(run, step, request, audited, outcomes, eps_upper, sensitivities, 
     })[AUDIT_COLUMNS]
 
 
-def audit_summary(rows):
+def audit_summary(rows: pd.DataFrame) -> dict[int, dict]:
     """Per checkpoint step: the rule, the kind of upper bound, trials, δ, the number of violated
     points, and per group (easy, hard, misclassified, all) the number of points and the medians
     of eps_lower, eps_upper and their ratio, the ratio's with its 95% interval (docs/accounting.md §10).
@@ -366,7 +384,7 @@ def audit_summary(rows):
     return summary
 
 
-def gap_summary(rows, mechanism, size_delta=None):
+def gap_summary(rows: pd.DataFrame, mechanism: Mechanism, size_delta: float | None = None) -> dict[int, dict]:
     """The audit of the realised-size mean rule held against the sum rule's accounting at the same
     σ and q (docs/audit.md §1). Per checkpoint step: the sum rule's per-step ε (Δ = Γ, accounting.md
     §3.3: what its accountant prints for one step), the mean rule's own baseline with its k_min and
@@ -403,7 +421,7 @@ def gap_summary(rows, mechanism, size_delta=None):
     return summary
 
 
-def report_lines(rows, out, gaps=None):
+def report_lines(rows: pd.DataFrame, out: str, gaps: dict[int, dict] | None = None) -> list[str]:
     """What audit.py prints of its rows (written to `out`): the first rows, then per checkpoint the
     summary of audit_summary, and for the mean rule the comparison of gap_summary (`gaps`)."""
     shown = rows.head(TABLE_ROWS)
@@ -436,7 +454,7 @@ def report_lines(rows, out, gaps=None):
     return lines
 
 
-def output_paths(out, figure, run_name, rule):
+def output_paths(out: str | None, figure: str | None, run_name: str, rule: str) -> tuple[str, str]:
     """audit.py's --out and --figure (default res/<run>_audit_<rule>.csv, figures/<run>_audit_<rule>.png),
     refused when a folder stands where the file goes or a file where its folder goes."""
     out = out or os.path.join("res", f"{run_name}_audit_{rule}.csv")

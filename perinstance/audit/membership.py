@@ -21,7 +21,8 @@ MODELS = {"DP": "--run", "non-private": "--nondp-run"}
 NOT_COMPARED = {"dp", "eps", "sigma", "delta", "save_freq", "track_points"}
 
 
-def open_pair(run, nondp_run, models_dir, data_root):
+def open_pair(run: str, nondp_run: str, models_dir: str,
+              data_root: str) -> tuple[dict[str, runs.OpenRun], list[str]]:
     """The DP run (--run) and the non-private run (--nondp-run), opened (runs.open_run) and checked to
     be the two halves of one comparison: {model: run}, and the training flags they differ in
     besides privacy."""
@@ -45,7 +46,8 @@ def open_pair(run, nondp_run, models_dir, data_root):
 
 
 @torch.no_grad()
-def losses_and_predictions(model, inputs, labels, device):
+def losses_and_predictions(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                           device: str) -> tuple[np.ndarray, np.ndarray]:
     """Cross-entropy loss and predicted class of every example (float64, int64 arrays)."""
     model.eval()
     losses, predicted = [], []
@@ -57,7 +59,8 @@ def losses_and_predictions(model, inputs, labels, device):
     return torch.cat(losses).numpy(), torch.cat(predicted).numpy()
 
 
-def class_members(train_labels, test_labels, num_classes, seed):
+def class_members(train_labels: np.ndarray, test_labels: np.ndarray, num_classes: int,
+                  seed: int) -> dict[int, np.ndarray]:
     """Per class c: as many training rows of class c as there are test points of class c
     (all of them if fewer), drawn at random from (seed, c): the members the attack sees."""
     chosen = {}
@@ -69,7 +72,8 @@ def class_members(train_labels, test_labels, num_classes, seed):
     return chosen
 
 
-def attack_by_class(run, step, members, splits, seed, device):
+def attack_by_class(run: runs.OpenRun, step: int, members: dict[int, np.ndarray], splits: int, seed: int,
+                    device: str) -> pd.DataFrame:
     """Per class: the loss-threshold attack's balanced accuracy and advantage (members: the
     class_members rows of the run's training set; non-members: the class's test points) and
     the class's test accuracy. A DataFrame with one row per class."""
@@ -93,7 +97,7 @@ def attack_by_class(run, step, members, splits, seed, device):
     return pd.DataFrame(rows)
 
 
-def class_mean_eps(path, labels, total_steps, flag="--eps-csv"):
+def class_mean_eps(path: str, labels: np.ndarray, total_steps: int, flag: str = "--eps-csv") -> pd.Series:
     """Mean composed ε per class from a renyi_per_instance_sum_compo.py output (columns point,
     eps, optionally steps and kind: then the certified rows, or the one kind that is not the
     baseline); `labels` are the full dataset's training labels. A Series indexed by class."""
@@ -132,7 +136,7 @@ def class_mean_eps(path, labels, total_steps, flag="--eps-csv"):
     return means
 
 
-def membership_summary(rows):
+def membership_summary(rows: pd.DataFrame) -> dict[str, dict]:
     """Per model: classes, attack points (members and non-members), the mean attack accuracy over classes with
     its 95% interval (docs/accounting.md §10, the classes resampled: each has its own threshold), and the
     Pearson r across classes of the attack accuracy and of the test accuracy with the class's mean composed ε,

@@ -9,6 +9,7 @@ accounting gives a point of sensitivity c·Γ over the same run, by RDP (§4) an
 bound above an upper bound is a violation: the accounting (or the training code) is wrong.
 """
 
+import argparse
 import math
 import os
 import time
@@ -28,7 +29,7 @@ COLUMNS = ["norm", "canaries", "included", "eps_lower", "eps_lower_fdp", "eps_lo
            "noise_multiplier"]
 
 
-def requested(args) -> bool:
+def requested(args: argparse.Namespace) -> bool:
     """Whether the parsed audit.py flags ask for a one-run mode."""
     return args.one_run or args.in_scores is not None or args.out_scores is not None
 
@@ -131,7 +132,7 @@ def table_lines(config: runs.RunConfig, rows: pd.DataFrame) -> list[str]:
     return lines
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """audit.py in a one-run mode: the parsed flags `args`."""
     if args.one_run:
         if args.run is None:

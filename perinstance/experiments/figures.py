@@ -15,7 +15,7 @@ from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B
 from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED, design_verdicts
 from perinstance.files import checkpoints
-from perinstance.plots import plots
+from perinstance.plots import plots, sampling_rate_plots
 from perinstance.train import training
 from perinstance.train.data import load_dataset
 from perinstance.train.runs import RunConfig
@@ -102,7 +102,7 @@ def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> di
                                {rate: series[1] for rate, series in matched.items()})
     facts[DESIGN_MATCHED] = {rate: series[2] for rate, series in matched.items()}
     paired[DESIGN_MATCHED] = False
-    drawn = plots.plot_sampling_rate_designs(designs, config.renyi_order, config.delta, path)
+    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, config.renyi_order, config.delta, path)
     return {design: {**values, "facts": facts[design],
                      "verdicts": design_verdicts(*designs[design], paired=paired[design])}
             for design, values in drawn.items()}

@@ -3,10 +3,12 @@ already there, and locked, atomic merges of new ones (docs/sensitivity.md, "Resu
 
 import math
 import os
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 
+import perinstance
 from perinstance.errors import UsageError
 from perinstance.files import fileio, results, storage
 
@@ -35,7 +37,8 @@ class ResultFile:
     storage.AUTO_PARQUET_ROWS rows, and Parquet from then on (the CSV is then removed).
     """
 
-    def __init__(self, path, rows, config=None, replace_file=False, automatic=False):
+    def __init__(self, path: str, rows: pd.DataFrame, config: dict | None = None, replace_file: bool = False,
+                 automatic: bool = False) -> None:
         self.path = path  # where the rows are (a new file: where they will go)
         self.config = config  # run columns the rows must agree with (None: not checked)
         self.replace_file = replace_file  # --overwrite 1: the first add replaces the file's rows
@@ -53,7 +56,7 @@ class ResultFile:
         return np.asarray([cell_text(value) for value in distinct] or [""], dtype=object)[codes]
 
     @classmethod
-    def open(cls, path: str, overwrite: bool, config, automatic: bool = False) -> "ResultFile":
+    def open(cls, path: str, overwrite: bool, config: dict | None, automatic: bool = False) -> "ResultFile":
         """The file's rows (none with --overwrite 1), refusing rows of another run configuration.
 
         Checks first that its folder can take the file, and removes the temps that killed
@@ -80,7 +83,8 @@ class ResultFile:
                                            "use another --res-name or --overwrite 1")
         return rows[results.COLUMNS]
 
-    def missing(self, run_name, step, points, request):
+    def missing(self, run_name: str, step: int, points: Sequence[int],
+                request: "perinstance.accountants.sensitivity_cli.Request") -> dict[str, list[int]]:
         """{direction: points} whose rows at `step` are not in the file yet (COMBINATION_COLUMNS:
         what was measured and with which Monte-Carlo seed, not the flags that asked for it)."""
         alpha = np.nan if request.alpha is None else float(request.alpha)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+import perinstance
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import storage
@@ -147,7 +148,7 @@ def _check_numbers(frame, path, flag, unit):
     raise UsageError(flag, f"{path} {unit} {position} (column {column}): {shown} is not a finite number")
 
 
-def run_columns(run, reduction: str) -> dict:
+def run_columns(run: "perinstance.train.runs.RunConfig", reduction: str) -> dict:
     """The columns of a result row that come from the training run (a runs.RunConfig), analysed
     under `reduction`."""
     return {
@@ -170,7 +171,7 @@ def run_columns(run, reduction: str) -> dict:
     }
 
 
-def result_rows(run, reduction: str, step: int, columns: dict) -> pd.DataFrame:
+def result_rows(run: "perinstance.train.runs.RunConfig", reduction: str, step: int, columns: dict) -> pd.DataFrame:
     """Long-format rows of one checkpoint: `columns` (per-row arrays, or one value for every row),
     the run's columns, the stage, and NaN in every column that does not apply (a float column
     whatever the run)."""

@@ -14,7 +14,8 @@ class Bags:
     leading: the matrix starts with one row per batch (the sums so far) and each batch adds its
     members onto its own row, so that sums chained over chunks of rows equal one sum over all."""
 
-    def __init__(self, members, counts, device, leading=False):
+    def __init__(self, members: np.ndarray, counts: np.ndarray, device: str | torch.device,
+                 leading: bool = False) -> None:
         self.count = len(counts)
         if leading:
             counts = counts + 1
@@ -25,12 +26,12 @@ class Bags:
         self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)).to(device)
 
     @classmethod
-    def of_mask(cls, mask, device, leading=False):
+    def of_mask(cls, mask: np.ndarray, device: str | torch.device, leading: bool = False) -> "Bags":
         """The batches of a boolean (batches, rows) mask."""
         batch_of_member, members = np.nonzero(mask)
         return cls(members, np.bincount(batch_of_member, minlength=mask.shape[0]), device, leading)
 
-    def sums(self, matrix):
+    def sums(self, matrix: torch.Tensor) -> torch.Tensor:
         """Σ over each batch's members of `matrix`'s rows: (batches, columns); 0 for an empty batch."""
         if len(self.indices) == 0:
             return matrix.new_zeros((self.count, matrix.shape[1]))

@@ -10,14 +10,19 @@ resuming (its values only up to the rounding of the matrix products, whose shape
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from perinstance.accounting import batch_sizes
 from perinstance.measure.gradient_rows import (
+    HeldRows,
+    PointGradients,
     Predictions,
+    RecomputedRows,
     advance,
     column_spans,
     example_chunks,
@@ -27,6 +32,7 @@ from perinstance.measure.gradient_rows import (
     square_norms,
 )
 from perinstance.train import gradients, sampling
+from perinstance.train.clipping import Transform
 
 # The Δ_B output is (points, draws) float64 anyway, so a pass may hold 4× more (batches, points)
 # products than other passes over the rows: 10,000 draws for 8,000 points in one pass, which
@@ -47,7 +53,8 @@ class DatasetStatistics:
     max_deviation: np.ndarray
 
 
-def dataset_statistics(row_centred_sq, point_centred_sq, in_training):
+def dataset_statistics(row_centred_sq: np.ndarray, point_centred_sq: np.ndarray,
+                       in_training: np.ndarray) -> DatasetStatistics:
     """accounting.md §2's dataset statistics of every point, from all-row sums.
 
     row_centred_sq: ||h_i − μ||² of the N training rows, μ their mean; point_centred_sq:
@@ -90,30 +97,31 @@ class CouplingPlan:
     permutations: int
 
     @property
-    def k_min(self):
+    def k_min(self) -> int:
         return int(self.sizes[0])
 
     @property
-    def draws(self):
+    def draws(self) -> int:
         """Δ_B draws per point before rejection."""
         return self.blocks * self.permutations * len(self.sizes)
 
     @property
-    def draw_sizes(self):
+    def draw_sizes(self) -> np.ndarray:
         """k of each draw, in the order drawn: block, then permutation, then grid size."""
         return np.tile(self.sizes, self.blocks * self.permutations)
 
     @property
-    def draw_blocks(self):
+    def draw_blocks(self) -> np.ndarray:
         return np.repeat(np.arange(self.blocks), self.permutations * len(self.sizes))
 
-    def permutation(self, block, index, num_rows):
+    def permutation(self, block: int, index: int, num_rows: int) -> np.ndarray:
         rng = sampling.stream_rng(self.seed, sampling.SENSITIVITY_STREAM, self.step, sampling.COUPLING_KEY, block,
                                   index)
         return rng.permutation(num_rows)
 
 
-def coupling_plan(seed, step, n, sample_rate, size_delta, num_batches, blocks, max_sizes):
+def coupling_plan(seed: int, step: int, n: int, sample_rate: float, size_delta: float, num_batches: int, blocks: int,
+                  max_sizes: int) -> CouplingPlan:
     """accounting.md §3.4: k_min from δ_size, the grid of sizes over [k_min, k_hi] (§3.2), and
     ceil(num_batches / (blocks·G)) permutations per block for G grid sizes, so that every point
     gets at least `num_batches` draws (before rejection)."""
@@ -130,7 +138,7 @@ class CouplingSamples:
     values: np.ndarray
     plan: CouplingPlan
 
-    def accepted(self):
+    def accepted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(point position, block, sample, k, Δ_B) arrays of the accepted draws, point by point in
         the order drawn; `sample` numbers a point's accepted draws within each block from 0."""
         kept = ~np.isnan(self.values)
@@ -142,7 +150,9 @@ class CouplingSamples:
 
 # --- the dataset statistics ------------------------------------------------------------------------
 
-def measure_statistics(rows, points, mean=None, row_centred_sq=None):
+def measure_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, mean: torch.Tensor | None = None,
+                       row_centred_sq: torch.Tensor | None = None
+                       ) -> tuple[DatasetStatistics, torch.Tensor, torch.Tensor]:
     """Every point's DatasetStatistics from the rows (gradient_rows.HeldRows or RecomputedRows),
     with μ of the rows and ||h* − μ||² per point, which the Δ_B draws reuse. μ and the rows'
     ||h_i − μ||² are computed here unless given (coupling_sensitivities measures them on its way)."""
@@ -160,8 +170,9 @@ def measure_statistics(rows, points, mean=None, row_centred_sq=None):
     return statistics, mean, point_centred_sq
 
 
-def checkpoint_statistics(model, train_x, train_y, point_x, point_y, point_train_rows, transform, device="cpu",
-                          progress=None):
+def checkpoint_statistics(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
+                          point_y: torch.Tensor, point_train_rows: Sequence[int] | np.ndarray, transform: Transform,
+                          device: str = "cpu", progress: tqdm | None = None) -> tuple[DatasetStatistics, Predictions]:
     """The statistics-only measurement (compute_sensitivity.py --reduction mean --num-batches 0): every
     point's DatasetStatistics and Predictions at one checkpoint (arguments as gradient_rows.checkpoint_gradients),
     with no per-sample gradient held or recomputed.
@@ -224,7 +235,9 @@ def _centred_square_norms(matrix, mean):
 
 # --- the Δ_B draws ---------------------------------------------------------------------------------
 
-def measure_coupling(rows, points, plan, progress=None, blocks=None):
+def measure_coupling(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,
+                     progress: tqdm | None = None,
+                     blocks: Sequence[int] | None = None) -> tuple[DatasetStatistics, CouplingSamples]:
     """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
     DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given)."""
     mean = rows.mean()
@@ -233,7 +246,9 @@ def measure_coupling(rows, points, plan, progress=None, blocks=None):
     return statistics, samples
 
 
-def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=None, blocks=None):
+def coupling_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,
+                           mean: torch.Tensor, point_centred_sq: torch.Tensor | None, progress: tqdm | None = None,
+                           blocks: Sequence[int] | None = None) -> tuple[CouplingSamples, torch.Tensor | None]:
     """Δ_B = ||h* − m(B)||/(k+1) (k ≥ 1; ||h*|| for k = 0, m(∅) = 0) of every point for every
     draw of `plan` (accounting.md §2), as CouplingSamples; with `blocks`, only the draws of those
     Monte-Carlo blocks, the others NaN (as rejected draws: CouplingSamples.accepted leaves them out).
@@ -270,7 +285,8 @@ def coupling_sensitivities(rows, points, plan, mean, point_centred_sq, progress=
     return CouplingSamples(values, plan), row_centred_sq
 
 
-def pass_count(plan, num_points, dim, itemsize, blocks=None):
+def pass_count(plan: CouplingPlan, num_points: int, dim: int, itemsize: int,
+               blocks: Sequence[int] | None = None) -> int:
     """How many passes over the rows coupling_sensitivities makes for `plan` (rows of `dim` values of
     `itemsize` bytes), so that a caller can tell whether holding rows would spare any recomputation."""
     return len(_passes(plan, num_points, dim, itemsize, blocks))

@@ -8,14 +8,17 @@ result is assembled chunk by chunk in row order and panel by panel, so it is the
 last bit whichever rows are held.
 """
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
 from perinstance.train import fallback_norms, gradients
+from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
 
 # Examples per per-sample pass, as training's PHYSICAL_BATCH.
@@ -56,10 +59,10 @@ class Predictions:
     correct: np.ndarray
 
     @classmethod
-    def concat(cls, parts):
+    def concat(cls, parts: Sequence["Predictions"]) -> "Predictions":
         return cls(np.concatenate([part.losses for part in parts]), np.concatenate([part.correct for part in parts]))
 
-    def take(self, indices):
+    def take(self, indices: np.ndarray) -> "Predictions":
         return Predictions(self.losses[indices], self.correct[indices])
 
 
@@ -75,7 +78,7 @@ class PointGradients:
     outside_rows: torch.Tensor | None = None
 
     @property
-    def in_training(self):
+    def in_training(self) -> np.ndarray:
         """Whether each point is one of the training rows (then its h* is inside every batch sum
         that contains its row)."""
         return self.train_rows >= 0
@@ -84,7 +87,7 @@ class PointGradients:
 # --- per-sample passes -------------------------------------------------------------------
 
 @contextmanager
-def training_mode(model):
+def training_mode(model: torch.nn.Module) -> Iterator[None]:
     """Opacus's hooks record only in training mode. The models here have no BatchNorm and no
     dropout, so training mode computes the same function as eval mode."""
     was_training = model.training
@@ -95,20 +98,20 @@ def training_mode(model):
         model.train(was_training)
 
 
-def advance(progress, count):
+def advance(progress: tqdm | None, count: int) -> None:
     """Move a progress bar (or nothing) on by `count`."""
     if progress is not None:
         progress.update(count)
 
 
-def example_chunks(inputs, labels, device, size=None):
+def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str, size: int | None = None) -> Iterator[tuple]:
     """(start, inputs, labels) of each chunk of `size` examples (default ROW_CHUNK, read at call time), on `device`."""
     size = size or ROW_CHUNK
     for start in range(0, len(labels), size):
         yield start, inputs[start:start + size].to(device), labels[start:start + size].to(device)
 
 
-def predictions_of(losses, logits, labels):
+def predictions_of(losses: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> Predictions:
     """Predictions of a chunk from its per-example losses and logits."""
     return Predictions(losses.double().cpu().numpy(), (logits.argmax(dim=1) == labels).cpu().numpy())
 
@@ -126,7 +129,8 @@ def norm_chunk(model: torch.nn.Module, inputs: torch.Tensor, device: str = "cpu"
     return chunk
 
 
-def transformed_norms(model, inputs, labels, transform, device="cpu", progress=None):
+def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
+                      device: str = "cpu", progress: tqdm | None = None) -> tuple[np.ndarray, Predictions]:
     """Δ* = ||h(g_i)|| of each example (float64 array, accounting.md §2 sum rule) and its Predictions.
 
     Per-sample gradients are never kept (gradients.per_sample_norms).
@@ -140,7 +144,8 @@ def transformed_norms(model, inputs, labels, transform, device="cpu", progress=N
     return torch.cat(norms).numpy(), Predictions.concat(predictions)
 
 
-def transformed_gradient_chunks(model, inputs, labels, transform, device="cpu", progress=None):
+def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
+                                device: str = "cpu", progress: tqdm | None = None) -> Iterator[tuple]:
     """Yield (start, rows, Predictions) per chunk of examples: rows are h_i = w(||g_i||)·g_i, flattened."""
     if fallback_norms.needs_fallback(model):  # layers Opacus's hooks may lack: every per-sample gradient by torch.func
         module, per_sample = None, fallback_norms.per_sample_gradients
@@ -159,34 +164,34 @@ def transformed_gradient_chunks(model, inputs, labels, transform, device="cpu", 
             module.cleanup()
 
 
-def parameter_count(model):
+def parameter_count(model: torch.nn.Module) -> int:
     return sum(param.numel() for param in gradients.trainable_parameters(model))
 
 
-def column_spans(dim):
+def column_spans(dim: int) -> list[tuple[int, int]]:
     """(first, end) columns of each panel of COLUMN_PANEL columns."""
     return [(start, min(start + COLUMN_PANEL, dim)) for start in range(0, dim, COLUMN_PANEL)]
 
 
-def square_norms(matrix):
+def square_norms(matrix: torch.Tensor) -> torch.Tensor:
     """||row||² of every row of one panel, summed in the panel's dtype and returned as float64, in
     which the callers add the panels (twice as fast as a float64 reduction)."""
     return torch.einsum("ij,ij->i", matrix, matrix).double()
 
 
-def centred_square_norms(panels, mean):
+def centred_square_norms(panels: Sequence[torch.Tensor], mean: torch.Tensor) -> torch.Tensor:
     """||h_i − μ||² of the rows of one chunk (its column panels): each panel centred in its own dtype, the
     panels' squares added in float64 (_Rows.moments)."""
     spans = column_spans(len(mean))
     return sum(square_norms(panel - mean[low:high].to(panel.dtype)) for panel, (low, high) in zip(panels, spans))
 
 
-def panel_square_norms(panels):
+def panel_square_norms(panels: Sequence[torch.Tensor]) -> torch.Tensor:
     """||h_i||² of the rows of one chunk, each panel squared in float64 (_Rows.square_norms)."""
     return sum((panel.double() ** 2).sum(dim=1) for panel in panels)
 
 
-def pass_batches(num_points, dim, itemsize, output_bytes=PASS_OUTPUT_BYTES):
+def pass_batches(num_points: int, dim: int, itemsize: int, output_bytes: int = PASS_OUTPUT_BYTES) -> int:
     """Batches per Monte Carlo pass over rows of `dim` values of `itemsize` bytes: the (batches, points) float64
     products stay under `output_bytes` and the batch sums under PASS_SUM_BYTES (the products' rounding follows
     their shapes)."""
@@ -200,15 +205,15 @@ class _Rows:
     rows, in row order) and panel by panel, the same whichever rows are held, so that results do
     not depend on the memory budget. Subclasses provide `chunks()` and `sum_panels()`."""
 
-    def chunks(self):
+    def chunks(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         """(start, panels) of each chunk of ROW_CHUNK rows, in row order."""
         raise NotImplementedError
 
-    def pass_batches(self, num_points, output_bytes=PASS_OUTPUT_BYTES):
+    def pass_batches(self, num_points: int, output_bytes: int = PASS_OUTPUT_BYTES) -> int:
         """pass_batches for these rows (the same whichever rows are held)."""
         return pass_batches(num_points, self.dim, self.dtype.itemsize, output_bytes)
 
-    def column_sums(self):
+    def column_sums(self) -> torch.Tensor:
         """Σ_i h_i (float64, (d,)): float64 sums of each chunk, added in row order."""
         total = None
         for _, panels in self.chunks():
@@ -216,28 +221,28 @@ class _Rows:
             total = part if total is None else total.add_(part)
         return total
 
-    def mean(self):
+    def mean(self) -> torch.Tensor:
         """μ = (1/N) Σ_i h_i (float64, (d,))."""
         return self.column_sums() / self.num_rows
 
-    def moments(self):
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """μ (`mean`) and ||h_i − μ||² of every row (float64, (N,)); the rows are centred in their own dtype,
         the sums are float64. (sum_panels can give the same norms from a pass it makes anyway.)"""
         mean = self.mean()
         return mean, torch.cat([centred_square_norms(panels, mean) for _, panels in self.chunks()])
 
-    def square_norms(self):
+    def square_norms(self) -> torch.Tensor:
         """||h_i||² of every row (float64, (N,)), each panel squared in float64."""
         return torch.cat([panel_square_norms(panels) for _, panels in self.chunks()])
 
-    def products(self, matrix, dtype=torch.float64):
+    def products(self, matrix: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """H·matrixᵀ: h_i·m_j for every row i and row j of `matrix` (m × d), computed and summed
         over the panels in `dtype`: (rows, m)."""
         parts = [matrix[:, low:high].to(dtype) for low, high in column_spans(self.dim)]
         return torch.cat([sum(panel.to(dtype) @ part.T for panel, part in zip(panels, parts))
                           for _, panels in self.chunks()])
 
-    def transposed_product(self, matrix):
+    def transposed_product(self, matrix: torch.Tensor) -> torch.Tensor:
         """Hᵀ·matrix for a (rows × m) `matrix`, in the rows' dtype: (d, m), the chunks added in row order."""
         product = None
         for start, panels in self.chunks():
@@ -249,12 +254,13 @@ class _Rows:
 class HeldRows(_Rows):
     """h_i of every training point at one checkpoint, computed once and kept as column panels."""
 
-    def __init__(self, panels, predictions):
+    def __init__(self, panels: list[torch.Tensor], predictions: Predictions) -> None:
         self.panels = panels
         self.predictions = predictions
 
     @classmethod
-    def compute(cls, model, inputs, labels, transform, device="cpu", progress=None):
+    def compute(cls, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
+                device: str = "cpu", progress: tqdm | None = None) -> "HeldRows":
         dtype = next(model.parameters()).dtype
         spans = column_spans(parameter_count(model))
         panels = [torch.empty((len(labels), high - low), dtype=dtype, device=device) for low, high in spans]
@@ -267,35 +273,36 @@ class HeldRows(_Rows):
         return cls(panels, Predictions.concat(predictions))
 
     @property
-    def num_rows(self):
+    def num_rows(self) -> int:
         return self.panels[0].shape[0]
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         return sum(panel.shape[1] for panel in self.panels)
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         return self.panels[0].dtype
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         return self.panels[0].device
 
-    def chunks(self):
+    def chunks(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         for start in range(0, self.num_rows, ROW_CHUNK):
             yield start, [panel[start:start + ROW_CHUNK] for panel in self.panels]
 
-    def take(self, indices):
+    def take(self, indices: np.ndarray) -> torch.Tensor:
         """Rows `indices` as one (len, d) matrix."""
         index = torch.as_tensor(indices, device=self.device)
         return torch.cat([panel[index] for panel in self.panels], dim=1)
 
-    def leading(self, count):
+    def leading(self, count: int) -> "HeldRows":
         """The first `count` rows, held."""
         return HeldRows([panel[:count] for panel in self.panels], self.predictions.take(np.arange(count)))
 
-    def sum_panels(self, mask, dtype=torch.float64, centred=None):
+    def sum_panels(self, mask: np.ndarray, dtype: torch.dtype = torch.float64,
+                   centred: tuple[torch.Tensor, torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
         """Panels (in `dtype`) of the batch sums s_D for a boolean (batches, rows) mask; a batch's
         members are added one after the other, in row order. centred: None, or (μ, out) to fill out (N,)
         with ||h_i − μ||² of every row, as moments() computes them."""
@@ -317,7 +324,8 @@ class RecomputedRows(_Rows):
     alike, so every result equals HeldRows' bit for bit (tests/test_sensitivity.py).
     """
 
-    def __init__(self, model, inputs, labels, transform, device="cpu", held=0, progress=None, keep=()):
+    def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
+                 device: str = "cpu", held: int = 0, progress: tqdm | None = None, keep: Sequence[int] = ()) -> None:
         self.pass_args = (model, inputs, labels, transform, device)
         self.num_rows = len(labels)
         # Whole chunks: the recomputed chunks start where HeldRows.compute's would.
@@ -350,14 +358,14 @@ class RecomputedRows(_Rows):
             self.predictions.losses[start:start + len(rows)] = chunk_predictions.losses
             self.predictions.correct[start:start + len(rows)] = chunk_predictions.correct
 
-    def column_sums(self):
+    def column_sums(self) -> torch.Tensor:
         return self._sums.clone()
 
-    def square_norms(self):
+    def square_norms(self) -> torch.Tensor:
         held = [self.rows.square_norms()] if self.held else []
         return torch.cat([*held, self._recomputed_square_norms])
 
-    def leading(self, count):
+    def leading(self, count: int) -> HeldRows:
         """The first `count` rows, held: the held ones as they are, the others computed once more."""
         if count <= self.held:
             return self.rows.leading(count)
@@ -373,7 +381,7 @@ class RecomputedRows(_Rows):
                                                                      transform, device, progress):
             yield start + offset, rows, predictions
 
-    def chunks(self):
+    def chunks(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
         if self.held:
             yield from self.rows.chunks()
         spans = column_spans(self.dim)
@@ -381,7 +389,7 @@ class RecomputedRows(_Rows):
             # Contiguous panels, as HeldRows' (a reduction's order may follow the strides).
             yield start, [rows[:, low:high].contiguous() for low, high in spans]
 
-    def take(self, indices):
+    def take(self, indices: np.ndarray) -> torch.Tensor:
         """Rows `indices` as one (len, d) matrix: the held ones copied, the others from their chunk."""
         indices = np.asarray(indices, dtype=np.int64)
         result = torch.empty((len(indices), self.dim), dtype=self.dtype, device=self.device)
@@ -400,7 +408,8 @@ class RecomputedRows(_Rows):
                 result[torch.as_tensor(wanted, device=self.device)] = rows[torch.as_tensor(indices[wanted] - start)]
         return result
 
-    def sum_panels(self, mask, dtype=torch.float64, centred=None):
+    def sum_panels(self, mask: np.ndarray, dtype: torch.dtype = torch.float64,
+                   centred: tuple[torch.Tensor, torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
         """As HeldRows.sum_panels, bit for bit: each chunk's members are added onto the sums so far
         (the sums lead every bag), so a batch's members are still added one after the other. With
         `centred`, the pass that recomputes the rows also gives their centred norms (no pass of their own)."""
@@ -438,7 +447,7 @@ class RecomputedRows(_Rows):
         return sums
 
 
-def held_rows(model, num_rows, device):
+def held_rows(model: torch.nn.Module, num_rows: int, device: str) -> int:
     """Training rows to hold: as many whole chunks as fit in half the memory budget, and on a CPU
     in HELD_BYTES_CPU; all of them when they all fit."""
     row_bytes = parameter_count(model) * next(model.parameters()).element_size()
@@ -450,8 +459,10 @@ def held_rows(model, num_rows, device):
     return fit // row_bytes // ROW_CHUNK * ROW_CHUNK
 
 
-def checkpoint_gradients(model, train_x, train_y, point_x, point_y, point_train_rows, transform, device="cpu",
-                         hold=None, progress=None, point_rows=True):
+def checkpoint_gradients(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
+                         point_y: torch.Tensor, point_train_rows: Sequence[int] | np.ndarray, transform: Transform,
+                         device: str = "cpu", hold: bool | None = None, progress: tqdm | None = None,
+                         point_rows: bool = True) -> tuple[HeldRows | RecomputedRows, PointGradients]:
     """The training rows and the points, for the mean rule and the audit.
 
     The first rows, as many as `held_rows` allows, are held, the others recomputed on each pass

@@ -2,15 +2,20 @@
 rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (mean rule), each
 row with the point's label, loss and correctness (perinstance/files/results.py)."""
 
-import numpy as np
+from collections.abc import Iterator, Sequence
 
+import numpy as np
+import pandas as pd
+
+import perinstance
 from perinstance.accounting.guarantees import Direction
 from perinstance.console import progress_bar
 from perinstance.files import results, storage
 from perinstance.measure import coupling, poisson_batches
-from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
+from perinstance.measure.gradient_rows import Predictions, checkpoint_gradients, parameter_count, transformed_norms
 from perinstance.train import training
 from perinstance.train.clipping import Transform
+from perinstance.train.runs import OpenRun, RunConfig
 
 NO_DIRECTION = Direction.NONE.value
 # What a row measures, stored in its `exp` column: Δ* (sum rule), the coupling samples and
@@ -19,7 +24,9 @@ NO_DIRECTION = Direction.NONE.value
 NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
 
 
-def measure_checkpoint(request, run, step, points, device, blocks=None):
+def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request", run: OpenRun, step: int,
+                       points: Sequence[int] | np.ndarray, device: str,
+                       blocks: Sequence[int] | None = None) -> pd.DataFrame:
     """The rows of one checkpoint for `points` (every requested direction). Coupling under
     torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
     config = run.config
@@ -74,13 +81,14 @@ def measure_checkpoint(request, run, step, points, device, blocks=None):
     return storage.histogram_rows(frame, request.histogram_precision)
 
 
-def norm_columns(norms):
+def norm_columns(norms: np.ndarray) -> dict:
     """Sum rule: one grad_norm row (Δ*) per point."""
     return {"position": np.arange(len(norms)), "quantity": "grad_norm", "value": norms, "direction": NO_DIRECTION,
             "target_batch": 0, "sample": 0}
 
 
-def coupling_columns(clip_bound, statistics, samples, blocks=None):
+def coupling_columns(clip_bound: float, statistics: coupling.DatasetStatistics, samples: coupling.CouplingSamples,
+                     blocks: Sequence[int] | None = None) -> dict:
     """Mean rule by coupling (accounting.md §2): per point the center_distance, spread and
     max_deviation rows, then a batch_sensitivity row (Δ_B with its k and block) per accepted draw.
     With `blocks`, only their draws, and the statistics rows only with block 0 (each part of a
@@ -104,7 +112,8 @@ def coupling_columns(clip_bound, statistics, samples, blocks=None):
     }
 
 
-def jensen_columns(request, statistics):
+def jensen_columns(request: "perinstance.accountants.sensitivity_cli.Request",
+                   statistics: dict[Direction, np.ndarray]) -> dict:
     """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
     parts = []
     for direction, array in statistics.items():
@@ -117,7 +126,8 @@ def jensen_columns(request, statistics):
     return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
 
 
-def measurement_rows(reduction, family, mc_seed, config, step, accuracy, points, labels, predictions, columns):
+def measurement_rows(reduction: str, family: str, mc_seed: int | None, config: RunConfig, step: int, accuracy: float,
+                     points: np.ndarray, labels: np.ndarray, predictions: Predictions, columns: dict) -> pd.DataFrame:
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
     point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
     position = columns.pop("position")
@@ -133,8 +143,9 @@ def measurement_rows(reduction, family, mc_seed, config, step, accuracy, points,
     })
 
 
-def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc_blocks, max_sizes, mc_seed,
-                     device="cpu"):
+def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray, configs: Sequence[RunConfig],
+                     size_deltas: Sequence[float], *, num_batches: int, mc_blocks: int, max_sizes: int, mc_seed: int,
+                     device: str = "cpu") -> Iterator[pd.DataFrame]:
     """One checkpoint of `run` measured for one step of the mean rule under each of `configs` (the run's
     RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
     each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
@@ -166,7 +177,7 @@ def measure_at_rates(run, step, points, configs, size_deltas, *, num_batches, mc
                                point_gradients.predictions, columns)
 
 
-def keep_missing(rows, missing):
+def keep_missing(rows: pd.DataFrame, missing: dict[str, list[int]]) -> pd.DataFrame:
     """Only the rows of (direction, point) combinations that `missing` lists."""
     wanted = np.zeros(len(rows), dtype=bool)
     for direction, points in missing.items():

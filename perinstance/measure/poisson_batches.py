@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from perinstance.accounting.guarantees import Direction
 from perinstance.measure.batch_sums import Bags
-from perinstance.measure.gradient_rows import advance
+from perinstance.measure.gradient_rows import HeldRows, PointGradients, RecomputedRows, advance
 from perinstance.train import sampling
 
 DIRECTIONS = (Direction.REMOVE, Direction.ADD)
@@ -41,7 +42,7 @@ class Pool:
     sample_rate: float
     train_columns: np.ndarray
 
-    def draw(self, count, *key):
+    def draw(self, count: int, *key: int) -> np.ndarray:
         """`count` batches as a boolean (count, universe) mask, from (seed, step, key) alone."""
         rng = sampling.stream_rng(self.seed, sampling.SENSITIVITY_STREAM, self.step, *key)
         return sampling.poisson_masks(rng, count, self.universe, self.sample_rate)
@@ -58,7 +59,8 @@ def _mean_coefficients(sizes, removed, kept):
     return coef_sum, coef_sum * (kept.astype(np.float64) - removed)
 
 
-def sensitivities_from_gram(sum_sq, point_dots, point_sq, sizes, members, in_training):
+def sensitivities_from_gram(sum_sq: np.ndarray, point_dots: np.ndarray, point_sq: np.ndarray, sizes: np.ndarray,
+                            members: np.ndarray, in_training: np.ndarray) -> np.ndarray:
     """Δ_B = ||m(B ∪ {x*}) − m(B)|| for B = D without x*, per pool batch D and point.
 
     sum_sq: ||s_D||² (batches,); point_dots: s_D·h* (batches, points); point_sq: ||h*||²
@@ -73,7 +75,8 @@ def sensitivities_from_gram(sum_sq, point_dots, point_sq, sizes, members, in_tra
     return np.sqrt(np.maximum(squared, 0.0))
 
 
-def renyi_from_gram(set_gram, point_dots, point_sq, sizes, members, in_training, direction):
+def renyi_from_gram(set_gram: np.ndarray, point_dots: np.ndarray, point_sq: np.ndarray, sizes: np.ndarray,
+                    members: np.ndarray, in_training: np.ndarray, direction: Direction) -> np.ndarray:
     """S = Σ_j ||m_j||² − (α−1)||m_0||² − ||Σ_j m_j − (α−1)m_0||² per set and point (§2).
 
     set_gram: s_j·s_l within each set (sets, α+1, α+1), batch 0 the target; point_dots:
@@ -113,7 +116,8 @@ def _pass_quantities(rows, train_masks, dots, set_layout):
     return set_gram.cpu().numpy(), point_dots, train_masks.sum(axis=1)
 
 
-def batch_sensitivities(rows, points, train_masks, progress=None, most_per_pass=None):
+def batch_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients, train_masks: np.ndarray,
+                        progress: tqdm | None = None, most_per_pass: int | None = None) -> np.ndarray:
     """Δ_B = ||m(B ∪ {x*}) − m(B)|| (accounting.md §2) for each batch D of a boolean (batches, rows)
     mask over the training rows, with B = D without x*: (points, batches) float64.
 
@@ -137,7 +141,7 @@ def batch_sensitivities(rows, points, train_masks, progress=None, most_per_pass=
 
 # --- GLA's statistic S ---------------------------------------------------------------------------
 
-def renyi_slices(num_iters, num_batches, alpha, max_batches):
+def renyi_slices(num_iters: int, num_batches: int, alpha: int, max_batches: int) -> list[list[tuple[int, int, int]]]:
     """(target, first set, end set) slices of the sets, each at most `max_batches` batches
     (the target and α per set), grouped into passes of at most `max_batches` batches."""
     sets_per_slice = max(1, (max_batches - 1) // alpha)
@@ -154,8 +158,9 @@ def renyi_slices(num_iters, num_batches, alpha, max_batches):
     return passes + [current] if current else passes
 
 
-def renyi_statistics(rows, points, point_columns, pool, alpha, num_iters, num_batches, directions=DIRECTIONS,
-                     progress=None):
+def renyi_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, point_columns: np.ndarray, pool: Pool,
+                     alpha: int, num_iters: int, num_batches: int, directions: tuple[Direction, ...] = DIRECTIONS,
+                     progress: tqdm | None = None) -> dict[Direction, np.ndarray]:
     """S for each direction, point, target batch and set: {direction: (points, num_iters, num_batches)}.
 
     For each target t: B_0 from pool batch (t), and num_batches sets of α pool batches

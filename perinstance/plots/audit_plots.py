@@ -6,6 +6,7 @@ writes it atomically as a PNG and returns the numbers it shows.
 
 import matplotlib.pyplot as plt
 import numpy as np
+from numpy.typing import ArrayLike
 
 from perinstance.plots.plots import (
     SINGLE_PANEL,
@@ -37,8 +38,8 @@ def _ring(ax, x, y, mask, name):
                    label=f"{name}: {mask.sum()}")
 
 
-def plot_audit_bounds(eps_lower, eps_upper, correct, path, title="Per-instance audit of one step",
-                      upper_label="eps_upper (accountant)"):
+def plot_audit_bounds(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, path: str,
+                      title: str = "Per-instance audit of one step", upper_label: str = "eps_upper (accountant)") -> dict:
     """Lower bound (audit, 95%) against upper bound (accountant) per point, with y = x.
 
     Every point must lie on or below the diagonal; one above it is an upper bound the audit
@@ -71,8 +72,8 @@ def plot_audit_bounds(eps_lower, eps_upper, correct, path, title="Per-instance a
             "median_lower": _median(eps_lower), "median_upper": _median(eps_upper)}
 
 
-def plot_audit_gap(eps_lower, eps_upper, correct, sum_rule_eps, mean_baseline_eps, path,
-                   title="The realised-size mean rule against the sum rule's accounting"):
+def plot_audit_gap(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, sum_rule_eps: float, mean_baseline_eps: float,
+                   path: str, title: str = "The realised-size mean rule against the sum rule's accounting") -> dict:
     """The audit of the realised-size mean rule per point, ranked by eps_lower (docs/audit.md §1):
     its lower bound (95%), the mean rule's per-point estimate eps_upper, and two lines: the per-step
     ε that the sum rule's accounting gives at the same σ and q, and the mean rule's own baseline.
@@ -111,7 +112,8 @@ def plot_audit_gap(eps_lower, eps_upper, correct, sum_rule_eps, mean_baseline_ep
             "max_lower": float(eps_lower.max()) if len(eps_lower) else float("nan")}
 
 
-def plot_class_attack(class_names, class_eps, attack_accuracy, attack_std, test_accuracy, path):
+def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: dict, attack_std: dict, test_accuracy: dict,
+                      path: str) -> dict:
     """Per class: the loss-threshold attack's accuracy (left) and the test accuracy (right)
     against the class's mean composed ε, one colour per model ("DP", "non-private", ...).
 

@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # no display on the training machines; must precede pyplo
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from numpy.typing import ArrayLike  # noqa: E402
 
 from perinstance.accounting import intervals
 from perinstance.files.fileio import atomic_path
@@ -136,8 +137,8 @@ def _use_log_scale(ax, axis, values):
         set_scale("symlog", linthresh=float(positive.min()) if len(positive) else 1.0)
 
 
-def plot_per_step_histogram(eps, baseline_eps, path, title="Per-instance per-step privacy",
-                            xlabel="per-instance per-step ε"):
+def plot_per_step_histogram(eps: ArrayLike, baseline_eps: float, path: str, title: str = "Per-instance per-step privacy",
+                            xlabel: str = "per-instance per-step ε") -> dict:
     """Histogram of one per-step guarantee per point, with the median and the baseline."""
     eps = _as_1d("eps", eps)
     baseline_eps = float(baseline_eps)
@@ -161,7 +162,7 @@ def plot_per_step_histogram(eps, baseline_eps, path, title="Per-instance per-ste
             "share_2x_below": share_2x_below}
 
 
-def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
+def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baseline: float, path: str, value_label: str) -> dict:
     """Empirical CDFs of a per-point guarantee for correctly and wrongly classified points."""
     values = _as_1d("values", values)
     correct = np.asarray(correct)
@@ -208,119 +209,8 @@ def plot_correct_vs_misclassified(values, correct, baseline, path, value_label):
     }
 
 
-MEAN_RULE_SERIES = {
-    # key: (label, style); estimates say so in the legend (accounting.md §3.5).
-    "certified": ("mean rule, certified bound (median, 95% interval; band 10-90%)", {"color": "tab:blue",
-                                                                                     "marker": "o"}),
-    "estimate": ("mean rule, estimate (Monte Carlo, median, 95% interval)", {"color": "tab:orange", "marker": "s",
-                                                                             "linestyle": ":"}),
-    "baseline": ("mean rule, data-independent baseline", {"color": "black", "marker": "D", "linestyle": "--"}),
-    "sum_rule": ("sum rule, per instance at the same θ (median, 95% interval)", {"color": "tab:green", "marker": "^",
-                                                                                 "linestyle": "-."}),
-    "sum_baseline": ("sum rule, worst case at the same sigma", {"color": "grey", "marker": "v", "linestyle": "--"}),
-}
-
-
-RATIO_SERIES = {
-    "certified": ("certified / mean-rule baseline (median, 95% interval)", {"color": "tab:blue", "marker": "o"}),
-    "estimate": ("estimate / mean-rule baseline (median, 95% interval; Monte Carlo)",
-                 {"color": "tab:orange", "marker": "s", "linestyle": ":"}),
-}
-
-
-def _finite(values):
-    return values[np.isfinite(values)]
-
-
-def _draw_medians(ax, rates, arrays, label, style):
-    """Medians over the rates with their 95% bootstrap intervals as error bars (accounting.md §10); a single
-    value (a baseline) has no interval. Returns ({q: median}, {q: Interval or None})."""
-    medians = [_median(values) for values in arrays]
-    found = [_median_interval(values) if len(values) > 1 else None for values in arrays]
-    low = [median - interval.low if interval else 0.0 for median, interval in zip(medians, found, strict=True)]
-    high = [interval.high - median if interval else 0.0 for median, interval in zip(medians, found, strict=True)]
-    ax.errorbar(rates, medians, yerr=[low, high], label=label, linewidth=2, capsize=4, **style)
-    return dict(zip(rates, medians, strict=True)), dict(zip(rates, found, strict=True))
-
-
-def _draw_ratio_panel(ax, values_by_rate, title):
-    """The data-dependent per-step values relative to the mean rule's own baseline, per rate: the quantity
-    GLA's sampling-rate claim is about. Returns ({series: {q: median ratio}}, {series: {q: its interval}})."""
-    rates = sorted(values_by_rate)
-    drawn, found = {}, {}
-    for key, (label, style) in RATIO_SERIES.items():
-        present = [q for q in rates if key in values_by_rate[q]]
-        ratios = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float)))
-                  / float(values_by_rate[q]["baseline"]) for q in present]
-        drawn[key], found[key] = _draw_medians(ax, present, ratios, label, style)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself")
-    ax.set_xscale("log")
-    ax.set_xticks(rates, [f"{q:g}" for q in rates])
-    _use_log_scale(ax, "y", np.array([value for series in drawn.values() for value in series.values()] + [1.0]))
-    ax.set_xlabel("sampling rate q")
-    ax.set_ylabel("per-step value / mean-rule baseline")
-    ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
-    return drawn, found
-
-
-def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"):
-    """One line per series over the sampling rates: medians of per-point arrays with their 95% intervals (and a
-    10-90% band for the certified bound) or single values; returns the medians drawn per series and rate, and
-    their intervals."""
-    rates = sorted(values_by_rate)
-    drawn, found = {}, {}
-    everything = [np.zeros(0)]
-    for key, (label, style) in MEAN_RULE_SERIES.items():
-        present = [q for q in rates if key in values_by_rate[q]]
-        if not present:
-            continue
-        # A point without an estimate (NaN: some size unsampled) or without a finite guarantee (inf: δ_fail
-        # left nothing to spend) has no place on a log axis; the medians are over the finite values.
-        arrays = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))) for q in present]
-        drawn[key], found[key] = _draw_medians(ax, present, arrays, label, style)
-        everything.extend(arrays)
-        if key == "certified":
-            low = [np.quantile(values, 0.1) if len(values) else np.nan for values in arrays]
-            high = [np.quantile(values, 0.9) if len(values) else np.nan for values in arrays]
-            ax.fill_between(present, low, high, color=style["color"], alpha=0.15, linewidth=0)
-    ax.set_xscale("log")
-    ax.set_xticks(rates, [f"{q:g}" for q in rates])
-    _use_log_scale(ax, "y", np.concatenate(everything))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
-    return drawn, found
-
-
-def plot_sampling_rate_designs(designs, alpha, delta, path):
-    """GLA's sampling-rate claim for the mean rule (its Fig. 3c) in controlled designs (accounting.md §3.2, §4):
-    one row per design, {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}}
-    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at
-    order α, ε over the whole run at δ, and the per-step data-dependent values relative to the mean rule's
-    baseline, every median with its 95% interval (§10). Returns {design: {"per_step", "composed", "ratios"}
-    (medians) and the same three with "_intervals" (their Interval, None for a single value)}."""
-    for title, (per_step, whole_run) in designs.items():
-        if set(per_step) != set(whole_run):
-            raise ValueError(f"{title}: per_step and whole_run cover different rates: {sorted(per_step)} vs "
-                             f"{sorted(whole_run)}")
-    fig, axes = plt.subplots(len(designs), 3, figsize=(18.0, 4.6 * len(designs)), layout="constrained", squeeze=False)
-    drawn = {}
-    for row, (title, (per_step, whole_run)) in zip(axes, designs.items()):
-        panels = {
-            "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
-            "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
-                                         f"{title}: whole run"),
-            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
-        }
-        drawn[title] = {key: medians for key, (medians, _) in panels.items()}
-        drawn[title].update({f"{key}_intervals": found for key, (_, found) in panels.items()})
-    _save(fig, path)
-    return drawn
-
-
-def plot_composed_over_training(curves, baseline_curve, path, delta, checkpoint_steps=()):
+def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: str, delta: float,
+                                checkpoint_steps: tuple = ()) -> dict:
     """Yu et al.: composed per-instance ε of a few points as training proceeds, from step 0, with the
     checkpoints whose Δ* charge the steps after them marked on the step axis."""
     baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
@@ -411,8 +301,8 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
     return pearson, pearson_interval
 
 
-def plot_individual_accounting(eps, final_loss, labels, class_names, class_test_accuracy, baseline_eps, path,
-                               by_accountant=None):
+def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: ArrayLike, class_names: list, class_test_accuracy: ArrayLike,
+                               baseline_eps: float, path: str, by_accountant: dict | None = None) -> dict:
     """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
 
     labels are class indices into class_names; class_test_accuracy is either aligned
@@ -471,7 +361,7 @@ def _draw_accountant_panel(ax, by_accountant):
     return summaries
 
 
-def plot_estimate_accuracy(eps_from_checkpoints, eps_from_every_step, path, baseline_eps):
+def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step: ArrayLike, path: str, baseline_eps: float) -> dict:
     """Yu et al., Fig. 4: ε from checkpoint norms against ε from norms at every step."""
     estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
     truth = _as_1d("eps_from_every_step", eps_from_every_step)

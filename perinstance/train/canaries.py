@@ -23,6 +23,7 @@ import torch
 from perinstance.errors import UsageError
 from perinstance.files import fileio
 from perinstance.train import sampling
+from perinstance.train.runs import RunConfig
 
 CANARY_SUPPORT = 64
 CANARY_FILE = "canaries.csv"
@@ -79,7 +80,7 @@ def canary_directions(seed: int, count: int, dimension: int) -> tuple[np.ndarray
 class Canaries:
     """The canaries of one run on its trainable parameters: their additions to the gradient sum and their scores."""
 
-    def __init__(self, run, params: list, device: torch.device):
+    def __init__(self, run: RunConfig, params: list, device: torch.device) -> None:
         self.run = run
         self.norms = canary_norms(run.canaries, run.canary_norms)
         self.included = canary_inclusions(run.seed, run.canaries)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from perinstance.train.runs import RunConfig
+
 CLIPPING_CHOICES = ("flat", "psac", "psasc")
 
 
@@ -53,7 +55,7 @@ class Transform:
     scale_s: float | None = None
 
     @classmethod
-    def of_run(cls, run) -> "Transform":
+    def of_run(cls, run: RunConfig) -> "Transform":
         """The transform of a runs.RunConfig."""
         return cls(run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 

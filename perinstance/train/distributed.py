@@ -18,9 +18,12 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import TypeVar
 
+import pandas as pd
 import torch
 
 from perinstance.errors import UsageError
@@ -30,6 +33,8 @@ DEVICE_CHOICES = "cpu, cuda, cuda:N or auto"
 # How long a rank waits for rank 0's plan, which may include training the run first. A rank
 # that dies does not leave the others waiting this long: torchrun stops them all.
 PLAN_TIMEOUT = datetime.timedelta(days=1)
+# Whatever every rank holds alike: an item shared out, the value rank 0 computes.
+Shared = TypeVar("Shared")
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class World:
     launched: bool = False  # started by torchrun (even a world of 1)
 
     @classmethod
-    def from_env(cls, environ=None):
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "World":
         environ = os.environ if environ is None else environ
         if "WORLD_SIZE" not in environ:
             return cls()
@@ -57,16 +62,16 @@ class World:
         return cls(rank, size, local_rank, launched=True)
 
     @property
-    def label(self):
+    def label(self) -> str:
         """`rank R/W`, the start of every rank's summary line."""
         return f"rank {self.rank}/{self.size}"
 
-    def share(self, items):
+    def share(self, items: Iterable[Shared]) -> list[Shared]:
         """This rank's items of a list that every rank holds in the same order (item i → rank i mod W)."""
         return list(items)[self.rank::self.size]
 
 
-def resolve_device(text, world=None):
+def resolve_device(text: str, world: World | None = None) -> str:
     """The torch device a `--device` value means for this process.
 
     auto: CUDA when present, else CPU. Under torchrun, `cuda` and `auto` mean this process's
@@ -83,7 +88,7 @@ def resolve_device(text, world=None):
     return text
 
 
-def device_flag(text):
+def device_flag(text: str) -> str:
     """argparse `type` of --device: one of DEVICE_CHOICES, with "auto" and (under torchrun) "cuda"
     resolved to a device."""
     text = text.strip().lower()
@@ -92,7 +97,7 @@ def device_flag(text):
     return resolve_device(text)
 
 
-def make_deterministic(device):
+def make_deterministic(device: str | torch.device) -> None:
     """Same seeds, same results on one device type: on CUDA, turn off the nondeterministic
     cuDNN algorithm search and TF32 rounding, and fix cuBLAS's workspace (CPU needs nothing)."""
     if not str(device).startswith("cuda"):
@@ -105,7 +110,7 @@ def make_deterministic(device):
 
 
 @contextmanager
-def process_group(world, device):
+def process_group(world: World, device: str | torch.device) -> Iterator[None]:
     """torch.distributed's process group for a torchrun launch of more than one process
     (NCCL when this rank computes on a GPU, Gloo otherwise); nothing for a single process."""
     if world.size == 1:
@@ -123,7 +128,7 @@ def process_group(world, device):
         dist.destroy_process_group()
 
 
-def from_rank0(world, compute):
+def from_rank0(world: World, compute: Callable[[], Shared]) -> Shared:
     """`compute()` run on rank 0 only, its value given to every rank.
 
     A UsageError on rank 0 is raised on every rank, so that all of them stop with the same
@@ -160,14 +165,14 @@ class Item:
     blocks: tuple = ()
 
     @property
-    def key(self):
+    def key(self) -> str:
         blocks = [list(self.blocks)] if self.blocks else []
         digest = hashlib.sha256(json.dumps([self.step, self.points, self.wanted, *blocks]).encode()).hexdigest()[:12]
         block_text = f"_blocks_{self.blocks[0]}-{self.blocks[-1]}" if self.blocks else ""
         return f"step_{self.step:07d}_points_{self.points[0]}-{self.points[-1]}{block_text}_{digest}"
 
 
-def plan_items(step, missing, part_points, blocks=0):
+def plan_items(step: int, missing: Mapping[str, Sequence[int]], part_points: int, blocks: int = 0) -> list[Item]:
     """The items of one checkpoint: the points that lack rows in any direction (`missing`:
     {direction: points}), in consecutive chunks of `part_points`; with `blocks` > 0 Monte-Carlo
     blocks, one item per chunk and block, so that few points with many draws spread over ranks."""
@@ -193,24 +198,25 @@ class Parts:
     the command's request and points: a rerun of the same command finds the parts of a killed run.
     """
 
-    def __init__(self, result_path, job_description):
+    def __init__(self, result_path: str, job_description: str) -> None:
         job = hashlib.sha256(job_description.encode()).hexdigest()[:16]
         self.root = os.path.join(os.path.dirname(result_path) or ".", ".parts", os.path.basename(result_path))
         self.directory = os.path.join(self.root, job)
 
-    def path(self, item):
+    def path(self, item: Item) -> str:
         return os.path.join(self.directory, item.key + storage.PARQUET)
 
-    def has(self, item):
+    def has(self, item: Item) -> bool:
         return os.path.exists(self.path(item))
 
-    def write(self, item, frame, flag=None):
+    def write(self, item: Item, frame: pd.DataFrame, flag: str | None = None) -> None:
         storage.write_frame(self.path(item), frame, flag)
 
-    def read(self, items):
+    def read(self, items: Sequence[Item]) -> list[pd.DataFrame]:
         return [storage.read_frame(self.path(item)) for item in items]
 
-    def merge_once(self, items, merge, flag=None):
+    def merge_once(self, items: Sequence[Item], merge: Callable[[list[pd.DataFrame]], object],
+                   flag: str | None = None) -> bool:
         """If every item's part exists: `merge(frames)` (which writes the result file) and remove
         the parts, all under this result file's parts lock, so that of the ranks that try, only
         the one that finds every part there merges. Returns whether this call merged.

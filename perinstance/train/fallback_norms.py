@@ -18,6 +18,7 @@ its forward) falls back too. The pass runs the model in eval mode (dropout off),
 
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -199,7 +200,8 @@ def _squared(split, keep_graph):
     return squared, grad_outputs
 
 
-def per_sample_norms(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
+                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
@@ -209,7 +211,9 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
     return squared.sqrt(), split.losses.detach(), split.logits.detach()
 
 
-def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, weights_of_norms):
+def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
+                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits)."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
@@ -230,7 +234,8 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
             split.logits.detach())
 
 
-def per_sample_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+def per_sample_gradients(model: nn.Module, inputs: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """As gradients.per_sample_gradients, for a model Opacus's hooks may not cover: every trainable parameter's
     per-sample gradients by torch.func, per-example losses, logits."""
     names = [name for name, param in model.named_parameters() if param.requires_grad]

@@ -2,6 +2,7 @@
 gradient norms and the clipped gradient sum without per-sample gradients."""
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,12 +15,13 @@ from torch import nn
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
-def wrap_per_sample(model):
+def wrap_per_sample(model: nn.Module) -> GradSampleModule:
     """Wrap `model` so each backward stores per-sample gradients in `param.grad_sample`."""
     return GradSampleModule(model, batch_first=True, loss_reduction="sum")
 
 
-def per_sample_gradients(grad_sample_module, inputs, labels):
+def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor,
+                         labels: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Per-sample gradients of the cross-entropy of each example.
 
     Returns (list of grad_sample tensors, one per trainable parameter, shaped (n, *param.shape);
@@ -38,23 +40,23 @@ def per_sample_gradients(grad_sample_module, inputs, labels):
     return grad_samples, losses.detach(), logits.detach()
 
 
-def trainable_parameters(module):
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [param for param in module.parameters() if param.requires_grad]
 
 
-def grad_norms(grad_samples):
+def grad_norms(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-sample L2 norms of the full (all-parameter) gradient."""
     per_parameter = [torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1) for grad in grad_samples]
     return torch.linalg.vector_norm(torch.stack(per_parameter, dim=1), dim=1)
 
 
-def weighted_sum(grad_samples, weights):
+def weighted_sum(grad_samples: Sequence[torch.Tensor], weights: torch.Tensor) -> list[torch.Tensor]:
     """Σ_i w_i·g_i for each parameter: the summed transformed gradient u(B) of §1."""
     # A matrix-vector product (BLAS) is several times faster than the equivalent einsum here.
     return [(weights @ grad.reshape(grad.shape[0], -1)).reshape(grad.shape[1:]) for grad in grad_samples]
 
 
-def flatten(grad_samples):
+def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-sample gradients as one (n, d) matrix."""
     return torch.cat([grad.reshape(grad.shape[0], -1) for grad in grad_samples], dim=1)
 
@@ -153,7 +155,8 @@ def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) ->
     return "grouped"
 
 
-def conv2d_norm_costs(in_channels, out_channels, kernel_size, input_size, output_size, padding):
+def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[int, int], input_size: tuple[int, int],
+                      output_size: tuple[int, int], padding: tuple[int, int]) -> dict[str, int]:
     """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
 
     Materialised: T·o·p. Ghost: the products of all P padded input pixels (P²·c), their
@@ -313,7 +316,8 @@ def _layer_norms(forward, keep_graph):
                           for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
 
 
-def per_sample_norms(model, inputs, labels):
+def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
+                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
     from perinstance.train import fallback_norms
 
@@ -326,7 +330,9 @@ def per_sample_norms(model, inputs, labels):
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
 
 
-def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
+def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
+                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
     gives the norms (book-keeping): a parameter whose per-sample gradients the norms materialised gets
     Σ_i w_i·g_i as one matrix-vector product; the others (ghost-form convolutions, Linear layers) get their
@@ -361,7 +367,8 @@ def clipped_gradient_sum(model, inputs, labels, weights_of_norms):
             forward.losses.detach(), norms, forward.logits.detach())
 
 
-def directional_derivatives(model, inputs, labels, direction):
+def directional_derivatives(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                            direction: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """⟨g_i, v⟩ = d/dt ℓ_i(θ + t·v) for the cross-entropy gradient g_i of every example along one direction v
     in parameter space (one tensor per trainable parameter, in model.parameters() order): a single forward-mode
     pass (torch.func.jvp) for all examples at once, never forming g_i. Also the per-example losses and logits."""

@@ -23,7 +23,7 @@ def _malloc_trim():
         return None
 
 
-def release_freed_memory():
+def release_freed_memory() -> bool:
     """Return the heap's free pages to the system; False where libc has no malloc_trim."""
     trim = _malloc_trim()
     if trim is None:
@@ -32,7 +32,7 @@ def release_freed_memory():
     return True
 
 
-def memory_budget(device):
+def memory_budget(device: str | torch.device) -> int:
     """Bytes this process may fill: half of what is free on `device` now."""
     device = torch.device(device)
     if device.type == "cuda":

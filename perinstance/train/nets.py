@@ -6,6 +6,7 @@ Initialisation draws from torch's global generator: the caller seeds it (torch.m
 """
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -149,7 +150,7 @@ class ResNet20(nn.Module):
     architecture is kept the same). ~0.27M parameters for 3×32×32 inputs and 10 classes.
     """
 
-    def __init__(self, in_channels, num_classes, norm_type="group"):
+    def __init__(self, in_channels: int, num_classes: int, norm_type: str = "group") -> None:
         super().__init__()
         first_channels = RESNET20_STAGE_CHANNELS[0]
         self.conv = _conv3x3(in_channels, first_channels)
@@ -167,7 +168,7 @@ class ResNet20(nn.Module):
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")  # as torchvision ResNets
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.blocks(F.relu(self.norm(self.conv(x))))
         return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
@@ -180,20 +181,20 @@ class ResNet20(nn.Module):
 # borders, sampled every `stride` pixels) is then A X Bᵀ with banded matrices A, B: a few large matrix
 # products instead of many single-channel convolutions, which run far below a CPU's matrix speed.
 
-def gaussian_taps(half_width, sigma):
+def gaussian_taps(half_width: int, sigma: float) -> np.ndarray:
     """Taps −half_width..half_width of the Gaussian exp(−u²/2σ²)."""
     offsets = np.arange(-half_width, half_width + 1, dtype=np.float64)
     return np.exp(-offsets ** 2 / (2 * sigma ** 2))
 
 
-def reflected(index, size):
+def reflected(index: int, size: int) -> int:
     """The index that reflection about the borders (no edge repeat, as F.pad's "reflect") maps to."""
     period = 2 * (size - 1)
     index = abs(index) % period if period else 0
     return period - index if index >= size else index
 
 
-def filter_matrix(taps, size, stride):
+def filter_matrix(taps: np.ndarray, size: int, stride: int) -> np.ndarray:
     """The (⌈size/stride⌉ × size) matrix of 1-D filtering by `taps` (centred) with reflected borders,
     sampled every `stride` samples: row o is the filter around sample o·stride."""
     half_width = len(taps) // 2
@@ -204,7 +205,7 @@ def filter_matrix(taps, size, stride):
     return matrix
 
 
-def morlet_factors(half_width, sigma, xi, theta):
+def morlet_factors(half_width: int, sigma: float, xi: float, theta: float) -> tuple[np.ndarray, np.ndarray, float]:
     """(a_θ, b_θ, κ_θ): the separable factors of the Morlet wavelet, normalised by 1/(2πσ²)."""
     envelope = gaussian_taps(half_width, sigma) / math.sqrt(2 * math.pi * sigma ** 2)
     offsets = np.arange(-half_width, half_width + 1, dtype=np.float64)
@@ -277,7 +278,7 @@ class ScatterNet:
     uses an elongated envelope and works in Fourier space): a cheaper variant of the same transform.
     """
 
-    def __init__(self, height, width):
+    def __init__(self, height: int, width: int) -> None:
         if height % SCATTER_DOWNSAMPLING or width % SCATTER_DOWNSAMPLING or min(height, width) < MIN_SCATTER_SIDE:
             raise UsageError("--dataset", f"scatternet: needs image sides divisible by {SCATTER_DOWNSAMPLING} "
                                           f"and at least {MIN_SCATTER_SIDE} pixels, got {height}×{width}")
@@ -289,7 +290,7 @@ class ScatterNet:
         self.lowpass_full = _Lowpass(height, width, SCATTER_DOWNSAMPLING, SCATTER_SIGMA * 2)
         self.lowpass_half = _Lowpass(height // 2, width // 2, SCATTER_DOWNSAMPLING // 2, SCATTER_SIGMA)
 
-    def __call__(self, images):
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
         count, channels, height, width = images.shape
         planes = images.reshape(count * channels, height, width)
         first_fine = self.fine.moduli(planes)  # |x∗ψ_{0,θ}|, full resolution
@@ -303,7 +304,7 @@ class ScatterNet:
 
 
 @torch.no_grad()
-def scatter_features(images, progress=None):
+def scatter_features(images: torch.Tensor, progress: Callable[[int], object] | None = None) -> torch.Tensor:
     """ScatterNet features of `images` (N×C×H×W float32), SCATTER_CHUNK images at a time;
     `progress(n)` is called after each chunk with its size."""
     transform = ScatterNet(*images.shape[2:])

@@ -1,6 +1,8 @@
 """Argument parsing shared by every script, so flags cannot drift apart between them."""
 
 import argparse
+from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -9,12 +11,14 @@ from perinstance.train import sampling
 
 # Keeps the example commands at the top of each script's docstring as written in --help.
 HELP_FORMAT = argparse.RawDescriptionHelpFormatter
+# What the add_*_argument helpers add flags to: a parser or one of its groups (argparse names no public common type).
+Arguments = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 class Parser(argparse.ArgumentParser):
     """argparse that reports bad input as a one-line UsageError instead of usage + exit."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(None, message)
 
 
@@ -27,7 +31,7 @@ def _number(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def finite_float(text):
+def finite_float(text: str) -> float:
     """Any finite number (NaN and ±inf are refused)."""
     value = _number(text)
     if not np.isfinite(value):
@@ -35,7 +39,7 @@ def finite_float(text):
     return value
 
 
-def positive_float(text):
+def positive_float(text: str) -> float:
     """A finite number > 0 (σ, ε, C, lr, epochs, γ, r, s)."""
     value = finite_float(text)
     if not value > 0:
@@ -43,7 +47,7 @@ def positive_float(text):
     return value
 
 
-def non_negative_float(text):
+def non_negative_float(text: str) -> float:
     """A finite number >= 0 (an epoch of the learning-rate schedule)."""
     value = finite_float(text)
     if not value >= 0:
@@ -51,7 +55,7 @@ def non_negative_float(text):
     return value
 
 
-def probability(text):
+def probability(text: str) -> float:
     """A probability strictly between 0 and 1 (δ)."""
     value = finite_float(text)
     if not 0 < value < 1:
@@ -59,7 +63,7 @@ def probability(text):
     return value
 
 
-def momentum_float(text):
+def momentum_float(text: str) -> float:
     """Heavy-ball momentum in [0, 1): 1 or more never forgets a step and diverges."""
     value = finite_float(text)
     if not 0 <= value < 1:
@@ -67,7 +71,7 @@ def momentum_float(text):
     return value
 
 
-def non_negative_int(text):
+def non_negative_int(text: str) -> int:
     """An integer >= 0 (a seed)."""
     try:
         value = int(text)
@@ -78,7 +82,7 @@ def non_negative_int(text):
     return value
 
 
-def zero_or_one(text):
+def zero_or_one(text: str) -> int:
     """The explicit value of a switch, the paper repository's spelling: 0 (off) or 1 (on)."""
     if text not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"must be 0 or 1 (or no value: the switch alone means 1), not {text!r}")
@@ -90,26 +94,27 @@ class Switch(argparse.Action):
     paper repository's spelling). It stores the integers 0 and 1, as `type=int` did before, so that
     run.json and the identity of existing runs do not change."""
 
-    def __init__(self, option_strings, dest, default=0, help=None):
+    def __init__(self, option_strings: Sequence[str], dest: str, default: int = 0, help: str | None = None) -> None:
         super().__init__(option_strings, dest, nargs="?", const=1, default=default, type=zero_or_one,
                          metavar="0|1", help=help)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: int | None,
+                 option_string: str | None = None) -> None:
         setattr(namespace, self.dest, self.const if values is None else values)
 
 
-def add_overwrite_argument(parser, what):
+def add_overwrite_argument(parser: Arguments, what: str) -> None:
     """--overwrite, one meaning in every script: replace what this script would otherwise refuse to replace."""
     parser.add_argument("--overwrite", action=Switch,
                         help=f"replace {what} (a switch; --overwrite 1 and --overwrite 0 are accepted too)")
 
 
-def add_alpha_argument(parser, default, help):
+def add_alpha_argument(parser: Arguments, default: Sequence[float] | None, help: str) -> None:
     """--alpha, one meaning in every script: Rényi orders α (the output column `alpha`)."""
     parser.add_argument("--alpha", type=finite_float, nargs="+", default=default, metavar="ORDER", help=help)
 
 
-def training_flag(dest):
+def training_flag(dest: str) -> str:
     """The flag that sets the training destination `dest`, spelled as --help shows it (delta: --target-delta)."""
     parser = Parser()
     add_training_args(parser)
@@ -117,7 +122,7 @@ def training_flag(dest):
                 "--" + dest.replace("_", "-"))
 
 
-def add_device_argument(parser):
+def add_device_argument(parser: Arguments) -> None:
     """--device, the same in every script that computes with torch."""
     from perinstance.train.distributed import device_flag
 
@@ -126,7 +131,7 @@ def add_device_argument(parser):
                              "cuda and auto mean the rank's own GPU cuda:LOCAL_RANK")
 
 
-def parse_points(specs, dataset_size, seed=0, flag="--points"):
+def parse_points(specs: str | Sequence[str], dataset_size: int, seed: int = 0, flag: str = "--points") -> np.ndarray:
     """Point indices from `--points` tokens: `3`, `0-99`, `all`, `random:N` (seeded).
 
     Returns a sorted array of unique indices in [0, dataset_size).
@@ -182,7 +187,7 @@ def _check_index(index, dataset_size, flag):
 MAX_SEEDS = 100_000
 
 
-def parse_seeds(specs, flag="--seeds"):
+def parse_seeds(specs: Sequence[str | int], flag: str = "--seeds") -> list[int]:
     """Training seeds from tokens like `0-15`, `3`, `0,4,8`: a sorted list of unique integers >= 0."""
     seeds = set()
     for token in " ".join(map(str, specs)).replace(",", " ").split():
@@ -202,7 +207,7 @@ def parse_seeds(specs, flag="--seeds"):
     return sorted(seeds)
 
 
-def add_training_args(parser):
+def add_training_args(parser: argparse.ArgumentParser) -> None:
     """Every flag that defines a training run. Shared by train_dpsgd.py and compute_sensitivity.py."""
     from perinstance.train.clipping import CLIPPING_CHOICES
     from perinstance.train.user_code import model_flag

@@ -6,7 +6,12 @@ re-drawn later, and a point's Monte-Carlo draws do not depend on the points meas
 Each consumer has its own stream, so that no draw replays another's.
 """
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 # Training: each step's batch and noise, and the initial weights.
 BATCH_STREAM = 0
@@ -39,7 +44,7 @@ def init_seed(seed: int) -> int:
     return int(np.random.SeedSequence([int(seed), INIT_STREAM]).generate_state(1)[0])
 
 
-def torch_generator(seed: int, stream: int, step: int, device: str = "cpu"):
+def torch_generator(seed: int, stream: int, step: int, device: str = "cpu") -> "torch.Generator":
     """A torch Generator for one (seed, stream, step), on `device`."""
     import torch  # only training draws with torch; the accountants read the stream names without it
 

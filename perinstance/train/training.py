@@ -10,18 +10,20 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio, results
 from perinstance.train import canaries, clipping, gradients, run_plan, runs, sampling, user_code
-from perinstance.train.data import load_dataset
+from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 
 # Per-sample norms and the clipped sum are computed in chunks of this many examples; fixed so that the
@@ -43,11 +45,11 @@ class Outcome:
     train_seconds: float
 
     @property
-    def trained(self):
+    def trained(self) -> bool:
         return self.resumed_from != self.run.total_steps
 
 
-def model_for_run(run):
+def model_for_run(run: runs.RunConfig) -> nn.Module:
     """The untrained architecture of a run (weights come from a checkpoint or the init seed)."""
     if user_code.is_spec(run.model):  # the user's own network, from the file the run was trained with
         return user_code.build_model(run.model, run.input_shape, run.num_classes, run.private,
@@ -59,7 +61,7 @@ def model_for_run(run):
     return build_model(run.model, channels, height, run.num_classes, run.norm_type, dp=run.private)
 
 
-def load_model(run, run_dir, step, device="cpu"):
+def load_model(run: runs.RunConfig, run_dir: str, step: int, device: str = "cpu") -> tuple[nn.Module, dict]:
     """The run's model with the weights of checkpoint `step`, in eval mode, and the payload."""
     payload = checkpoints.load_checkpoint(run_dir, step, device)
     model = model_for_run(run).to(device)
@@ -69,19 +71,19 @@ def load_model(run, run_dir, step, device="cpu"):
     return model, payload
 
 
-def learning_rate(run, step):
+def learning_rate(run: runs.RunConfig, step: int) -> float:
     """lr decayed by gamma at each dec_lr epoch passed before `step`."""
     epoch = (step - 1) / run.steps_per_epoch
     return run.lr * run.gamma ** sum(epoch >= milestone for milestone in run.dec_lr)
 
 
-def make_optimizer(run, params):
+def make_optimizer(run: runs.RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     if run.optimizer == "adam":
         return torch.optim.Adam(params, lr=run.lr)
     return torch.optim.SGD(params, lr=run.lr, momentum=run.momentum)
 
 
-def epsilon_curve(run):
+def epsilon_curve(run: runs.RunConfig) -> Callable[[int], float] | None:
     """ε spent after t steps by the data-independent RDP accountant (the worst-case baseline)."""
     if not run.private:
         return None
@@ -90,7 +92,8 @@ def epsilon_curve(run):
 
 
 @torch.no_grad()
-def evaluate(model, inputs, labels, device, chunk=1024):
+def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, device: str | torch.device,
+             chunk: int = 1024) -> tuple[float, float]:
     """Accuracy and mean loss of `model` on a tensor dataset."""
     model.eval()
     correct, loss_sum = 0, 0.0
@@ -104,7 +107,8 @@ def evaluate(model, inputs, labels, device, chunk=1024):
 
 
 @torch.no_grad()
-def per_class_accuracy(model, inputs, labels, num_classes, device, chunk=1024):
+def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, num_classes: int,
+                       device: str | torch.device, chunk: int = 1024) -> list[float]:
     """Test accuracy of each class (nan for a class without test points)."""
     model.eval()
     predictions = torch.cat([model(inputs[start:start + chunk].to(device)).argmax(dim=1).cpu()
@@ -117,7 +121,7 @@ def per_class_accuracy(model, inputs, labels, num_classes, device, chunk=1024):
 class Trainer:
     """One DP-SGD run: the model, its optimizer, and the step function of accounting.md §1."""
 
-    def __init__(self, run, dataset, device="cpu"):
+    def __init__(self, run: runs.RunConfig, dataset: Dataset, device: str | torch.device = "cpu") -> None:
         self.run = run
         self.device = torch.device(device)
         self.train_x = dataset.train_x.to(self.device)
@@ -132,7 +136,7 @@ class Trainer:
         self.tracked_rows = []
         self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
 
-    def state(self, step, accuracy):
+    def state(self, step: int, accuracy: float) -> dict:
         return {
             "step": step,
             "model": self.model.state_dict(),
@@ -142,14 +146,15 @@ class Trainer:
             **({"canary_scores": self.canaries.scores.clone()} if self.canaries else {}),
         }
 
-    def restore(self, payload):
+    def restore(self, payload: dict) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.tracked_rows = payload["tracked_norms"].tolist()
         if self.canaries:
             self.canaries.scores = payload["canary_scores"].cpu()
 
-    def per_sample_pass(self, indices):
+    def per_sample_pass(self, indices: torch.Tensor
+                        ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
         ||h(g_i)|| and whether the model classifies it correctly."""
         run = self.run
@@ -166,7 +171,7 @@ class Trainer:
             correct.append(logits.argmax(dim=1) == self.train_y[chunk])
         return summed, torch.cat(losses), torch.cat(transformed), torch.cat(correct)
 
-    def gradient_sum(self, indices):
+    def gradient_sum(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Without privacy: Σ_i ∇ℓ_i over `indices` and the losses, by ordinary backward passes (no per-sample
         norm is needed)."""
         summed = [torch.zeros_like(param) for param in self.params]
@@ -186,7 +191,7 @@ class Trainer:
         run = self.run
         return clipping.scale_weights(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 
-    def privatised_gradient(self, step, batch):
+    def privatised_gradient(self, step: int, batch: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor]:
         """ũ/B_exp (sum rule) or m(B) + noise (mean rule), in average-gradient units (§1)."""
         run = self.run
         if not len(batch):
@@ -208,7 +213,7 @@ class Trainer:
         realised = max(len(batch) + len(canaries_in), 1)
         return [total / realised + noise / run.batch_size for total, noise in zip(summed, noises)], losses
 
-    def track(self):
+    def track(self) -> None:
         """||h(g)|| of the tracked points at the current parameters (those step t+1 uses): their norms only,
         no clipped sum (the same norms as per_sample_pass computes)."""
         run = self.run
@@ -224,7 +229,7 @@ class Trainer:
         rows = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct)])
         self.tracked_rows.append(rows.double().cpu().numpy().ravel().tolist())
 
-    def step(self, step):
+    def step(self, step: int) -> float | None:
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
         θ_{step−1}), None for an empty batch."""
         if self.tracked is not None:
@@ -241,19 +246,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return losses.mean().item() if len(losses) else None
 
-    def weights_finite(self):
+    def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(param).all()) for param in self.params)
 
-    def test_accuracy(self):
+    def test_accuracy(self) -> float:
         return evaluate(self.model, self.test_x, self.test_y, self.device)[0]
 
 
-def latest_checkpoint(run_dir, planned):
+def latest_checkpoint(run_dir: str, planned: Collection[int]) -> int | None:
     steps = [step for step in checkpoints.saved_steps(run_dir) if step in planned]
     return steps[-1] if steps else None
 
 
-def train(args, quiet=False):
+def train(args: run_plan.TrainingFlags, quiet: bool = False) -> Outcome:
     """Train (or resume, or find finished) the run that the training flags `args` (run_plan.TrainingFlags) name."""
     args = run_plan.resolve_training_args(args)
     dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point)
@@ -264,7 +269,7 @@ def train(args, quiet=False):
     return train_run(trainer, run_dir, args.eval_freq, quiet)
 
 
-def train_run(trainer, run_dir, eval_freq=None, quiet=False):
+def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quiet: bool = False) -> Outcome:
     """Train the trainer's run (its folder `run_dir` prepared) from its latest checkpoint to
     step T, saving a checkpoint at every planned step."""
     started = time.time()
@@ -306,7 +311,7 @@ def train_run(trainer, run_dir, eval_freq=None, quiet=False):
                    train_seconds=time.time() - started)
 
 
-def diverged(run, run_dir, step, loss):
+def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -> UsageError:
     """The one-line error of a run whose loss (at θ_{step−1}) or weights (at θ_step) are no longer
     finite: training stops there, and the checkpoints before keep their finite weights."""
     what = f"the loss is {loss:g} at step {step}" if loss is not None and not math.isfinite(loss) else \
@@ -317,7 +322,8 @@ def diverged(run, run_dir, step, loss):
                               "kept; train with a smaller --lr")
 
 
-def write_tracked_norms(run_dir, run, tracked_rows, labels):
+def write_tracked_norms(run_dir: str, run: runs.RunConfig, tracked_rows: list[list[float]],
+                        labels: torch.Tensor) -> None:
     """The tracked points' ||h(g)|| at every step as a sensitivity CSV (quantity grad_norm).
 
     Row step s holds the norm at θ_s, which is what step s+1 uses (accounting.md §4).

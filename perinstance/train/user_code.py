@@ -19,11 +19,13 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+import perinstance
 from perinstance.errors import UsageError
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
@@ -117,7 +119,7 @@ def _describe(error: BaseException, path: str) -> str:
     return f"{type(error).__name__}{': ' + message if message else ''}{where}"
 
 
-def load_object(spec: str, flag: str):
+def load_object(spec: str, flag: str) -> tuple[Any, Source]:
     """The attribute that `spec` names, and its Source; a one-line UsageError for a bad spec."""
     match = SPEC.match(spec) if isinstance(spec, str) else None
     if match is None:
@@ -330,7 +332,7 @@ def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -
             check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
 
 
-def load_dataset(spec: str, data_root: str):
+def load_dataset(spec: str, data_root: str) -> "perinstance.train.data.Dataset":
     """The data.Dataset of a dataset spec: named by the spec, its classes 0..max label, fingerprinted as every
     dataset is (data.py)."""
     from perinstance.train import data
