@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance.accountants import accountants, mean_rule, report
+from perinstance.accountants import accountants, gla_statistic, mean_rule, report
 from perinstance.errors import run_main
 from perinstance.files import results
 from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument
@@ -41,7 +41,7 @@ def build_parser():
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
     parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
-    parser.add_argument("--aggregate", choices=list(mean_rule.AGGREGATE_LABEL), default="joint",
+    parser.add_argument("--aggregate", choices=list(gla_statistic.AGGREGATE_LABEL), default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
     accountants.add_failure_argument(parser)
     return parser
@@ -58,7 +58,7 @@ def main(argv=None):
     if request.estimator == "jensen":
         loaded = accountants.load(request.source, ["renyi_statistic"], one_run=True,
                                   integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
-        result, description = mean_rule.gla_statistic_rdp(loaded, request.orders, request.aggregate)
+        result, description = gla_statistic.gla_statistic_rdp(loaded, request.orders, request.aggregate)
     else:
         loaded = accountants.load(request.source, results.COUPLING_QUANTITIES, one_run=True,
                                   integer_columns={"sample": 0})

@@ -6,8 +6,8 @@ samples: not a bound), the certified bound (from the dataset statistics d*, v_X,
 probability 1 − delta_fail) and the mean rule's own data-independent baseline. Each is a mixture
 over batch sizes k ≥ k_min (the size model, §3.4): per-step (ε, δ) by §3.3 (per_step_eps),
 per-step Rényi DP (per_step_rdp) and the per-step ρ per checkpoint that composition adds up
-(checkpoint_rdp, perinstance/accountants/composition.py). GLA's statistic S (--estimator jensen) is here too
-(gla_statistic_rdp), kept to reproduce the paper.
+(checkpoint_rdp, perinstance/accountants/composition.py). GLA's statistic S (--estimator jensen) is in
+perinstance/accountants/gla_statistic.py.
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ import pandas as pd
 from numpy.typing import ArrayLike
 
 from perinstance.accountants.accountants import Loaded, check_unique, check_values
-from perinstance.accounting import batch_sizes, certified_radius, rdp_composition, renyi_step
+from perinstance.accounting import batch_sizes, certified_radius, rdp_composition
 from perinstance.accounting.guarantees import Direction, Kind, direction_rows, eps_by_direction
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import warn
@@ -35,7 +35,6 @@ LEVEL_STEP = 1e-3
 # Composition looks up 47 orders for every point, size and checkpoint: a coarser rounding (1%,
 # upward) keeps its tables to a few hundred levels.
 COMPOSITION_LEVEL_STEP = 1e-2
-AGGREGATE_LABEL = {"joint": "joint", "per-target": "per-target (not an upper bound)"}
 
 
 @dataclass(frozen=True)
@@ -206,20 +205,23 @@ def baseline_sensitivities(clip_bound: float, sizes: SizeModel) -> Mixture:
                    np.asarray(sizes.grid))
 
 
-def rdp_table(mechanism: Mechanism, orders: ArrayLike, sensitivities: list[ArrayLike], relative_step: float = LEVEL_STEP) -> rdp_composition.RdpTable:
+def rdp_table(mechanism: Mechanism, orders: ArrayLike, sensitivities: list[ArrayLike],
+              relative_step: float = LEVEL_STEP) -> rdp_composition.RdpTable:
     """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
     sensitivities round up to (§5)."""
     ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound
                              for values in sensitivities])
     levels = certified_radius.geometric_levels(ratios, relative_step)
-    return rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders, levels)
+    return rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders,
+                                    levels)
 
 
 # Entries (rows × components × orders) of one chunk of mixture_rdp: its float64 arrays stay near 32 MB.
 MIXTURE_CHUNK_ENTRIES = 1 << 22
 
 
-def mixture_rdp(table: rdp_composition.RdpTable, mixture: Mixture, log_mass: float, clip_bound: float, dominant_sizes: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+def mixture_rdp(table: rdp_composition.RdpTable, mixture: Mixture, log_mass: float, clip_bound: float,
+                dominant_sizes: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """§3.2 for every row of `mixture` and order of `table`: (1/(λ−1))·(log Σ_c w_c·exp(M_c(λ)) − log mass),
     and the dominant size k* (the size whose components carry the largest part of the sum; only with
     `dominant_sizes`), computed in chunks of rows. Returns two (P, orders) arrays (the second None without)."""
@@ -245,7 +247,8 @@ def mixture_rdp(table: rdp_composition.RdpTable, mixture: Mixture, log_mass: flo
     return np.maximum(result, 0.0), dominant
 
 
-def estimate_rdp(table: rdp_composition.RdpTable, samples: Samples, sizes: SizeModel, clip_bound: float, masks: tuple[np.ndarray | None, ...] = (None,)) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def estimate_rdp(table: rdp_composition.RdpTable, samples: Samples, sizes: SizeModel, clip_bound: float,
+                 masks: tuple[np.ndarray | None, ...] = (None,)) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """§3.2 estimate for every (point, step) and order of `table`, from the samples each mask keeps
     (None: all): per mask, the (P, orders) ρ, the stratified log-means (P, K, orders) and the
     samples per size (P, K) of the last order."""
@@ -405,45 +408,8 @@ def with_directions(frame: pd.DataFrame, sample_rate: float) -> pd.DataFrame:
     added = frame.assign(direction=Direction.ADD.value)
     for column in ("rdp", "rdp_min", "rdp_max"):
         added[column] = np.minimum(added[column], cap)
-    return pd.concat([frame.assign(direction=Direction.REMOVE.value), added, frame.assign(direction=Direction.MAX.value)],
-                     ignore_index=True)
-
-
-def gla_statistic_rdp(loaded: Loaded, orders: ArrayLike, aggregate: str) -> tuple[pd.DataFrame, str]:
-    """renyi_per_instance_mean.py --estimator jensen: GLA's statistic ρ̂_J per point, step, order and
-    direction (§3.2, kept to reproduce the paper): (rows, description)."""
-    keys = ["point", "step", "alpha"]
-    check_values(loaded, ~loaded.rows["direction"].isin([Direction.REMOVE.value, Direction.ADD.value]),
-                 lambda row: f"direction {row['direction']!r} is neither remove nor add")
-    check_unique(loaded, keys + ["direction", "target_batch", "sample"])
-    rows = loaded.rows
-    missing = sorted(set(orders) - set(rows["alpha"]))
-    if missing:
-        raise UsageError("--alpha", f"no renyi_statistic rows at order {missing[0]:g} (measured: "
-                         f"{', '.join(str(order) for order in sorted(rows['alpha'].unique()))})")
-    rows = rows[rows["alpha"].isin(orders)]
-    by_direction = keys + ["direction"]
-
-    def one(group):
-        alpha = dict(zip(by_direction, group.name, strict=True))["alpha"]
-        return renyi_step.rdp_mean_rule(group["value"].to_numpy(), loaded.mechanism.noise_std, alpha, aggregate,
-                                        group["target_batch"].to_numpy())
-
-    per_direction = rows.groupby(by_direction).apply(one, include_groups=False).rename("rdp").reset_index()
-    both = per_direction.groupby(keys).filter(lambda group: len(group) == 2)
-    maximum = both.groupby(keys, as_index=False)["rdp"].max().assign(direction=Direction.MAX.value)
-    result = pd.concat([per_direction, maximum], ignore_index=True).assign(
-        kind=Kind.GLA_STATISTIC.value, rdp_min=math.nan, rdp_max=math.nan,
-        samples=rows.groupby(by_direction).size().median(), k_min=math.nan, k_star=math.nan, k_star_at_k_min=0,
-        delta_fail=math.nan, estimator=f"jensen {AGGREGATE_LABEL[aggregate]}")
-    if aggregate == "per-target":
-        warn("--aggregate per-target averages per-target-batch values (GLA's way): by Jensen it is never above the "
-             "joint estimate and is NOT an upper bound")
-    if Direction.MAX not in set(result["direction"]):
-        warn("only one direction was measured: no max over directions is reported")
-    return result, (f"GLA's statistic for {rows['point'].nunique()} points (mean rule, noise std "
-                    f"{loaded.mechanism.noise_std:.4g}, aggregate {AGGREGATE_LABEL[aggregate]}): not a measure of the "
-                    "point's influence and not the mean rule's guarantee (accounting.md §3.2)")
+    return pd.concat([frame.assign(direction=Direction.REMOVE.value), added,
+                      frame.assign(direction=Direction.MAX.value)], ignore_index=True)
 
 
 # --- per-step ρ per checkpoint, for composition (§4) ------------------------------------------------
@@ -468,7 +434,8 @@ def certified_rdp(statistics: pd.DataFrame, mechanism: Mechanism, orders: ArrayL
                     mechanism.clip_bound, dominant_sizes=False)[0] for chunk in chunks])
 
 
-def checkpoint_rdp(loaded: Loaded, orders: ArrayLike, kind: Kind, sizes: SizeModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def checkpoint_rdp(loaded: Loaded, orders: ArrayLike, kind: Kind,
+                   sizes: SizeModel) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The per-step ρ of `kind` (certified or estimate) of every point at every checkpoint (§3.2),
     and the baseline's: (checkpoint steps, points, (C, P, orders) ρ, (orders,) baseline ρ). Every
     point needs a value at every checkpoint."""

@@ -28,11 +28,11 @@ from perinstance.measure.batch_sums import Bags
 from perinstance.measure.gradient_rows import (
     HeldRows,
     PointGradients,
-    Predictions,
     RecomputedRows,
     checkpoint_gradients,
     held_rows,
 )
+from perinstance.measure.predictions import Predictions
 from perinstance.train import sampling, training
 from perinstance.train.clipping import Transform
 from perinstance.train.runs import OpenRun

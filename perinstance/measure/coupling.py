@@ -21,16 +21,15 @@ from perinstance.accounting import batch_sizes
 from perinstance.measure.gradient_rows import (
     HeldRows,
     PointGradients,
-    Predictions,
     RecomputedRows,
     advance,
     column_spans,
     example_chunks,
     norm_chunk,
     pass_batches,
-    predictions_of,
     square_norms,
 )
+from perinstance.measure.predictions import Predictions, predictions_of
 from perinstance.train import gradients, sampling
 from perinstance.train.clipping import Transform
 

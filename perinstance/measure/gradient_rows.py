@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
+from perinstance.measure.predictions import Predictions, predictions_of
 from perinstance.train import fallback_norms, gradients
 from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
@@ -49,21 +50,6 @@ SUM_GROUP_ROWS = 2 * ROW_CHUNK
 # (benchmarks/bench_memory.py). Further rows are recomputed on each pass, at the cost of one more
 # per-sample pass over them per pass.
 HELD_BYTES_CPU = 1 << 28
-
-
-@dataclass
-class Predictions:
-    """Per example: the cross-entropy loss at the checkpoint and whether it is classified correctly."""
-
-    losses: np.ndarray
-    correct: np.ndarray
-
-    @classmethod
-    def concat(cls, parts: Sequence["Predictions"]) -> "Predictions":
-        return cls(np.concatenate([part.losses for part in parts]), np.concatenate([part.correct for part in parts]))
-
-    def take(self, indices: np.ndarray) -> "Predictions":
-        return Predictions(self.losses[indices], self.correct[indices])
 
 
 @dataclass
@@ -104,16 +90,12 @@ def advance(progress: tqdm | None, count: int) -> None:
         progress.update(count)
 
 
-def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str, size: int | None = None) -> Iterator[tuple]:
+def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str,
+                   size: int | None = None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(start, inputs, labels) of each chunk of `size` examples (default ROW_CHUNK, read at call time), on `device`."""
     size = size or ROW_CHUNK
     for start in range(0, len(labels), size):
         yield start, inputs[start:start + size].to(device), labels[start:start + size].to(device)
-
-
-def predictions_of(losses: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> Predictions:
-    """Predictions of a chunk from its per-example losses and logits."""
-    return Predictions(losses.double().cpu().numpy(), (logits.argmax(dim=1) == labels).cpu().numpy())
 
 
 def norm_chunk(model: torch.nn.Module, inputs: torch.Tensor, device: str = "cpu") -> int:
@@ -144,8 +126,9 @@ def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torc
     return torch.cat(norms).numpy(), Predictions.concat(predictions)
 
 
-def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
-                                device: str = "cpu", progress: tqdm | None = None) -> Iterator[tuple]:
+def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                                transform: Transform, device: str = "cpu",
+                                progress: tqdm | None = None) -> Iterator[tuple[int, torch.Tensor, Predictions]]:
     """Yield (start, rows, Predictions) per chunk of examples: rows are h_i = w(||g_i||)·g_i, flattened."""
     if fallback_norms.needs_fallback(model):  # layers Opacus's hooks may lack: every per-sample gradient by torch.func
         module, per_sample = None, fallback_norms.per_sample_gradients

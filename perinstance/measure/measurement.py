@@ -12,7 +12,8 @@ from perinstance.accounting.guarantees import Direction
 from perinstance.console import progress_bar
 from perinstance.files import results, storage
 from perinstance.measure import coupling, poisson_batches
-from perinstance.measure.gradient_rows import Predictions, checkpoint_gradients, parameter_count, transformed_norms
+from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
+from perinstance.measure.predictions import Predictions
 from perinstance.train import training
 from perinstance.train.clipping import Transform
 from perinstance.train.runs import OpenRun, RunConfig
