@@ -29,7 +29,7 @@ from perinstance.experiments import (
     report,
     sampling_rates,
 )
-from perinstance.experiments.commands import FIGURES, Commands, peak_resident_bytes
+from perinstance.experiments.commands import Commands, peak_resident_bytes
 from perinstance.experiments.config import (
     GAP_CANARY_RUN_FIELDS,
     GAP_RUN_FIELDS,
@@ -112,7 +112,8 @@ def main(argv=None):
 
     # 6. The one-run audit: the main run's canaries per norm group against the accounting of their sensitivity,
     # and a realised-size mean-rule run's canaries against the sum rule's accounting.
-    attack_findings["one_run"] = one_run.main_run_audit(commands, config, main_name, out_dir)
+    attack_findings["one_run"] = (one_run.main_run_audit(commands, config, main_name, out_dir) if config.canaries
+                                  else None)
     gap_canary_name = f"{name}{variant_tag(config, preset, GAP_CANARY_RUN_FIELDS)}-gap-canaries"
     attack_findings["one_run_gap"] = one_run.gap_run_audit(commands, config, gap_canary_name, device)
 
@@ -123,7 +124,7 @@ def main(argv=None):
     findings["headlines"] = report.finding_lines(config, findings)
     written = report.write_report(out_dir, preset, config, argv, commands, run, findings, time.time() - started)
     print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
-    print(f"\nreproduce.py --preset {preset}: {len(FIGURES)} figures and {written} written in "
+    print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures and {written} written in "
           f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
     for line in findings["headlines"]:
         print(f"  - {line}")

@@ -12,16 +12,18 @@ from scipy.special import logit
 from scipy.stats import binom
 
 from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
-from perinstance.experiments import one_run
-from perinstance.experiments.commands import FIGURES
+from perinstance.experiments import main_run, one_run
+from perinstance.experiments.commands import FIGURES, ONE_RUN_FIGURE
 from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
     MEAN_RULE_FIELDS,
     PRESETS,
     apply_overrides,
+    check_config,
     overridden,
     variant_tag,
 )
+from perinstance.experiments.report import figures_drawn, one_run_lines
 from perinstance.experiments.sampling_rates import FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
 from perinstance.files import storage
 
@@ -259,6 +261,49 @@ def test_a_changed_run_or_measurement_gets_a_new_name_and_an_accountant_flag_doe
     assert variant_tag(accountant, "tiny", mean_fields) == ""
 
 
+def test_canaries_zero_trains_the_main_run_without_them_and_skips_the_one_run_audit():
+    tiny = PRESETS["tiny"]
+    no_canaries = apply_overrides(tiny, ["canaries=0"])
+    check_config(no_canaries)  # accepted, whatever canary_norms holds
+    name, flags = main_run.main_run_flags(no_canaries, "tiny", "tiny-synthetic", "cpu")
+    assert "--canaries" not in flags and "--canary-norms" not in flags
+    default_name, default_flags = main_run.main_run_flags(tiny, "tiny", "tiny-synthetic", "cpu")
+    assert default_flags[default_flags.index("--canaries") + 1] == str(tiny.canaries)
+    # Its own folder: never resumed from, nor mistaken for, the preset's run with canaries.
+    assert name != default_name and flags[flags.index("--save-name") + 1] == name
+    # Otherwise the same training flags.
+    assert [flag for flag in default_flags[:default_flags.index("--canaries")] if flag != default_name] == [
+        flag for flag in flags if flag != name]
+    assert figures_drawn(no_canaries) == [figure for figure in FIGURES if figure != ONE_RUN_FIGURE]
+    assert figures_drawn(tiny) == FIGURES
+    lines = one_run_lines(no_canaries, {"one_run": None, "one_run_gap": None})
+    assert lines == ["one-run audit of the trained main run: not run (canaries=0)",
+                     "the realised-size mean rule against the sum rule's accounting in a trained run: not run "
+                     "(gap_canaries=0); docs/audit.md §1c has measured numbers"]
+
+
+def test_tiny_preset_without_canaries(tmp_path):
+    result = run_in_process("reproduce.py", "--preset", "tiny", "--set", "canaries=0", "--out-dir", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = (tmp_path / "out" / "report.md").read_text()
+    findings = [line.split(". ", 1)[1] for line in report.splitlines() if re.match(r"^\d+\. ", line)]
+    # The three lines per canary group and the one on what the audit shows are one line saying it did not run.
+    assert findings[14] == "one-run audit of the trained main run: not run (canaries=0)"
+    assert "sum rule's accounting in a trained run" in findings[15] and len(findings) == 16
+    assert not (tmp_path / "out" / ONE_RUN_FIGURE).exists() and f"({ONE_RUN_FIGURE})" not in report
+    assert "figure 10" not in report and "figure 10" not in result.stdout
+    for name in figures_drawn(PRESETS["tiny"]):
+        assert (name == ONE_RUN_FIGURE) != (f"({name})" in report), name
+    assert f"{len(FIGURES) - 1} figures and" in result.stdout
+    # Only the gap run of §1c carries canaries; the main run is audited by nothing else than before.
+    trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
+    assert [line for line in trainings if "--canaries" in line] == [
+        line for line in trainings if "-gap-canaries " in line + " "]
+    assert len([line for line in trainings if "--canaries" in line]) == 1
+    assert [path.name for path in (tmp_path / "res").glob("*_one_run_audit.csv")] == [
+        path.name for path in (tmp_path / "res").glob("*-gap-canaries_one_run_audit.csv")]
+
+
 @pytest.mark.parametrize("flags,flag,fragments", [
     (["--preset", "huge"], "--preset", []),
     (["--dataset", "imagefolder:/nonexistent/images"], "--dataset", ["/nonexistent/images"]),
@@ -271,7 +316,9 @@ def test_a_changed_run_or_measurement_gets_a_new_name_and_an_accountant_flag_doe
     (["--set", "lr=nan"], "--set", ["lr=nan", "finite"]),
     (["--set", "eps=inf"], "--set", ["eps=inf", "finite"]),
     (["--set", "per_step_method=gla"], "--set", ["per_step_method=gla", "one of exact, holder"]),
-    (["--set", "canaries=100"], "--set", ["canaries=100", "multiple of the 3 canary_norms"]),
+    (["--set", "canaries=100"], "--set", ["canaries=100", "0 (no one-run audit)", "multiple of the 3 canary_norms"]),
+    (["--set", "canaries=-3"], "--set", ["canaries=-3", "0 (no one-run audit)"]),
+    (["--set", "canaries=3"], "--set", ["canaries=3", "at least 2 per group"]),
     (["--set", "canary_norms=0.1,2"], "--set", ["canary_norms=0.1,2.0", "(0, 1]"]),
     (["--set", "audit_significance=1.5"], "--set", ["audit_significance=1.5", "(0, 1)"]),
     (["--set", "gap_canaries=1"], "--set", ["gap_canaries=1", "at least 2"]),

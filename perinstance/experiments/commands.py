@@ -27,6 +27,8 @@ FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_
            "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
            "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png", "7_audit_mean.png",
            "9_gap_audit_bounds.png", "10_one_run_audit.png"]
+# Drawn only when the main run carries canaries (canaries > 0).
+ONE_RUN_FIGURE = FIGURES[11]
 
 
 def call_script(script: str, argv: list[str]) -> None:

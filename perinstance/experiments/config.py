@@ -58,7 +58,8 @@ class ReproduceConfig:
     gap_lr: float = 0.1
     gap_trials: int = 1_000_000
     # The one-run audit (docs/audit.md §1b): the main run carries `canaries` white-box gradient canaries in equal
-    # groups, one per norm of `canary_norms` (multiples of Γ), audited group by group at `audit_significance`.
+    # groups, one per norm of `canary_norms` (multiples of Γ), audited group by group at `audit_significance`;
+    # 0 trains it without canaries and skips that audit and its figure.
     # `gap_canaries` > 0 also trains the gap run's realised-size mean rule with that many canaries of norm Γ
     # and audits them against the sum rule's accounting (docs/audit.md §1c); 0 skips it.
     canaries: int = 3000
@@ -210,9 +211,10 @@ def check_config(config: ReproduceConfig) -> None:
                f"gap_batch_size={config.gap_batch_size}: must be at most gap_points={config.gap_points}"),
               (all(0 < norm <= 1 for norm in config.canary_norms),
                f"canary_norms={field_text(config.canary_norms)}: every norm must be in (0, 1] (a multiple of Γ)"),
-              (config.canaries % len(config.canary_norms) == 0 and config.canaries >= 2 * len(config.canary_norms),
-               f"canaries={config.canaries}: must be a multiple of the {len(config.canary_norms)} canary_norms, "
-               "at least 2 per group"),
+              (config.canaries == 0 or (config.canaries % len(config.canary_norms) == 0
+                                        and config.canaries >= 2 * len(config.canary_norms)),
+               f"canaries={config.canaries}: 0 (no one-run audit) or a multiple of the {len(config.canary_norms)} "
+               "canary_norms, at least 2 per group"),
               (0 < config.audit_significance < 1,
                f"audit_significance={config.audit_significance:g}: must be in (0, 1)"),
               (config.gap_canaries == 0 or config.gap_canaries >= 2,

@@ -33,15 +33,22 @@ def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, 
                       device: str) -> tuple[str, str, RunConfig, pd.DataFrame]:
     """The main run (sum rule) with per-step norms of the tracked points (figure 6), then Δ* of every training point
     at every checkpoint: (run name, run folder, RunConfig, sensitivity rows)."""
-    main_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS)}-sum"
-    main_flags = [*training_flags(config, device), "--save-name", main_name, "--track-points", config.track_points,
-                  *canary_flags(config.canaries, config.canary_norms)]
+    main_name, main_flags = main_run_flags(config, preset, name, device)
     commands.run("train_dpsgd.py", main_flags)
     run_dir = os.path.join("models", main_name)
     main_run = runs.load_run(run_dir)
     commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
                                             "--stage", "all", "--res-name", main_name, "--no-train"])
     return main_name, run_dir, main_run, storage.read_frame(result_file(main_name))
+
+
+def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str) -> tuple[str, list[str]]:
+    """(run name, flags of train_dpsgd.py) of the main run; without canaries when `canaries` is 0, so that it is
+    trained as a run without the one-run audit would be."""
+    main_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS)}-sum"
+    canaries = canary_flags(config.canaries, config.canary_norms) if config.canaries else []
+    return main_name, [*training_flags(config, device), "--save-name", main_name, "--track-points",
+                       config.track_points, *canaries]
 
 
 def account_main_run(commands: Commands, config: ReproduceConfig, main_name: str, run_dir: str,

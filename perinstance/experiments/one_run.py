@@ -12,7 +12,7 @@ import os
 import pandas as pd
 
 from perinstance.accounting import one_run_audit
-from perinstance.experiments.commands import FIGURES, RES_DIR, Commands
+from perinstance.experiments.commands import ONE_RUN_FIGURE, RES_DIR, Commands
 from perinstance.experiments.config import ReproduceConfig, canary_flags
 from perinstance.plots import one_run_plots
 from perinstance.train import canaries
@@ -38,7 +38,7 @@ def main_run_audit(commands: Commands, config: ReproduceConfig, main_name: str, 
     with commands.timed("figure 10: the one-run audit"):
         one_run_plots.plot_one_run_audit(
             rows["norm"].to_numpy(), rows["eps_lower"].to_numpy(), rows["eps_upper_rdp"].to_numpy(),
-            rows["eps_upper_pld"].to_numpy(), rows["eps_cap"].to_numpy(), os.path.join(out_dir, FIGURES[11]),
+            rows["eps_upper_pld"].to_numpy(), rows["eps_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE),
             title=f"One-run audit of {main_name}: {config.canaries} canaries, significance "
                   f"{config.audit_significance:g}, δ={config.delta:g}")
     return {"run": main_name, "rows": rows.to_dict("records")}

@@ -6,7 +6,7 @@ import os
 import shlex
 
 from perinstance.accounting.intervals import FALLS, RISES, Interval
-from perinstance.experiments.commands import FIGURES, Commands
+from perinstance.experiments.commands import FIGURES, ONE_RUN_FIGURE, Commands
 from perinstance.experiments.config import ReproduceConfig, field_text, field_types, overridden
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, holder_text
 from perinstance.experiments.sampling_rates import DESIGN_MATCHED, FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
@@ -181,10 +181,15 @@ def write_report(out_dir: str, preset: str, config: ReproduceConfig, argv: list[
              "(\"cached\": the output of the same command on the same input was reused).", "", "```"]
     text += [f"{line}{'  # cached' if cached else ''}" for line, cached in commands.lines]
     text += ["```", "", "## Time and memory", "", *commands.timing_lines(seconds)]
-    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in sorted(FIGURES)]
+    text += ["", "## Figures", ""] + [f"![{figure}]({figure})" for figure in sorted(figures_drawn(config))]
     path = os.path.join(out_dir, "report.md")
     fileio.write_text(path, "\n".join(text) + "\n")
     return path
+
+
+def figures_drawn(config: ReproduceConfig) -> list[str]:
+    """The figures a run of `config` writes: all of FIGURES, less the one-run audit's when `canaries` is 0."""
+    return [figure for figure in FIGURES if config.canaries or figure != ONE_RUN_FIGURE]
 
 
 def attack_lines(findings: dict) -> list[str]:
@@ -223,6 +228,8 @@ def one_run_lines(config: ReproduceConfig, findings: dict) -> list[str]:
     """The one-run audit (docs/audit.md §1b): a line per canary group of the main run, what such an audit can and
     cannot show, and the realised-size mean rule's canaries against the sum rule's accounting (§1c)."""
     audited = findings["one_run"]
+    if audited is None:
+        return ["one-run audit of the trained main run: not run (canaries=0)", *gap_canary_lines(config, findings)]
     level = f"significance {config.audit_significance:g}, δ={config.delta:g}"
     lines = []
     for row in audited["rows"]:
@@ -241,15 +248,20 @@ def one_run_lines(config: ReproduceConfig, findings: dict) -> list[str]:
         f"about how loose the bound is. The lower bound is capped by the number of canaries ({caps}: every guess "
         "right, §11.6 of docs/accounting.md), and the canaries' score, their summed projections over every step, "
         "is a weak test where the upper bound is large, so a ratio well below 1 is expected even for a tight bound")
+    return lines + gap_canary_lines(config, findings)
+
+
+def gap_canary_lines(config: ReproduceConfig, findings: dict) -> list[str]:
+    """The realised-size mean rule's canaries against the sum rule's accounting (docs/audit.md §1c), one line."""
     gap = findings["one_run_gap"]
     if gap is None:
-        lines.append("the realised-size mean rule against the sum rule's accounting in a trained run: not run "
-                     "(gap_canaries=0); docs/audit.md §1c has measured numbers")
-        return lines
+        return ["the realised-size mean rule against the sum rule's accounting in a trained run: not run "
+                "(gap_canaries=0); docs/audit.md §1c has measured numbers"]
+    level = f"significance {config.audit_significance:g}, δ={config.delta:g}"
     needed = ("no number of canaries" if gap["canaries_needed"] is None
               else f"at least {gap['canaries_needed']:,} canaries")
     seen = gap["eps_lower"] > gap["eps_upper"]
-    lines.append(
+    return [
         f"the realised-size mean rule against the sum rule's accounting in a trained run (run {gap['run']}: "
         f"{gap['canaries']} canaries of norm Γ, {gap['included']} in, B_exp={gap['batch_size']}, "
         f"σ={gap['noise_multiplier']:g}, T={gap['steps']}; {level}): lower bound {gap['eps_lower']:.3g} against the "
@@ -262,8 +274,7 @@ def one_run_lines(config: ReproduceConfig, findings: dict) -> list[str]:
            f"(measured up to 1,024 in docs/audit.md §1c): the {gap['included']} in already add {gap['canaries_per_step']:.2g} per step to a batch of "
            f"{gap['batch_size']} expected points, and a canary's summed projection carries on average "
            f"{gap['signal_ratio']:.3g}× the sum rule's signal (docs/audit.md §1c), less as canaries are added; the "
-           "gap lives in the rare steps whose realised batch is tiny, which the per-step audit (above) tests"))
-    return lines
+           "gap lives in the rare steps whose realised batch is tiny, which the per-step audit (above) tests")]
 
 
 def attack_accuracy_text(values: dict) -> str:
