@@ -13,7 +13,7 @@ from scipy.special import log_ndtr, logsumexp
 from perinstance.accounting.numerics import check_positive, check_probability, check_sample_rate, log_sub
 
 
-def _gaussian_log_delta(eps, ratio):
+def gaussian_log_delta(eps: float | np.ndarray, ratio: float | np.ndarray) -> float | np.ndarray:
     """log δ(ε) of the Gaussian mechanism with Δ/s = ratio (Balle & Wang 2018, Thm 8)."""
     upper = log_ndtr(ratio / 2 - eps / ratio)
     lower = eps + log_ndtr(-ratio / 2 - eps / ratio)
@@ -28,7 +28,7 @@ def _analytic_gaussian_eps(ratio, delta):
     log_delta = math.log(delta)
     for _ in range(200):
         middle = (low + high) / 2
-        too_small = _gaussian_log_delta(middle, ratio) > log_delta
+        too_small = gaussian_log_delta(middle, ratio) > log_delta
         low = np.where(too_small, middle, low)
         high = np.where(too_small, high, middle)
         if np.all(high - low <= 1e-12 * np.maximum(high, 1.0)):

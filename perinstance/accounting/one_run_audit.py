@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.special import expit, log_ndtr, ndtr, ndtri
+from scipy.special import expit, ndtr, ndtri
 from scipy.stats import binom
 
-from perinstance.accounting.audit_bounds import clopper_pearson, epsilon_from_rates
+from perinstance.accounting.audit_bounds import epsilon_lower_bound
+from perinstance.accounting.exact_eps_delta import gaussian_log_delta
+from perinstance.accounting.numerics import check_probability
 
 # Root finding in ε stops when the bracket is this narrow: far below the 1e-6 the results are quoted to.
 EPS_TOLERANCE = 1e-10
@@ -49,10 +51,8 @@ class Frontier:
 
 def check_level(*, significance: float, delta: float) -> None:
     """ValueError (one line) unless 0 < significance < 1 and 0 < delta < 1."""
-    if not 0 < significance < 1:
-        raise ValueError(f"significance must be in (0, 1), got {significance}")
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    check_probability("significance", significance)
+    check_probability("delta", delta)
 
 
 def roc_frontier(in_scores: np.ndarray, out_scores: np.ndarray) -> Frontier:
@@ -124,10 +124,7 @@ def gaussian_noise_for(*, epsilon: float, delta: float) -> float:
     log_delta = math.log(delta)
 
     def log_delta_gap(log_sigma: float) -> float:
-        sigma = math.exp(log_sigma)
-        upper = log_ndtr(0.5 / sigma - epsilon * sigma)
-        lower = epsilon + log_ndtr(-0.5 / sigma - epsilon * sigma)
-        return upper + math.log1p(-math.exp(min(lower - upper, 0.0))) - log_delta
+        return float(gaussian_log_delta(epsilon, math.exp(-log_sigma))) - log_delta
 
     low, high = -1.0, 1.0
     while log_delta_gap(low) < 0:
@@ -215,14 +212,13 @@ def clopper_pearson_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, si
     """§11.4: max over frontier thresholds of log((TPR_low − δ)/FPR_high), Bonferroni over both rates and thresholds.
 
     Each rate's one-sided Clopper–Pearson end is at level significance/(2·thresholds): one end of
-    audit.clopper_pearson's two-sided interval at confidence 1 − 2·level.
+    audit_bounds.epsilon_lower_bound's two-sided intervals at confidence 1 − 2·level.
     """
     check_level(significance=significance, delta=delta)
     frontier = roc_frontier(in_scores, out_scores)
     confidence = 1 - significance / frontier.true_positives.size
-    true_positive_low, _ = clopper_pearson(frontier.true_positives, frontier.members, confidence)
-    _, false_positive_high = clopper_pearson(frontier.false_positives, frontier.non_members, confidence)
-    return float(np.max(epsilon_from_rates(true_positive_low, false_positive_high, delta)))
+    return float(np.max(epsilon_lower_bound(frontier.true_positives, frontier.false_positives, frontier.members,
+                                            frontier.non_members, delta, confidence)))
 
 
 # --- §11.6: what m canaries can show -----------------------------------------------------------
