@@ -174,6 +174,19 @@ def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
                                    rtol=1e-10, atol=1e-12)
 
 
+def test_a_frozen_parameter_of_a_fallback_layer_counts_in_no_norm():
+    """A LayerNorm (torch.func) whose weight is frozen: ||g_i|| is over the trainable parameters only."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)).double()
+    model[1].weight.requires_grad_(False)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
+    norms, _, _ = gradients.per_sample_norms(model, inputs, labels)
+    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), trainable)
+            for i in range(COUNT)]
+    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
+                               rtol=1e-10, atol=0)
+
+
 def test_a_layer_applied_twice_is_refused():
     layer = nn.Linear(3, 3)
     model = nn.Sequential(layer, nn.Tanh(), layer)

@@ -131,10 +131,11 @@ def _split_forward(model, inputs, labels, check=True):
                 and _covered(module, *applications[0]):
             covered.append(module)
         else:
-            falling.append((name, module))
+            falling.append((name, module, params))
     if check:
         _announce(covered, falling)
-    falling_params = {param for _, module in falling for param in module.parameters(recurse=False)}
+    # Only trainable parameters: a frozen one has no gradient to clip or to count in ||g_i||.
+    falling_params = {param for _, _, params in falling for param in params}
     fallback = [name for name, param in model.named_parameters() if param in falling_params]
     return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][1] for layer in covered],
                   fallback, logits, F.cross_entropy(logits, labels, reduction="none"))
@@ -165,7 +166,7 @@ def _announce(covered, falling):
         return
     line = (f"per-sample gradients: the fast norms engine for {len(covered)} layer(s), torch.func (vmap of grad) "
             f"for {len(falling)} it does not cover: "
-            + ", ".join(f"{name or '(the model)'} ({type(module).__name__})" for name, module in falling))
+            + ", ".join(f"{name or '(the model)'} ({type(module).__name__})" for name, module, _ in falling))
     if line not in _announced:
         _announced.add(line)
         print(line, file=sys.stderr, flush=True)
@@ -174,6 +175,8 @@ def _announce(covered, falling):
 def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, labels: torch.Tensor) -> list:
     """g_i of the cross-entropy of each example with respect to the parameters `names` (the others held fixed):
     one (n, *shape) tensor per name, by torch.func's vmap over the examples of grad."""
+    if not names:  # every layer covered by the engine: no vmapped pass at all
+        return []
     values = {name: param.detach() for name, param in model.named_parameters() if name in set(names)}
 
     def loss(params, example, label):
