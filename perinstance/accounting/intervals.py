@@ -144,7 +144,12 @@ def verdict(first: np.ndarray, second: np.ndarray, *, paired: bool, resamples: i
             confidence: float = CONFIDENCE) -> str:
     """§10: "falls" or "rises" when the interval of the change from `first` to `second` excludes no
     change, else "no difference at this precision"."""
-    change = change_interval(first, second, paired=paired, resamples=resamples, seed=seed, confidence=confidence)
+    return verdict_of_change(change_interval(first, second, paired=paired, resamples=resamples, seed=seed,
+                                             confidence=confidence))
+
+
+def verdict_of_change(change: Interval) -> str:
+    """§10: the verdict that the interval of a log-ratio `change` (change_interval) supports."""
     if change.high < 0:
         return FALLS
     if change.low > 0:

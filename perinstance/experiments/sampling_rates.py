@@ -57,9 +57,8 @@ def adjacent_rate_verdicts(values_by_rate: dict[float, np.ndarray], *, paired: b
             after = after[np.isfinite(after) & (after > 0)]
         if len(before) == 0 or len(after) == 0:
             continue
-        judged.append({"from": first, "to": second,
-                       "verdict": intervals.verdict(before, after, paired=paired),
-                       "change": intervals.change_interval(before, after, paired=paired)})
+        change = intervals.change_interval(before, after, paired=paired)
+        judged.append({"from": first, "to": second, "verdict": intervals.verdict_of_change(change), "change": change})
     return judged
 
 
