@@ -101,8 +101,8 @@ def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str,
 def norm_chunk(model: torch.nn.Module, inputs: torch.Tensor, device: str = "cpu") -> int:
     """Examples per norms-only pass of `model` over examples shaped as `inputs`' (a power of two, see
     NORM_CHUNK_BYTES): a function of the model's shapes alone, the same for every chunk of a measurement."""
-    if fallback_norms.needs_fallback(model):  # torch.func's layers have no closed-form shapes: the fixed chunk
-        return NORM_CHUNK
+    if fallback_norms.needs_fallback(model):  # torch.func materialises its layers' per-sample gradients: rows' chunk
+        return ROW_CHUNK
     largest = max((output.numel() for _, _, output in gradients.layer_shapes(model, inputs[:1].to(device))), default=0)
     example_bytes = largest * next(model.parameters()).element_size()
     chunk = NORM_CHUNK
