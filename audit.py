@@ -88,10 +88,6 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
-    return command_of(build_parser().parse_args(argv))
-
-
 def command_of(args):
     """The per-step audit that the parsed flags ask for."""
     if args.run is None:

@@ -266,8 +266,8 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
     data: a torch Dataset of (input, label) pairs, a DataLoader (its dataset is read in index order, not
     its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
     points: indices into data (None: all). The model (or the module inside Opacus's GradSampleModule) is
-    evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/gradients.py
-    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/fallback_norms.py). Returns a float64
+    evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/train/gradients.py
+    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py). Returns a float64
     tensor, one Δ* per point, on the CPU.
     """
     if clipping not in CLIPPING_CHOICES:

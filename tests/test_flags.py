@@ -372,7 +372,7 @@ def flag_table(parsers=None):
     return "\n".join(lines + USER_CODE_SECTION) + "\n"
 
 
-# What --model and --dataset specs receive and must return (perinstance/user_code.py; tests/test_user_code.py
+# What --model and --dataset specs receive and must return (perinstance/train/user_code.py; tests/test_user_code.py
 # checks each sentence).
 USER_CODE_SECTION = [
     "",

@@ -158,7 +158,7 @@ def test_unused_and_unapplied_layers_have_zero_gradient():
                   nn.Linear(18, 3)),
 ])
 def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
-    """perinstance/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
+    """perinstance/train/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
     model = model.double()
     inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
     norms, _, _ = gradients.per_sample_norms(model, inputs, labels)

@@ -84,7 +84,6 @@ class Canaries:
         self.run = run
         self.norms = canary_norms(run.canaries, run.canary_norms)
         self.included = canary_inclusions(run.seed, run.canaries)
-        self.shapes = [param.shape for param in params]
         dimension = sum(param.numel() for param in params)
         coordinates, weights = canary_directions(run.seed, run.canaries, dimension)
         self.coordinates = torch.as_tensor(coordinates, device=device)

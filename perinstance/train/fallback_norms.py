@@ -1,4 +1,4 @@
-"""Per-sample gradients of layers the fast norms engine (perinstance/gradients.py) does not cover.
+"""Per-sample gradients of layers the fast norms engine (perinstance/train/gradients.py) does not cover.
 
 The engine's closed forms hold for a Linear layer on (n, features) inputs, a Conv2d with zero padding and a
 GroupNorm, each applied once per forward through its own `forward`. Any other trainable layer of a model (an

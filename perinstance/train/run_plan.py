@@ -271,7 +271,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         versions=VERSIONS,
         canaries=args.canaries or 0,
         canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
-        user_code=user_code.sources(args.model, args.dataset, args.data_root),
+        user_code=user_code.sources(args.model, args.dataset),
     )
 
 

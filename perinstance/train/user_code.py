@@ -36,7 +36,7 @@ SPEC_FORMS = "PATH.py:NAME or package.module:NAME"
 # data drawn at random is then the same in every process, so its fingerprint names it.
 DATASET_SEED = 0
 # Set on every model built from a spec: the per-sample engine then checks each layer at every pass
-# (perinstance/fallback_norms.py) instead of trusting that the fast engine covers it.
+# (perinstance/train/fallback_norms.py) instead of trusting that the fast engine covers it.
 USER_MODEL_MARK = "perinstance_user_model"
 
 
@@ -293,7 +293,7 @@ def _examples(split, spec: str, which: str) -> Examples:
 
 # --- run.json --------------------------------------------------------------------------------------
 
-def sources(model: str, dataset: str, data_root: str) -> dict | None:
+def sources(model: str, dataset: str) -> dict | None:
     """run.json's record of the files behind the --model and --dataset specs of a run (None: neither is one)."""
     record = {}
     if is_spec(model):
