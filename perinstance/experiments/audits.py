@@ -11,7 +11,7 @@ import os
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.audit import audit_simulation
 from perinstance.experiments.commands import FIGURES, RES_DIR, Commands
-from perinstance.experiments.config import ReproduceConfig
+from perinstance.experiments.config import ReproduceConfig, gap_run_flags
 from perinstance.plots import audit_plots
 from perinstance.train import runs
 
@@ -38,11 +38,7 @@ def gap_audit(commands: Commands, config: ReproduceConfig, gap_name: str, out_di
     """Finding 10 and figure 9 (docs/audit.md §1): a realised-size mean-rule run on the first gap_points training
     points, audited at its last checkpoint; every point's empirical lower bound against the sum rule's per-step
     ε at the same σ and q and the mean rule's own baseline (audit_simulation.gap_summary)."""
-    dataset = f"first:{config.gap_points}:{config.dataset}"
-    commands.run("train_dpsgd.py", ["--dataset", dataset, "--model", config.model, "--reduction", "mean",
-                                    "--batch-size", str(config.gap_batch_size), "--sigma", str(config.gap_sigma),
-                                    "--epochs", str(config.gap_epochs), "--lr", str(config.gap_lr),
-                                    "--save-freq", str(1_000_000), "--save-name", gap_name, "--device", device])
+    commands.run("train_dpsgd.py", gap_run_flags(config, gap_name, device))
     run_dir = os.path.join("models", gap_name)
     out = os.path.join(RES_DIR, f"{gap_name}_audit_mean.csv")
     rows = commands.account("audit.py", ["--run", gap_name, "--points", "all", "--stage", "final", "--rule", "mean",

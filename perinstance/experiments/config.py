@@ -191,6 +191,15 @@ def canary_flags(canaries: int, norms: tuple[float, ...]) -> list[str]:
     return ["--canaries", str(canaries), "--canary-norms", field_text(norms)]
 
 
+def gap_run_flags(config: ReproduceConfig, name: str, device: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The flags of train_dpsgd.py for a gap run (docs/audit.md §1): the realised-size mean rule on the first
+    gap_points training points, one checkpoint at its last step; `extra` flags (canaries) before --device."""
+    return ["--dataset", f"first:{config.gap_points}:{config.dataset}", "--model", config.model, "--reduction", "mean",
+            "--batch-size", str(config.gap_batch_size), "--sigma", str(config.gap_sigma),
+            "--epochs", str(config.gap_epochs), "--lr", str(config.gap_lr), "--save-freq", str(1_000_000),
+            "--save-name", name, *extra, "--device", device]
+
+
 def check_dataset(config: ReproduceConfig, preset: str, flag: str) -> None:
     """Load a dataset other than the preset's once, so that a bad one fails before any work."""
     if config.dataset == PRESETS[preset].dataset:

@@ -13,7 +13,7 @@ import pandas as pd
 
 from perinstance.accounting import one_run_audit
 from perinstance.experiments.commands import ONE_RUN_FIGURE, RES_DIR, Commands
-from perinstance.experiments.config import ReproduceConfig, canary_flags
+from perinstance.experiments.config import ReproduceConfig, canary_flags, gap_run_flags
 from perinstance.plots import one_run_plots
 from perinstance.train import canaries
 
@@ -50,11 +50,8 @@ def gap_run_audit(commands: Commands, config: ReproduceConfig, gap_name: str, de
     None when gap_canaries is 0."""
     if not config.gap_canaries:
         return None
-    commands.run("train_dpsgd.py", ["--dataset", f"first:{config.gap_points}:{config.dataset}", "--model",
-                                    config.model, "--reduction", "mean", "--batch-size", str(config.gap_batch_size),
-                                    "--sigma", str(config.gap_sigma), "--epochs", str(config.gap_epochs), "--lr",
-                                    str(config.gap_lr), "--save-freq", str(1_000_000), "--save-name", gap_name,
-                                    *canary_flags(config.gap_canaries, (1.0,)), "--device", device])
+    commands.run("train_dpsgd.py", gap_run_flags(config, gap_name, device,
+                                                 tuple(canary_flags(config.gap_canaries, (1.0,)))))
     (row,) = audit_canaries(commands, config, gap_name).to_dict("records")
     upper = min(row["eps_upper_rdp"], row["eps_upper_pld"])
     needed = one_run_audit.canaries_needed(epsilon=upper, significance=config.audit_significance, delta=config.delta)
