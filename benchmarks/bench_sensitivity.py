@@ -106,7 +106,7 @@ def torch_func_norms(model, x, y):
 def engine_without_norms(model, x, y):
     """The engine's passes with no per-layer norm: the forward and the backward to the layer outputs, a
     floor under the engine's time (its norms pass replaces the weight gradients of a plain backward)."""
-    for _, inputs, labels in gradient_rows.example_chunks(x, y, x.device, gradient_rows.norm_chunk(model, x, x.device)):
+    for _, inputs, labels in gradient_rows.example_chunks(x, y, x.device, gradients.examples_per_pass(model, x, x.device)):
         forward = gradients._forward(model, inputs, labels)
         torch.autograd.grad(forward.losses.sum(), forward.outputs)
 
@@ -143,7 +143,7 @@ def bench_norms(workload, rounds, clock, device):
     model = workload.model(device=device)
     forms = gradients.norm_forms(model, x[:1])
     print(f"\n1. Δ* of all {workload.label}, {gradient_rows.parameter_count(model)} parameters, engine chunks of "
-          f"{gradient_rows.norm_chunk(model, x, device)}, others {CHUNK}, {rounds} interleaved rounds on {device} "
+          f"{gradients.examples_per_pass(model, x, device)}, others {CHUNK}, {rounds} interleaved rounds on {device} "
           f"({clock.__name__}). "
           "Best round (least disturbed by other processes), and the median over rounds of the same-round ratio:")
     print("   layer forms of the engine: " + ", ".join(f"{form} {list(forms.values()).count(form)}"

@@ -50,11 +50,12 @@ def conv_form(conv, image_size):
 CONVS = [
     (lambda: nn.Conv2d(2, 3, 3), 6, "patches"),
     (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2, bias=False), 9, "patches"),
-    (lambda: nn.Conv2d(16, 4, 2, stride=2, padding=1), 6, "grouped"),
+    (lambda: nn.Conv2d(16, 4, 3, stride=2, padding=1), 6, "grouped"),
     (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), 5, "grouped"),
     (lambda: nn.Conv2d(16, 40, 3, padding=1, stride=2), 4, "ghost"),
     (lambda: nn.Conv2d(8, 30, (3, 2), padding=(1, 0), stride=(2, 1), dilation=(1, 2), bias=False), 4, "ghost"),
-    (lambda: nn.Conv2d(4, 120, 5), 5, "ghost"),  # LeNet-5's third convolution: one output position
+    (lambda: nn.Conv2d(4, 120, 5), 5, "single"),  # LeNet-5's third convolution: one output position
+    (lambda: nn.Conv2d(3, 7, 3, stride=2, padding=1), 2, "single"),  # one position, its patch partly padding
 ]
 
 
@@ -211,14 +212,32 @@ def test_resnet20_layers_take_the_forms_of_the_cost_model():
     assert forms == expected
 
 
-@pytest.mark.parametrize("name,shape,chunk", [("resnet20", (3, 32, 32), 128), ("lenet5", (1, 32, 32), 256),
+def test_lenet5_layers_take_the_forms_of_the_cost_model():
+    """The one-channel first convolution (25-value patches) is unfolded, the second (150 values) runs in the
+    grouped kernel, the third has one output position (a Linear layer on its patch)."""
+    torch.manual_seed(0)
+    model = build_model("lenet5", 1, 32, 10)
+    forms = gradients.norm_forms(model, torch.zeros(1, 1, 32, 32))
+    assert forms == {"0": "patches", "3": "grouped", "6": "single", "9": "ghost", "11": "ghost"}
+
+
+@pytest.mark.parametrize("name,shape,chunk", [("resnet20", (3, 32, 32), 256), ("lenet5", (1, 32, 32), 512),
                                               ("mlp", (1, 8, 8), 512)])
-def test_norm_chunk_keeps_the_largest_layer_output_under_its_budget(name, shape, chunk):
-    """ResNet-20's largest output is 16×32×32 float32 = 64 KiB per example, 128 of them fill the 8 MiB;
-    LeNet-5's is 6×28×28 (18.4 KiB): 256; the MLP's are small, so the chunk stays at its largest."""
+def test_examples_per_pass_keep_the_largest_layer_output_under_its_budget(name, shape, chunk):
+    """ResNet-20's largest output is 16×32×32 float32 = 64 KiB per example: 256 of them fill a CPU's 16 MiB;
+    LeNet-5's is 6×28×28 (18.4 KiB): 512, the largest chunk; the MLP's are small."""
     torch.manual_seed(0)
     model = build_model(name, shape[0], shape[1], 10)
-    assert gradient_rows.norm_chunk(model, torch.zeros(2, *shape)) == chunk
+    assert gradients.examples_per_pass(model, torch.zeros(2, *shape)) == chunk
+
+
+def test_a_gpu_takes_four_times_the_examples_per_pass():
+    """A GPU's budget is 64 MiB: 1,024 ResNet-20 examples, and at most 2,048; another kind of device is a CPU."""
+    resnet_output, lenet_output = 16 * 32 * 32 * 4, 6 * 28 * 28 * 4
+    assert gradients.pass_examples(resnet_output, "cuda") == 1024
+    assert gradients.pass_examples(lenet_output, "cuda") == 2048
+    assert gradients.pass_examples(resnet_output, "mps") == gradients.pass_examples(resnet_output, "cpu") == 256
+    assert gradients.pass_examples(1 << 30, "cpu") == gradients.MIN_PASS_EXAMPLES
 
 
 def test_norms_do_not_depend_on_the_chunk(monkeypatch):
@@ -227,9 +246,9 @@ def test_norms_do_not_depend_on_the_chunk(monkeypatch):
     inputs, labels = data(1, 32, count=10)
     transform = Transform("flat", 0.1)
     whole, _ = gradient_rows.transformed_norms(model, inputs, labels, transform)
-    monkeypatch.setattr(gradient_rows, "MIN_NORM_CHUNK", 4)
-    monkeypatch.setattr(gradient_rows, "NORM_CHUNK_BYTES", 4 * 6 * 28 * 28 * 8)
-    assert gradient_rows.norm_chunk(model, inputs) == 4
+    monkeypatch.setattr(gradients, "MIN_PASS_EXAMPLES", 4)
+    monkeypatch.setattr(gradients, "PASS_OUTPUT_BYTES", {"cpu": 4 * 6 * 28 * 28 * 8})
+    assert gradients.examples_per_pass(model, inputs) == 4
     monkeypatch.setattr(gradients, "PATCH_CHUNK", 3)
     chunked, _ = gradient_rows.transformed_norms(model, inputs, labels, transform)
     np.testing.assert_allclose(chunked, whole, rtol=1e-12)

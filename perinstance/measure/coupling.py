@@ -25,7 +25,6 @@ from perinstance.measure.gradient_rows import (
     advance,
     column_spans,
     example_chunks,
-    norm_chunk,
     pass_batches,
     square_norms,
 )
@@ -182,7 +181,7 @@ def checkpoint_statistics(model: torch.nn.Module, train_x: torch.Tensor, train_y
     into d*, v_X, b_X. Two passes over the training set, whatever the number of parameters.
     """
     # Examples per pass: as for Δ*, this measurement holds no per-sample gradient.
-    chunk = norm_chunk(model, train_x, device)
+    chunk = gradients.examples_per_pass(model, train_x, device)
     total, grad_norms, predictions = None, [], []
     for _, x, y in example_chunks(train_x, train_y, device, chunk):
         summed, losses, norms, logits = gradients.clipped_gradient_sum(model, x, y, transform.weights)

@@ -22,16 +22,8 @@ from perinstance.train import fallback_norms, gradients
 from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
 
-# Examples per per-sample pass, as training's PHYSICAL_BATCH.
-ROW_CHUNK = 128
-# Examples per norms-only pass (Δ*, the mean-rule statistics), at most and at least: `norm_chunk` halves
-# NORM_CHUNK while the chunk's largest layer output exceeds NORM_CHUNK_BYTES, so that each layer's
-# per-sample work runs on blocks that stay in cache and under the 32 MB above which glibc maps fresh pages
-# (ResNet-20's 16×32×32 outputs: 128 examples, measured 2.4–3× the throughput of 512 with one thread;
-# LeNet-5: 256, 1.2× that of 512).
-NORM_CHUNK = 512
-MIN_NORM_CHUNK = 32
-NORM_CHUNK_BYTES = 8 << 20
+# Examples per per-sample pass (materialised rows); norms-only passes take gradients.examples_per_pass.
+ROW_CHUNK = gradients.FALLBACK_PASS_EXAMPLES
 # Columns of the held gradient matrix per panel: batch sums over narrow panels are faster than
 # over whole rows of tens of thousands of floats, and the float64 copies a panel needs stay small.
 COLUMN_PANEL = 2048
@@ -98,19 +90,6 @@ def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str,
         yield start, inputs[start:start + size].to(device), labels[start:start + size].to(device)
 
 
-def norm_chunk(model: torch.nn.Module, inputs: torch.Tensor, device: str = "cpu") -> int:
-    """Examples per norms-only pass of `model` over examples shaped as `inputs`' (a power of two, see
-    NORM_CHUNK_BYTES): a function of the model's shapes alone, the same for every chunk of a measurement."""
-    if fallback_norms.needs_fallback(model):  # torch.func materialises its layers' per-sample gradients: rows' chunk
-        return ROW_CHUNK
-    largest = max((output.numel() for _, _, output in gradients.layer_shapes(model, inputs[:1].to(device))), default=0)
-    example_bytes = largest * next(model.parameters()).element_size()
-    chunk = NORM_CHUNK
-    while chunk > MIN_NORM_CHUNK and chunk * example_bytes > NORM_CHUNK_BYTES:
-        chunk //= 2
-    return chunk
-
-
 def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
                       device: str = "cpu", progress: tqdm | None = None) -> tuple[np.ndarray, Predictions]:
     """Δ* = ||h(g_i)|| of each example (float64 array, accounting.md §2 sum rule) and its Predictions.
@@ -118,7 +97,7 @@ def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torc
     Per-sample gradients are never kept (gradients.per_sample_norms).
     """
     norms, predictions = [], []
-    for _, x, y in example_chunks(inputs, labels, device, norm_chunk(model, inputs, device)):
+    for _, x, y in example_chunks(inputs, labels, device, gradients.examples_per_pass(model, inputs, device)):
         grad_norms, losses, logits = gradients.per_sample_norms(model, x, y)
         norms.append(transform.norms(grad_norms).double().cpu())
         predictions.append(predictions_of(losses, logits, y))

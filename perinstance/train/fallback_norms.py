@@ -190,17 +190,26 @@ def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, l
     return [grads[name] for name in names]
 
 
-def _squared(split, keep_graph):
-    """||g_i||² of the covered layers (the engine's closed forms) and the fallback gradients (torch.func)."""
-    squared = torch.zeros_like(split.losses.detach())
-    grad_outputs = []
-    if split.layers:
-        grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, retain_graph=keep_graph,
-                                           materialize_grads=True)
-        with torch.no_grad():
-            for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
-                squared = squared + gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output).squared
-    return squared, grad_outputs
+def _layer_norms(split):
+    """The gradients of the summed loss w.r.t. the covered layers' outputs, and those layers' LayerNorms (the
+    engine's closed forms)."""
+    if not split.layers:
+        return [], []
+    grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, materialize_grads=True)
+    with torch.no_grad():
+        return grad_outputs, [gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
+                              for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs,
+                                                                          strict=True)]
+
+
+def _squared(layer_norms, fallback, losses):
+    """||g_i||² from the covered layers' LayerNorms and the fallback layers' per-sample gradients."""
+    squared = torch.zeros_like(losses.detach())
+    for norms in layer_norms:
+        squared = squared + norms.squared
+    for grad in fallback:
+        squared = squared + grad.reshape(len(grad), -1).square().sum(dim=1)
+    return squared
 
 
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
@@ -208,31 +217,27 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        squared, _ = _squared(split, keep_graph=False)
-        for grad in per_example_gradients(model, split.fallback, inputs, labels):
-            squared = squared + grad.reshape(len(grad), -1).square().sum(dim=1)
+        _, layer_norms = _layer_norms(split)
+        squared = _squared(layer_norms, per_example_gradients(model, split.fallback, inputs, labels), split.losses)
     return squared.sqrt(), split.losses.detach(), split.logits.detach()
 
 
 def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                          weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits)."""
+    """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits); the
+    covered layers' sums as the engine takes them (gradients.weighted_layer_gradients)."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        squared, grad_outputs = _squared(split, keep_graph=True)
+        grad_outputs, layer_norms = _layer_norms(split)
         fallback = per_example_gradients(model, split.fallback, inputs, labels)
-        for grad in fallback:
-            squared = squared + grad.reshape(len(grad), -1).square().sum(dim=1)
-        norms = squared.sqrt()
-        weights = weights_of_norms(norms)
-        parameters = dict(model.named_parameters())
-        summed = dict(zip((parameters[name] for name in split.fallback), gradients.weighted_sum(fallback, weights)))
-        for last, (layer, output, grad_output) in enumerate(zip(split.layers, split.outputs, grad_outputs), 1):
-            params = [param for param in layer.parameters(recurse=False) if param.requires_grad]
-            weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-            summed.update(zip(params, torch.autograd.grad(output, params, weighted,
-                                                          retain_graph=last < len(split.layers))))
+        with torch.no_grad():
+            norms = _squared(layer_norms, fallback, split.losses).sqrt()
+            weights = weights_of_norms(norms)
+            parameters = dict(model.named_parameters())
+            summed = dict(zip((parameters[name] for name in split.fallback), gradients.weighted_sum(fallback, weights)))
+            summed.update(gradients.weighted_layer_gradients(split.layers, split.inputs, grad_outputs, layer_norms,
+                                                             weights))
     return ([summed[param] for param in gradients.trainable_parameters(model)], split.losses.detach(), norms,
             split.logits.detach())
 

@@ -1,6 +1,7 @@
 """Per-sample gradients of a model (Opacus GradSampleModule), and what is built from them; per-sample
 gradient norms and the clipped gradient sum without per-sample gradients."""
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,9 +62,23 @@ def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([grad.reshape(grad.shape[0], -1) for grad in grad_samples], dim=1)
 
 
-# Input channels below which the grouped convolution kernel is slower than unfolding patches: the
-# convolution library vectorises over channels, 16 float32 to a 512-bit register.
-VECTOR_CHANNELS = 16
+# Values per input patch (in_channels·k_h·k_w) below which the convolution library's grouped weight-gradient
+# kernel is slower than a batched product of unfolded patches. Measured on 2 CPU cores, 1 and 2 threads,
+# 128-256 examples: patches 1.6-4× faster at 18, 25, 27, 36 and 75 values (LeNet-5's and ResNet-20's first
+# convolutions among them), the grouped kernel 1.4-2.5× faster at 144, 150 and 200 (LeNet-5's second).
+PATCH_VALUES = 128
+# Examples per pass of the engine (`examples_per_pass`), at most, by device kind, and at least; and the bytes a
+# chunk's largest layer output may take. On a CPU: at most 16 MiB, so that a layer's blocks, and the gradient
+# of the same size beside them, stay under the 32 MiB above which malloc serves fresh pages (malloc_settings.py):
+# 256 ResNet-20 examples (16×32×32 float32 outputs; 512 ran at 0.66× the clipped sum's speed of 256, 256 at
+# 1.02× that of 128) and 512 LeNet-5 examples (6×28×28; a training batch of 256 in one pass, not two). On a GPU,
+# where each operation's launch costs as much as a small chunk's work, 4× as many.
+PASS_EXAMPLES = {"cpu": 512, "cuda": 2048}
+MIN_PASS_EXAMPLES = 32
+PASS_OUTPUT_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
+# Examples per pass of a model that falls back to torch.func (fallback_norms.py), whose per-sample gradients
+# are materialised: gradient_rows.ROW_CHUNK.
+FALLBACK_PASS_EXAMPLES = 128
 # Examples whose unfolded patches are formed at once (conv2d_squared_norms, "patches").
 PATCH_CHUNK = 32
 
@@ -105,10 +120,12 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
 
     With input patches a_t and output gradients b_t at the T output positions, g = Σ_t b_t a_tᵀ.
     Materialised ("grouped"): one grouped convolution-weight gradient (groups = samples) in the convolution
-    library, or ("patches"), with fewer input channels than VECTOR_CHANNELS, where that library's grouped
+    library, or ("patches"), for patches of fewer than PATCH_VALUES values, where that library's grouped
     kernel is slow, a batched product of unfolded patches; the per-sample gradients are returned with the
     norms. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'), with the patch products a_t·a_t' summed from the
-    products of input pixels (`_patch_gram`). The bias gradient Σ_t b_t is always returned per sample.
+    products of input pixels (`_patch_gram`). At one output position ("single", T = 1: LeNet-5's third
+    convolution) the layer is a Linear one on its only patch, ||g||² = ||a||²·||b||². The bias gradient
+    Σ_t b_t is always returned per sample.
     """
     if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
         raise ValueError("per-sample norms of Conv2d need numeric zero padding")
@@ -117,13 +134,15 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
     squared, per_sample = 0, {}
     if layer.weight.requires_grad:
         form = conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:])
-        if form == "ghost":
+        if form == "single":
+            squared = _patches(layer, inputs).square().sum(dim=(1, 2)) * output_rows.square().sum(dim=(1, 2))
+        elif form == "ghost":
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
             squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
         else:
             if form == "patches":
                 # The patches are p/c times the input: a few examples at a time they stay in cache (LeNet-5's
-                # first two convolutions: 1.2–1.5× faster than all of a chunk's at once).
+                # first convolution: 1.5× faster than 256 examples' at once).
                 weight_grads = torch.cat([
                     torch.bmm(output_rows[first:first + PATCH_CHUNK],
                               _patches(layer, inputs[first:first + PATCH_CHUNK]).transpose(1, 2))
@@ -143,14 +162,16 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
 
 def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) -> str:
     """How conv2d_squared_norms takes ||g_i||² of `layer` on inputs of spatial `input_size` (outputs of
-    `output_size`): "ghost" where `conv2d_norm_costs` finds it cheaper than materialising, else "patches"
-    (fewer input channels than VECTOR_CHANNELS) or "grouped". A function of the shapes alone, so every pass
+    `output_size`): "single" at one output position, "ghost" where `conv2d_norm_costs` finds it cheaper than
+    materialising, else "patches" (patches of fewer than PATCH_VALUES values) or "grouped". A function of the shapes alone, so every pass
     (Δ*, the mean-rule statistics, training) takes each layer the same way (docs/sensitivity.md)."""
+    if layer.groups == 1 and tuple(output_size) == (1, 1):
+        return "single"
     costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
                               input_size, output_size, layer.padding)
     if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
         return "ghost"
-    if layer.groups == 1 and layer.in_channels < VECTOR_CHANNELS:
+    if layer.groups == 1 and layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1] < PATCH_VALUES:
         return "patches"
     return "grouped"
 
@@ -295,6 +316,30 @@ def norm_forms(model: nn.Module, example: torch.Tensor) -> dict:
     return forms
 
 
+def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torch.device = "cpu") -> int:
+    """Examples per pass of the norms engine (a norms-only pass, or a training step's norms and clipped sum) over
+    examples shaped as `inputs`' on `device`: `pass_examples` of the model's largest layer output. A function of
+    the model's shapes and the device's kind alone, so every chunk of a measurement and every step of a run is
+    cut alike."""
+    from perinstance.train import fallback_norms
+
+    if fallback_norms.needs_fallback(model):  # torch.func materialises its layers' per-sample gradients
+        return FALLBACK_PASS_EXAMPLES
+    largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, inputs[:1].to(device))), default=0)
+    return pass_examples(largest * next(model.parameters()).element_size(), torch.device(device).type)
+
+
+def pass_examples(output_bytes: int, kind: str) -> int:
+    """PASS_EXAMPLES of the device `kind` (a GPU's for "cuda", else a CPU's), halved (to at least
+    MIN_PASS_EXAMPLES) while that many examples' largest layer outputs, of `output_bytes` each, would exceed
+    PASS_OUTPUT_BYTES."""
+    kind = kind if kind in PASS_EXAMPLES else "cpu"
+    chunk = PASS_EXAMPLES[kind]
+    while chunk > MIN_PASS_EXAMPLES and chunk * output_bytes > PASS_OUTPUT_BYTES[kind]:
+        chunk //= 2
+    return chunk
+
+
 def _parameter_layers(model):
     """The modules that own trainable parameters; each must be a type of SQUARED_NORMS."""
     layers = [module for module in model.modules()
@@ -306,12 +351,11 @@ def _parameter_layers(model):
     return layers
 
 
-def _layer_norms(forward, keep_graph):
+def _layer_norms(forward):
     """The gradients b_i of the summed loss w.r.t. every layer output (one backward, no weight gradient), and
     each layer's LayerNorms, one at a time as the caller (under no_grad) takes them, so that a layer's
     materialised gradients are freed unless kept."""
-    grad_outputs = torch.autograd.grad(forward.losses.sum(), forward.outputs, retain_graph=keep_graph,
-                                       materialize_grads=True)
+    grad_outputs = torch.autograd.grad(forward.losses.sum(), forward.outputs, materialize_grads=True)
     return grad_outputs, (SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
                           for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
 
@@ -324,7 +368,7 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
-    _, layer_norms = _layer_norms(forward, keep_graph=False)
+    _, layer_norms = _layer_norms(forward)
     with torch.no_grad():
         squared = sum(norms.squared for norms in layer_norms)
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
@@ -334,9 +378,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
                          weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
-    gives the norms (book-keeping): a parameter whose per-sample gradients the norms materialised gets
-    Σ_i w_i·g_i as one matrix-vector product; the others (ghost-form convolutions, Linear layers) get their
-    layer's own weight gradient for the outputs' gradients w_i·b_i, without a backward through the network.
+    gives the norms (book-keeping, `weighted_layer_gradients`), without a second backward through the network.
 
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
     losses; ||g_i||; logits).
@@ -346,25 +388,46 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
-    grad_outputs, layer_norms = _layer_norms(forward, keep_graph=True)
+    grad_outputs, layer_norms = _layer_norms(forward)
     with torch.no_grad():
         layer_norms = list(layer_norms)
         norms = sum(norms.squared for norms in layer_norms).sqrt()
-        weights = weights_of_norms(norms)
-        summed = {param: (weights @ grads.reshape(len(weights), -1)).reshape(param.shape)
-                  for norms_of_layer in layer_norms for param, grads in norms_of_layer.per_sample.items()}
-    del layer_norms
-    rest = [(output, grad_output, params)
-            for layer, output, grad_output in zip(forward.layers, forward.outputs, grad_outputs)
-            if (params := [param for param in layer.parameters(recurse=False)
-                           if param.requires_grad and param not in summed])]
-    for last, (output, grad_output, params) in enumerate(rest, 1):
-        # Only the layer's own backward node runs: its inputs' gradient is not asked for.
-        weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-        summed.update(zip(params, torch.autograd.grad(output, params, weighted, retain_graph=last < len(rest))))
+        summed = weighted_layer_gradients(forward.layers, forward.inputs, grad_outputs, layer_norms,
+                                          weights_of_norms(norms))
     # A layer the forward never applied has zero gradient.
     return ([summed.get(param, torch.zeros_like(param)) for param in trainable_parameters(model)],
             forward.losses.detach(), norms, forward.logits.detach())
+
+
+def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor],
+                             grad_outputs: Sequence[torch.Tensor], layer_norms: Sequence[LayerNorms],
+                             weights: torch.Tensor) -> dict:
+    """Σ_i w_i·g_i of every trainable parameter of `layers` (each applied once, with its input, the gradient of
+    the summed loss w.r.t. its output, and its LayerNorms): a parameter whose per-sample gradients the norms
+    materialised gets one matrix-vector product over them; the others (Linear layers, ghost-form convolutions)
+    get their layer's weight gradient for the outputs' gradients w_i·b_i, computed directly (a matrix product,
+    or the convolution library's weight gradient), not by autograd."""
+    summed = {}
+    for layer, layer_inputs, grad_output, norms in zip(layers, inputs, grad_outputs, layer_norms, strict=True):
+        for param, grads in norms.per_sample.items():
+            summed[param] = (weights @ grads.reshape(len(weights), -1)).reshape(param.shape)
+        rest = [param for param in layer.parameters(recurse=False) if param.requires_grad and param not in summed]
+        if rest:
+            weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
+            summed.update(_weight_gradients(layer, layer_inputs, weighted, rest))
+    return summed
+
+
+def _weight_gradients(layer, inputs, grad_outputs, params):
+    """The gradients of `params` (some of `layer`'s own) for the gradient `grad_outputs` of its output."""
+    if isinstance(layer, nn.Conv2d):  # a ghost or single-position form: its bias (as GroupNorm's) is materialised
+        if conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:]) == "single":
+            # A matrix product: several times faster than the convolution library's weight gradient here.
+            patches = _patches(layer, inputs).reshape(len(inputs), -1)
+            return {layer.weight: (grad_outputs.reshape(len(inputs), -1).T @ patches).reshape(layer.weight.shape)}
+        return {layer.weight: torch.nn.grad.conv2d_weight(inputs, layer.weight.shape, grad_outputs, layer.stride,
+                                                          layer.padding, layer.dilation, layer.groups)}
+    return {param: grad_outputs.T @ inputs if param is layer.weight else grad_outputs.sum(dim=0) for param in params}
 
 
 def directional_derivatives(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

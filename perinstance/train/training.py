@@ -26,13 +26,6 @@ from perinstance.train import canaries, clipping, gradients, run_plan, runs, sam
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 
-# Per-sample norms and the clipped sum are computed in chunks of this many examples; fixed so that the
-# summation order, hence every bit of the result, does not depend on the batch drawn. Small enough that a
-# chunk's largest blocks (LeNet-5's unfolded first convolution) stay under the 32 MB above which glibc hands
-# freed blocks back to the system, so that steps reuse their memory instead of page-faulting it in again
-# (1,024 took 40% longer per step, most of it in the kernel).
-PHYSICAL_BATCH = 256
-
 
 @dataclass(frozen=True)
 class Outcome:
@@ -135,6 +128,9 @@ class Trainer:
         self.tracked = run.tracked_points
         self.tracked_rows = []
         self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
+        # Examples per pass, from the model's shapes and the device's kind alone: the chunks a batch is cut into,
+        # hence the order of its sums and every bit of a step, do not depend on the batch drawn.
+        self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
@@ -160,8 +156,8 @@ class Trainer:
         run = self.run
         summed = [torch.zeros_like(param) for param in self.params]
         losses, transformed, correct = [], [], []
-        for start in range(0, len(indices), PHYSICAL_BATCH):
-            chunk = indices[start:start + PHYSICAL_BATCH]
+        for start in range(0, len(indices), self.chunk):
+            chunk = indices[start:start + self.chunk]
             chunk_sums, chunk_losses, norms, logits = gradients.clipped_gradient_sum(
                 self.model, self.train_x[chunk], self.train_y[chunk], self._weights)
             for total, part in zip(summed, chunk_sums):
@@ -176,8 +172,8 @@ class Trainer:
         norm is needed)."""
         summed = [torch.zeros_like(param) for param in self.params]
         losses = []
-        for start in range(0, len(indices), PHYSICAL_BATCH):
-            chunk = indices[start:start + PHYSICAL_BATCH]
+        for start in range(0, len(indices), self.chunk):
+            chunk = indices[start:start + self.chunk]
             chunk_losses = F.cross_entropy(self.model(self.train_x[chunk]), self.train_y[chunk], reduction="none")
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
@@ -218,8 +214,8 @@ class Trainer:
         no clipped sum (the same norms as per_sample_pass computes)."""
         run = self.run
         norms, losses, correct = [], [], []
-        for start in range(0, len(self.tracked), PHYSICAL_BATCH):
-            chunk = torch.as_tensor(self.tracked[start:start + PHYSICAL_BATCH], device=self.device)
+        for start in range(0, len(self.tracked), self.chunk):
+            chunk = torch.as_tensor(self.tracked[start:start + self.chunk], device=self.device)
             chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, self.train_x[chunk],
                                                                            self.train_y[chunk])
             norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
