@@ -88,7 +88,8 @@ class Canaries:
         coordinates, weights = canary_directions(run.seed, run.canaries, dimension)
         self.coordinates = torch.as_tensor(coordinates, device=device)
         self.weights = torch.as_tensor(weights, dtype=torch.float32, device=device)
-        self.scores = torch.zeros(run.canaries, dtype=torch.float64)
+        # On the device: read back only with a checkpoint, not at every step (see training.LOSS_READ_STEPS).
+        self.scores = torch.zeros(run.canaries, dtype=torch.float64, device=device)
 
     def sampled(self, step: int) -> np.ndarray:
         """The included canaries in step `step`'s batch: Poisson with the run's q, their own stream."""
@@ -109,11 +110,11 @@ class Canaries:
     def score(self, update: list) -> None:
         """Add each canary's projection of this step's privatised update."""
         flat = torch.cat([part.reshape(-1) for part in update])
-        self.scores += (flat[self.coordinates] * self.weights).sum(dim=1).double().cpu()
+        self.scores += (flat[self.coordinates] * self.weights).sum(dim=1).double()
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame({"canary": np.arange(self.run.canaries), "norm": self.norms,
-                             "included": self.included.astype(int), "score": self.scores.numpy()})
+                             "included": self.included.astype(int), "score": self.scores.cpu().numpy()})
 
 
 def write_canaries(run_dir: str, canaries: Canaries) -> None:

@@ -143,10 +143,12 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
             squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
         else:
-            block = PATCH_CHUNK if form == "patches" else count
-            weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + block],
-                                                    grad_outputs[first:first + block])
-                                      for first in range(0, count, block)])
+            if form == "patches":
+                weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
+                                                        grad_outputs[first:first + PATCH_CHUNK])
+                                          for first in range(0, count, PATCH_CHUNK)])
+            else:
+                weight_grads = _materialised(layer, form, inputs, grad_outputs)
             per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
             squared = weight_grads.reshape(count, -1).square().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
@@ -222,9 +224,18 @@ def _patch_gram(layer, inputs):
     def rows(offset):
         return slice(offset * dilation_h, offset * dilation_h + stride_h * (output_h - 1) + 1, stride_h)
 
-    column_sums = sum(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
-    gram = sum(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
+    column_sums = _sum_in_place(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
+    gram = _sum_in_place(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
     return gram.reshape(count, output_h * output_w, output_h * output_w)
+
+
+def _sum_in_place(terms):
+    """The sum of a non-empty iterable of tensors, into a copy of the first (one buffer, no temporaries)."""
+    terms = iter(terms)
+    total = next(terms).clone()
+    for term in terms:
+        total += term
+    return total
 
 
 def _patches(layer, inputs):

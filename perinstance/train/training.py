@@ -27,6 +27,12 @@ from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 
 
+# Steps between reads of the batch losses: reading a value back from a GPU waits for the queued work, so reading
+# it at every step would keep the host from launching the next step's kernels while the device runs this one.
+# Checkpoint steps always read (and T is one).
+LOSS_READ_STEPS = 16
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a call of `train` did to its run."""
@@ -139,7 +145,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "test_accuracy": accuracy,
             "tracked_norms": torch.tensor(self.tracked_rows, dtype=torch.float64),
-            **({"canary_scores": self.canaries.scores.clone()} if self.canaries else {}),
+            **({"canary_scores": self.canaries.scores.to("cpu", copy=True)} if self.canaries else {}),
         }
 
     def restore(self, payload: dict) -> None:
@@ -147,7 +153,7 @@ class Trainer:
         self.optimizer.load_state_dict(payload["optimizer"])
         self.tracked_rows = payload["tracked_norms"].tolist()
         if self.canaries:
-            self.canaries.scores = payload["canary_scores"].cpu()
+            self.canaries.scores = payload["canary_scores"].to(self.device)
 
     def per_sample_pass(self, indices: torch.Tensor
                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,9 +231,9 @@ class Trainer:
         rows = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct)])
         self.tracked_rows.append(rows.double().cpu().numpy().ravel().tolist())
 
-    def step(self, step: int) -> float | None:
+    def step(self, step: int) -> torch.Tensor | None:
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
-        θ_{step−1}), None for an empty batch."""
+        θ_{step−1}) as a tensor on the device, not read back (see train_run), None for an empty batch."""
         if self.tracked is not None:
             self.track()
         batch = sampling.poisson_batch(self.run.seed, step, self.run.dataset_size, self.run.sample_rate)
@@ -240,7 +246,7 @@ class Trainer:
             group["lr"] = learning_rate(self.run, step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return losses.mean().item() if len(losses) else None
+        return losses.mean() if len(losses) else None
 
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(param).all()) for param in self.params)
@@ -284,10 +290,22 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     epsilon_spent = epsilon_curve(run)
     progress = tqdm(range(resume_step + 1, run.total_steps + 1), initial=resume_step, total=run.total_steps,
                     desc=f"train {run.run}", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    unread, loss = [], None
     for step in progress:
-        loss = trainer.step(step)
+        batch_loss = trainer.step(step)
+        if batch_loss is not None:
+            unread.append((step, batch_loss))
         at_checkpoint = step in planned
-        if (loss is not None and not math.isfinite(loss)) or (at_checkpoint and not trainer.weights_finite()):
+        if at_checkpoint or step % LOSS_READ_STEPS == 0:
+            # Every loss since the last read, in one transfer; the first that is not finite stops the run before
+            # any later checkpoint is saved.
+            values = torch.stack([value for _, value in unread]).tolist() if unread else []
+            for (loss_step, _), value in zip(unread, values):
+                if not math.isfinite(value):
+                    progress.close()
+                    raise diverged(run, run_dir, loss_step, value)
+            loss, unread = (values[-1] if values else loss), []
+        if at_checkpoint and not trainer.weights_finite():
             progress.close()
             raise diverged(run, run_dir, step, loss)
         if at_checkpoint or (eval_freq and step % eval_freq == 0):
