@@ -79,8 +79,9 @@ PASS_OUTPUT_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
 # Examples per pass of a model that falls back to torch.func (fallback_norms.py), whose per-sample gradients
 # are materialised: gradient_rows.ROW_CHUNK.
 FALLBACK_PASS_EXAMPLES = 128
-# Examples whose unfolded patches are formed at once (conv2d_squared_norms, "patches"): the patches are p/c
-# times the input, and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512
+# Examples whose unfolded patches are formed at once on a CPU (conv2d_squared_norms, "patches"; a GPU takes the
+# whole chunk, as each launch costs more than the work of a few examples): the patches are p/c times the input,
+# and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512
 # examples' at once; ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks
 # of 2 MiB of operands it ran 1.15× slower on ResNet-20, no faster on LeNet-5.
 PATCH_CHUNK = 32
@@ -143,7 +144,7 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
             squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
         else:
-            if form == "patches":
+            if form == "patches" and inputs.device.type == "cpu":
                 weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
                                                         grad_outputs[first:first + PATCH_CHUNK])
                                           for first in range(0, count, PATCH_CHUNK)])
