@@ -6,9 +6,10 @@ side by side (interleaved repeats) in one process on --device; printed as sample
 CUDA the clock is the wall clock read after torch.cuda.synchronize(). Opacus and non-private SGD
 draw their batches from their DataLoader and move them to the device before the clock starts, so
 the DataLoader's per-example indexing is not timed; this trainer's timed step includes its own
-Poisson draw from data already on the device.
+Poisson draw from data already on the device. Rates count the examples each method's batches held (Poisson
+batches vary in size around the expected batch size; non-private SGD's hold exactly that many).
 
-    python benchmarks/bench_training.py [--steps 30] [--batch-size 256] [--resnet-steps 4]
+    python benchmarks/bench_training.py [--steps 30] [--batch-size 256] [--resnet-steps 8]
                                         [--resnet-batch-size 128] [--repeats 3] [--threads 1] [--clock cpu]
                                         [--device cpu|cuda|auto]
     python benchmarks/bench_training.py --smoke     # seconds: tiny data, a few small steps
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _workloads import add_timing_arguments, device_name, require_device, timer, workloads  # noqa: E402
 
-from perinstance.train import run_plan, training
+from perinstance.train import run_plan, sampling, training
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
@@ -49,12 +50,15 @@ def time_this_trainer(workload, steps, batch_size, clock, device):
         "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
         "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench",
         "--device", device]))
-    trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset, args.device)
+    run = run_plan.plan_run(args, workload.dataset)
+    trainer = training.Trainer(run, workload.dataset, args.device)
     trainer.step(1)  # warm-up
     started = clock()
     for step in range(2, steps + 2):
         trainer.step(step)
-    return steps * batch_size / (clock() - started)
+    seconds = clock() - started
+    return sum(len(sampling.poisson_batch(run.seed, step, run.dataset_size, run.sample_rate))
+               for step in range(2, steps + 2)) / seconds
 
 
 def time_opacus(workload, steps, batch_size, clock, device, mode):
@@ -69,7 +73,7 @@ def time_opacus(workload, steps, batch_size, clock, device, mode):
         model, optimizer, criterion, loader = private
     else:
         (model, optimizer, loader), criterion = private, nn.CrossEntropyLoss()
-    return _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock, device)
+    return _time_loop(model, optimizer, criterion, loader, steps, clock, device)
 
 
 def time_non_private(workload, steps, batch_size, clock, device):
@@ -77,10 +81,10 @@ def time_non_private(workload, steps, batch_size, clock, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(workload.dataset.train_x, workload.dataset.train_y), batch_size=batch_size,
                         shuffle=True)
-    return _time_loop(model, optimizer, F.cross_entropy, loader, steps, batch_size, clock, device)
+    return _time_loop(model, optimizer, F.cross_entropy, loader, steps, clock, device)
 
 
-def _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock, device):
+def _time_loop(model, optimizer, criterion, loader, steps, clock, device):
     # On a GPU a step of a small model takes about as long as the DataLoader's indexing of a batch, one
     # example at a time: timed, it would weigh on these methods and not on this trainer.
     batches = [(inputs.to(device), labels.to(device)) for inputs, labels in itertools.islice(_forever(loader), steps + 1)]
@@ -88,7 +92,7 @@ def _time_loop(model, optimizer, criterion, loader, steps, batch_size, clock, de
     started = clock()
     for inputs, labels in batches[1:]:
         _train_step(model, optimizer, criterion, inputs, labels)
-    return steps * batch_size / (clock() - started)
+    return sum(len(labels) for _, labels in batches[1:]) / (clock() - started)
 
 
 def _forever(loader):
@@ -128,7 +132,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--resnet-steps", type=int, default=4)
+    parser.add_argument("--resnet-steps", type=int, default=8)
     parser.add_argument("--resnet-batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     add_timing_arguments(parser)

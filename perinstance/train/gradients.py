@@ -68,22 +68,22 @@ def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
 # convolutions among them), the grouped kernel 1.4-2.5× faster at 144, 150 and 200 (LeNet-5's second).
 PATCH_VALUES = 128
 # Examples per pass of the engine (`examples_per_pass`), at most, by device kind, and at least; and the bytes a
-# chunk's largest layer output may take. On a CPU: at most 16 MiB, so that a layer's blocks, and the gradient
-# of the same size beside them, stay under the 32 MiB above which malloc serves fresh pages (malloc_settings.py):
-# 256 ResNet-20 examples (16×32×32 float32 outputs; 512 ran at 0.66× the clipped sum's speed of 256, 256 at
-# 1.02× that of 128) and 512 LeNet-5 examples (6×28×28; a training batch of 256 in one pass, not two). On a GPU,
-# where each operation's launch costs as much as a small chunk's work, 4× as many.
+# chunk's largest layer output may take. On a CPU, 10 MiB: that output and its gradient stay within the 32 MiB
+# of L3 cache with room for the layer's other operands. 128 ResNet-20 examples (16×32×32 float32 outputs;
+# 256 ran the norms 8% and the clipped sum 6% slower, 512 at 0.66× the speed) and 512 LeNet-5 examples
+# (6×28×28; a training batch of 256 in one pass rather than two for half the Poisson draws). On a GPU, where
+# each operation's launch costs as much as a small chunk's work, at most 2,048 and 64 MiB.
 PASS_EXAMPLES = {"cpu": 512, "cuda": 2048}
 MIN_PASS_EXAMPLES = 32
-PASS_OUTPUT_BYTES = {"cpu": 16 << 20, "cuda": 64 << 20}
+PASS_OUTPUT_BYTES = {"cpu": 10 << 20, "cuda": 64 << 20}
 # Examples per pass of a model that falls back to torch.func (fallback_norms.py), whose per-sample gradients
 # are materialised: gradient_rows.ROW_CHUNK.
 FALLBACK_PASS_EXAMPLES = 128
 # Examples whose unfolded patches are formed at once on a CPU (conv2d_squared_norms, "patches"; a GPU takes the
 # whole chunk, as each launch costs more than the work of a few examples): the patches are p/c times the input,
-# and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512
-# examples' at once; ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks
-# of 2 MiB of operands it ran 1.15× slower on ResNet-20, no faster on LeNet-5.
+# and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512 examples' at once;
+# ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks of 2 MiB of
+# operands it ran 1.15× slower on ResNet-20, no faster on LeNet-5.
 PATCH_CHUNK = 32
 
 
@@ -172,8 +172,9 @@ def _materialised(layer, form, inputs, grad_outputs):
 def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) -> str:
     """How conv2d_squared_norms takes ||g_i||² of `layer` on inputs of spatial `input_size` (outputs of
     `output_size`): "single" at one output position, "ghost" where `conv2d_norm_costs` finds it cheaper than
-    materialising, else "patches" (patches of fewer than PATCH_VALUES values) or "grouped". A function of the shapes alone, so every pass
-    (Δ*, the mean-rule statistics, training) takes each layer the same way (docs/sensitivity.md)."""
+    materialising, else "patches" (patches of fewer than PATCH_VALUES values) or "grouped". A function of the
+    shapes alone, so every pass (Δ*, the mean-rule statistics, training) takes each layer the same way
+    (docs/sensitivity.md)."""
     if layer.groups == 1 and tuple(output_size) == (1, 1):
         return "single"
     costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
@@ -422,8 +423,8 @@ def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch
                              weights: torch.Tensor) -> dict:
     """Σ_i w_i·g_i of every trainable parameter of `layers` (each applied once, with its input, the gradient of
     the summed loss w.r.t. its output, and its LayerNorms): a parameter whose per-sample gradients the norms
-    materialised gets one matrix-vector product over them; the others (Linear layers, ghost-form convolutions)
-    get their layer's weight gradient for the outputs' gradients w_i·b_i, computed directly (a matrix product,
+    materialised gets one matrix-vector product over them; the others (Linear layers, ghost- and single-position
+    convolutions) get their layer's weight gradient for the outputs' gradients w_i·b_i, computed directly (a matrix product,
     or the convolution library's weight gradient), not by autograd."""
     summed = {}
     for layer, layer_inputs, grad_output, norms in zip(layers, inputs, grad_outputs, layer_norms, strict=True):

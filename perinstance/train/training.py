@@ -26,7 +26,6 @@ from perinstance.train import canaries, clipping, gradients, run_plan, runs, sam
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 
-
 # Steps between reads of the batch losses: reading a value back from a GPU waits for the queued work, so reading
 # it at every step would keep the host from launching the next step's kernels while the device runs this one.
 # Checkpoint steps always read (and T is one).
