@@ -11,7 +11,7 @@ The package is layered; imports flow one way, lowest layer first (tests/test_lay
     plots/        figures
     experiments/  reproduce.py's experiments, presets and report
 
-errors.py, console.py and openmp_settings.py stay here at the package top: the base every layer may
+errors.py, console.py, openmp_settings.py and malloc_settings.py stay here at the package top: the base every layer may
 import. api.py is the public Python API on top of every layer; it is imported on first use (PEP
 562), so that importing a pure-math module of the package does not import torch.
 """
@@ -19,6 +19,9 @@ import. api.py is the public Python API on top of every layer; it is imported on
 # First, before any module of the package imports torch: torch's OpenMP threads must not spin-wait on a
 # machine that other processes share (see the module).
 from perinstance import openmp_settings  # noqa: F401
+
+# Freed memory stays with this process for the next step instead of being faulted in again (see the module).
+from perinstance import malloc_settings  # noqa: F401, E402
 
 __all__ = ["IndividualAccountant", "sensitivities"]
 
