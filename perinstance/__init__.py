@@ -17,11 +17,9 @@ import. api.py is the public Python API on top of every layer; it is imported on
 """
 
 # First, before any module of the package imports torch: torch's OpenMP threads must not spin-wait on a
-# machine that other processes share (see the module).
-from perinstance import openmp_settings  # noqa: F401
-
-# Freed memory stays with this process for the next step instead of being faulted in again (see the module).
-from perinstance import malloc_settings  # noqa: F401, E402
+# machine that other processes share, and the memory a step frees stays with this process for the next step
+# instead of being faulted in again (see the modules; neither imports torch).
+from perinstance import malloc_settings, openmp_settings  # noqa: F401
 
 __all__ = ["IndividualAccountant", "sensitivities"]
 
