@@ -154,23 +154,18 @@ class Trainer:
         if self.canaries:
             self.canaries.scores = payload["canary_scores"].to(self.device)
 
-    def per_sample_pass(self, indices: torch.Tensor
-                        ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Under privacy, over `indices`: the transformed-gradient sum u(B), and per sample the loss, the norm
-        ||h(g_i)|| and whether the model classifies it correctly."""
-        run = self.run
-        summed = [torch.zeros_like(param) for param in self.params]
-        losses, transformed, correct = [], [], []
+    def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
+        summed, losses = None, []
         for start in range(0, len(indices), self.chunk):
             chunk = indices[start:start + self.chunk]
-            chunk_sums, chunk_losses, norms, logits = gradients.clipped_gradient_sum(
+            chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(
                 self.model, self.train_x[chunk], self.train_y[chunk], self._weights)
-            for total, part in zip(summed, chunk_sums):
-                total.add_(part)
+            # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
+            # every chunk to zeros.
+            summed = chunk_sums if summed is None else [total.add_(part) for total, part in zip(summed, chunk_sums)]
             losses.append(chunk_losses)
-            transformed.append(clipping.transformed_norm(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s))
-            correct.append(logits.argmax(dim=1) == self.train_y[chunk])
-        return summed, torch.cat(losses), torch.cat(transformed), torch.cat(correct)
+        return summed, torch.cat(losses)
 
     def gradient_sum(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Without privacy: Σ_i ∇ℓ_i over `indices` and the losses, by ordinary backward passes (no per-sample
@@ -198,7 +193,7 @@ class Trainer:
         if not len(batch):
             summed, losses = [torch.zeros_like(param) for param in self.params], torch.zeros(0)
         elif run.private:
-            summed, losses, _, _ = self.per_sample_pass(torch.as_tensor(batch, device=self.device))
+            summed, losses = self.per_sample_pass(torch.as_tensor(batch, device=self.device))
         else:
             summed, losses = self.gradient_sum(torch.as_tensor(batch, device=self.device))
         if not run.private:
