@@ -190,14 +190,14 @@ def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[in
                       output_size: tuple[int, int], padding: tuple[int, int]) -> dict[str, int]:
     """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
 
-    Materialised: T·o·p. Ghost: the products of all P padded input pixels (P²·c), their
-    shifted sums over the kernel columns then rows (`_patch_gram`), and the products of
-    output gradients (T²·o). LeNet-5's third convolution (T = 1, 48k of its 62k weights) and
-    ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of nets.py is not.
+    Materialised: T·o·p. Ghost: the products of the input's P pixels (P²·c), their shifted sums
+    over the kernel columns then rows on the padded grid (`_patch_gram`), and the products of output
+    gradients (T²·o). ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of
+    nets.py is not (LeNet-5's third has one output position: "single", cheaper still).
     """
     (kernel_h, kernel_w), (output_h, output_w) = kernel_size, output_size
-    padded_h, padded_w = input_size[0] + 2 * padding[0], input_size[1] + 2 * padding[1]
-    positions, pixels = output_h * output_w, padded_h * padded_w
+    padded_h = input_size[0] + 2 * padding[0]
+    positions, pixels = output_h * output_w, input_size[0] * input_size[1]
     materialised = positions * out_channels * in_channels * kernel_h * kernel_w
     ghost = (pixels ** 2 * in_channels + kernel_w * (padded_h * output_w) ** 2 + kernel_h * positions ** 2
              + positions ** 2 * out_channels)
@@ -209,14 +209,17 @@ def _patch_gram(layer, inputs):
 
     A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the
     (P, P) products of padded input pixels, shifted and summed over kernel columns, then rows.
-    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small.
+    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small. The products of the
+    input's own pixels are formed, then padded with the zeros a padding pixel's products are (ResNet-20's
+    8×8 maps: 64² products over the channels instead of 100²).
     """
     (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
     (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
-    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
-    count, _, padded_h, padded_w = padded.shape
-    pixels = padded.flatten(2)
-    pixel_gram = torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, padded_h, padded_w, padded_h, padded_w)
+    count, _, height, width = inputs.shape
+    pixels = inputs.flatten(2)
+    pixel_gram = F.pad(torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width),
+                       (pad_w, pad_w, pad_h, pad_h) * 2)
+    padded_h, padded_w = height + 2 * pad_h, width + 2 * pad_w
     output_h = (padded_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
     output_w = (padded_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
 
