@@ -144,20 +144,17 @@ def _split_forward(model, inputs, labels, check=True):
 def _check_closed_forms(model, inputs, labels):
     """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's."""
     split = _split_forward(model, inputs, labels, check=False)
-    if not split.layers:
-        return set()
-    grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, materialize_grads=True)
+    _, norms_by_layer = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
     layer_names = {module: name for name, module in model.named_modules()}
     parameter_names = {param: name for name, param in model.named_parameters()}
     wrong = set()
-    for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs, strict=True):
-        with torch.no_grad():
-            closed = gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output).squared
-        own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
-        direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
-                     for grad in per_example_gradients(model, own, inputs, labels))
-        if not torch.allclose(closed, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
-            wrong.add(layer_names[layer])
+    with torch.no_grad():
+        for layer, closed in zip(split.layers, norms_by_layer, strict=True):
+            own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
+            direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
+                         for grad in per_example_gradients(model, own, inputs, labels))
+            if not torch.allclose(closed.squared, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
+                wrong.add(layer_names[layer])
     return wrong
 
 
@@ -190,18 +187,6 @@ def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, l
     return [grads[name] for name in names]
 
 
-def _layer_norms(split):
-    """The gradients of the summed loss w.r.t. the covered layers' outputs, and those layers' LayerNorms (the
-    engine's closed forms)."""
-    if not split.layers:
-        return [], []
-    grad_outputs = torch.autograd.grad(split.losses.sum(), split.outputs, materialize_grads=True)
-    with torch.no_grad():
-        return grad_outputs, [gradients.SQUARED_NORMS[type(layer)](layer, layer_input, grad_output)
-                              for layer, layer_input, grad_output in zip(split.layers, split.inputs, grad_outputs,
-                                                                          strict=True)]
-
-
 def _squared(layer_norms, fallback, losses):
     """||g_i||² from the covered layers' LayerNorms and the fallback layers' per-sample gradients."""
     squared = torch.zeros_like(losses.detach())
@@ -217,8 +202,10 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        _, layer_norms = _layer_norms(split)
-        squared = _squared(layer_norms, per_example_gradients(model, split.fallback, inputs, labels), split.losses)
+        _, layer_norms = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
+        fallback = per_example_gradients(model, split.fallback, inputs, labels)
+        with torch.no_grad():  # the covered layers' norms one at a time, their materialised gradients freed
+            squared = _squared(layer_norms, fallback, split.losses)
     return squared.sqrt(), split.losses.detach(), split.logits.detach()
 
 
@@ -229,9 +216,10 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     covered layers' sums as the engine takes them (gradients.weighted_layer_gradients)."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        grad_outputs, layer_norms = _layer_norms(split)
+        grad_outputs, layer_norms = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
         fallback = per_example_gradients(model, split.fallback, inputs, labels)
         with torch.no_grad():
+            layer_norms = list(layer_norms)
             norms = _squared(layer_norms, fallback, split.losses).sqrt()
             weights = weights_of_norms(norms)
             parameters = dict(model.named_parameters())

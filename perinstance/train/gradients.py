@@ -373,13 +373,17 @@ def _parameter_layers(model):
     return layers
 
 
-def _layer_norms(forward):
-    """The gradients b_i of the summed loss w.r.t. every layer output (one backward, no weight gradient), and
-    each layer's LayerNorms, one at a time as the caller (under no_grad) takes them, so that a layer's
-    materialised gradients are freed unless kept."""
-    grad_outputs = torch.autograd.grad(forward.losses.sum(), forward.outputs, materialize_grads=True)
+def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                losses: torch.Tensor) -> tuple:
+    """The gradients b_i of the summed `losses` w.r.t. the `outputs` of `layers` (each applied once to its
+    `inputs`; one backward, no weight gradient), and each layer's LayerNorms, one at a time as the caller (under
+    no_grad) takes them, so that a layer's materialised gradients are freed unless kept. No layers: no backward,
+    nothing."""
+    if not layers:
+        return (), iter(())
+    grad_outputs = torch.autograd.grad(losses.sum(), outputs, materialize_grads=True)
     return grad_outputs, (SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
-                          for layer, layer_inputs, grad_output in zip(forward.layers, forward.inputs, grad_outputs))
+                          for layer, layer_inputs, grad_output in zip(layers, inputs, grad_outputs))
 
 
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
@@ -390,9 +394,9 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
-    _, layer_norms = _layer_norms(forward)
+    _, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses)
     with torch.no_grad():
-        squared = sum(norms.squared for norms in layer_norms)
+        squared = sum(norms.squared for norms in norms_by_layer)
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
 
 
@@ -410,11 +414,11 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
-    grad_outputs, layer_norms = _layer_norms(forward)
+    grad_outputs, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses)
     with torch.no_grad():
-        layer_norms = list(layer_norms)
-        norms = sum(norms.squared for norms in layer_norms).sqrt()
-        summed = weighted_layer_gradients(forward.layers, forward.inputs, grad_outputs, layer_norms,
+        norms_by_layer = list(norms_by_layer)
+        norms = sum(norms.squared for norms in norms_by_layer).sqrt()
+        summed = weighted_layer_gradients(forward.layers, forward.inputs, grad_outputs, norms_by_layer,
                                           weights_of_norms(norms))
     # A layer the forward never applied has zero gradient.
     return ([summed.get(param, torch.zeros_like(param)) for param in trainable_parameters(model)],
