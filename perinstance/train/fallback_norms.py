@@ -114,12 +114,7 @@ def _split_forward(model, inputs, labels, check=True):
         calls.setdefault(layer, []).append((layer_inputs[0].detach() if layer_inputs and isinstance(
             layer_inputs[0], torch.Tensor) else None, output))
 
-    handles = [module.register_forward_hook(record) for _, module, _ in owners]
-    try:
-        logits = model(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    logits = gradients.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:
         _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])

@@ -296,15 +296,20 @@ def _forward(model, inputs, labels):
                              "would mix both uses")
         recorded[layer] = (layer_inputs[0].detach(), output)
 
-    handles = [layer.register_forward_hook(record) for layer in layers]
-    try:
-        logits = model(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    logits = forward_with_hook(model, layers, record, inputs)
     layers = [layer for layer in layers if layer in recorded]
     return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][1] for layer in layers],
                  logits, F.cross_entropy(logits, labels, reduction="none"))
+
+
+def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor):
+    """model(inputs) with `hook` registered as a forward hook of each of `layers` for this call only."""
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        return model(inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
@@ -315,13 +320,8 @@ def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
     def record(layer, layer_inputs, output):
         shapes.append((layer, layer_inputs[0].shape, output.shape))
 
-    handles = [layer.register_forward_hook(record) for layer in _parameter_layers(model)]
-    try:
-        with torch.no_grad():
-            model(example)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with torch.no_grad():
+        forward_with_hook(model, _parameter_layers(model), record, example)
     return shapes
 
 
