@@ -302,7 +302,7 @@ def _forward(model, inputs, labels):
                  logits, F.cross_entropy(logits, labels, reduction="none"))
 
 
-def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor):
+def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor) -> torch.Tensor:
     """model(inputs) with `hook` registered as a forward hook of each of `layers` for this call only."""
     handles = [layer.register_forward_hook(hook) for layer in layers]
     try:
