@@ -181,16 +181,14 @@ class IndividualAccountant:
 
     @staticmethod
     def _composed_rdp(mechanism, orders, holder_b, rounding):
-        """composition.compose_sum_rule's RDP of one (σ, q) before conversion, for one run (R = 1)."""
+        """The composed RDP of one (σ, q) before conversion, for one run (R = 1): composition.sum_rule_rdp."""
         noise_multiplier, sample_rate, checkpoints, ratios, total_steps = mechanism
         largest = rdp_composition.holder_orders(orders[-1], total_steps, holder_b)[-1]
         if not largest <= composition.LARGEST_ORDER:
             raise ValueError(f"holder_b={holder_b:g} inflates order {orders[-1]:g} to {largest:.3g} over "
                              f"{total_steps} steps; use a larger holder_b such as 3 * num_steps")
-        levels = rdp_composition.sensitivity_levels(rounding, ratios)
-        table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
-                                    rdp_composition.composition_orders(orders, total_steps, holder_b), levels)
-        return rdp_composition.compose_rdp(table, ratios[None], checkpoints, total_steps, orders, holder_b)
+        return composition.sum_rule_rdp(ratios[None], checkpoints, sample_rate, noise_multiplier, orders=orders,
+                                        holder_b=holder_b, rounding=rounding, horizons=[total_steps])[0]
 
     def state_dict(self) -> dict:
         """Plain data (ints, floats, lists, None): saves with json or torch.save, loads with

@@ -48,12 +48,21 @@ def compose_sum_rule(ratios: np.ndarray, steps: ArrayLike, mechanism: Mechanism,
     (horizons, P) arrays.
     """
     horizons = [mechanism.total_steps] if horizons is None else list(horizons)
-    levels = rdp_composition.sensitivity_levels(rounding, ratios)
-    table = rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier,
-                                     rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
-    converted = [rdp_composition.rdp_to_eps(orders, rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b),
-                                            delta) for horizon in horizons]
+    composed = sum_rule_rdp(ratios, steps, mechanism.sample_rate, mechanism.noise_multiplier, orders=orders,
+                            holder_b=holder_b, rounding=rounding, horizons=horizons)
+    converted = [rdp_composition.rdp_to_eps(orders, rdp, delta) for rdp in composed]
     return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
+
+
+def sum_rule_rdp(ratios: np.ndarray, steps: ArrayLike, sample_rate: float, noise_multiplier: float, *,
+                 orders: ArrayLike, holder_b: float, rounding: float, horizons: list[int]) -> list[np.ndarray]:
+    """§4 for the sum rule before the conversion to ε: the composed RDP, (P, orders), after each of `horizons`
+    steps, of the (R, C, P) `ratios` at checkpoint `steps` (compose_sum_rule's arguments). Sums over mechanisms
+    of different (q, σ) add these before one conversion (perinstance.IndividualAccountant)."""
+    levels = rdp_composition.sensitivity_levels(rounding, ratios)
+    table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
+                                     rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
+    return [rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b) for horizon in horizons]
 
 
 def compose_mean_rule(checkpoint_rdp: np.ndarray, checkpoints: ArrayLike, baseline_rdp: np.ndarray,
