@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from perinstance.accountants import composition
 from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.measure.gradient_rows import transformed_norms
+from perinstance.train import user_code
 from perinstance.train.clipping import CLIPPING_CHOICES, Transform
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -239,9 +240,7 @@ def _examples(data, points):
         chosen = range(size) if points is None else [int(point) for point in points]
         if any(not 0 <= point < size for point in chosen):
             raise ValueError(f"points must be indices in [0, {size})")
-        pairs = [data[point] for point in chosen]
-        return (torch.stack([torch.as_tensor(pair[0]) for pair in pairs]),
-                torch.as_tensor([int(pair[1]) for pair in pairs], dtype=torch.int64))
+        return user_code.pair_tensors(data, chosen)
     else:
         raise ValueError("data must be a torch Dataset of (input, label) pairs, a DataLoader over one, or a pair "
                          f"(inputs, labels) of tensors, not {type(data).__name__}")

@@ -18,6 +18,7 @@ import random
 import re
 import sys
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +258,13 @@ def _shape(tensor: torch.Tensor) -> str:
     return f"{'×'.join(map(str, tensor.shape[1:])) or 'scalars'} of {str(tensor.dtype).removeprefix('torch.')}"
 
 
+def pair_tensors(dataset: torch.utils.data.Dataset, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (input, label) pairs dataset[i], i in `indices`, as (stacked inputs, int64 labels)."""
+    pairs = [dataset[index] for index in indices]
+    inputs = torch.stack([torch.as_tensor(pair[0]) for pair in pairs]) if pairs else torch.zeros(0)
+    return inputs, torch.as_tensor([int(pair[1]) for pair in pairs], dtype=torch.int64)
+
+
 def _examples(split, spec: str, which: str) -> Examples:
     """A split (a pair of tensors or arrays, or a Dataset of (input, label) pairs) as tensors: floating inputs
     in torch's default dtype (float32), integer inputs (token ids) kept integer, labels int64."""
@@ -267,9 +275,7 @@ def _examples(split, spec: str, which: str) -> Examples:
         inputs, labels = split.tensors
     elif isinstance(split, torch.utils.data.Dataset) and hasattr(split, "__len__"):
         try:
-            pairs = [split[index] for index in range(len(split))]
-            inputs = torch.stack([torch.as_tensor(pair[0]) for pair in pairs]) if pairs else torch.zeros(0)
-            labels = torch.as_tensor([int(pair[1]) for pair in pairs])
+            inputs, labels = pair_tensors(split, range(len(split)))
         except (TypeError, ValueError, IndexError, RuntimeError) as error:
             raise UsageError("--dataset", f"{problem}: {' '.join(str(error).split())}") from None
     else:
