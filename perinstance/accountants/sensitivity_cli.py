@@ -14,7 +14,7 @@ from perinstance.files import results, storage
 from perinstance.measure import poisson_batches
 from perinstance.measure.measurement import COUPLING, JENSEN, NO_DIRECTION, NORM
 from perinstance.train import run_plan, runs, training
-from perinstance.train.data import load_dataset
+from perinstance.train.data import load_dataset, without_point
 from perinstance.train.options import (
     Parser,
     add_alpha_argument,
@@ -263,7 +263,7 @@ def find_run(name: str | None, training_args: run_plan.TrainingFlags, given: Map
     training_args = run_plan.resolve_training_args(replace(training_args, overwrite=0))
     name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
     dataset = load_dataset(name, root)
-    run_data = dataset if less_point is None else load_dataset(name, root, less_point)
+    run_data = dataset if less_point is None else without_point(dataset, less_point)
     planned = run_plan.plan_run(training_args, run_data)
     run_dir = run_plan.run_dir_for(training_args)
     run = Run(run_dir, planned, dataset, run_data.train_x, run_data.train_y, training_args, finished=False)

@@ -79,7 +79,7 @@ def load_dataset(name: str, data_root: str = "./data", less_point: int | None = 
     """
     dataset = _load_full_dataset(name, data_root)
     if less_point is not None:
-        dataset = _without_point(dataset, less_point)
+        dataset = without_point(dataset, less_point)
     return dataset
 
 
@@ -107,7 +107,8 @@ def _load_full_dataset(name, data_root):
     return loaders[key]()
 
 
-def _without_point(dataset, index):
+def without_point(dataset: Dataset, index: int) -> Dataset:
+    """`dataset` without training point `index` (--less-point); its fingerprint stays that of the full dataset."""
     size = len(dataset.train_y)
     if not 0 <= index < size:
         raise UsageError("--less-point", f"point {index} is out of range 0..{size - 1}")

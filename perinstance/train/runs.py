@@ -16,7 +16,7 @@ import numpy as np
 
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
-from perinstance.train.data import load_dataset
+from perinstance.train.data import load_dataset, without_point
 
 RUN_FILE = "run.json"
 # The run.json format this version writes. It reads every earlier one: format 1 kept the
@@ -277,8 +277,7 @@ def open_run(name: str, models_dir: str, data_root: str, flag: str = "--run") ->
     if dataset.fingerprint != config.dataset_fingerprint:
         raise UsageError("--data-root", f"the dataset {config.dataset} under {data_root} is not the one "
                                         f"{run_dir} was trained on (fingerprints differ)")
-    training_set = dataset if config.less_point is None else load_dataset(config.dataset, data_root,
-                                                                          config.less_point)
+    training_set = dataset if config.less_point is None else without_point(dataset, config.less_point)
     run = OpenRun(run_dir, config, dataset, training_set.train_x, training_set.train_y)
     if not run.saved_steps():
         raise UsageError(flag, f"{run_dir} has no checkpoints")
