@@ -240,6 +240,28 @@ def test_a_gpu_takes_four_times_the_examples_per_pass():
     assert gradients.pass_examples(1 << 30, "cpu") == gradients.MIN_PASS_EXAMPLES
 
 
+@pytest.mark.parametrize("per_pass", [1, 2, 4, 128, 512])
+def test_batch_passes_are_the_fewest_equal_passes_of_at_most_one_and_a_half_chunks(per_pass):
+    """Every example in exactly one pass, in order; each pass at most 1.5·per_pass examples; one pass fewer
+    would need a larger one; sizes differ by at most one, the larger first. Checked for every batch size up
+    to 8 chunks."""
+    limit = per_pass + per_pass // 2
+    for count in range(0, 8 * per_pass + 1):
+        sizes = [part.stop - part.start for part in gradients.batch_passes(count, per_pass)]
+        starts = [part.start for part in gradients.batch_passes(count, per_pass)]
+        assert sum(sizes) == count and starts == [sum(sizes[:index]) for index in range(len(sizes))]
+        assert all(0 < size <= limit for size in sizes)
+        assert len(sizes) == 0 or (len(sizes) - 1) * limit < count
+        assert sizes == sorted(sizes, reverse=True) and (not sizes or sizes[0] - sizes[-1] <= 1)
+
+
+def test_a_poisson_batch_a_little_over_the_chunk_is_one_pass():
+    """ResNet-20 on a CPU (128 per pass): a batch of 140 is one pass, not 128 and 12; 193 is two of 97 and 96."""
+    assert [(part.start, part.stop) for part in gradients.batch_passes(140, 128)] == [(0, 140)]
+    assert [(part.start, part.stop) for part in gradients.batch_passes(193, 128)] == [(0, 97), (97, 193)]
+    assert gradients.batch_passes(0, 128) == []
+
+
 def test_norms_do_not_depend_on_the_chunk(monkeypatch):
     torch.manual_seed(0)
     model = build_model("lenet5", 1, 32, 10).double()

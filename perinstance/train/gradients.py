@@ -351,6 +351,24 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     return pass_examples(largest * next(model.parameters()).element_size(), torch.device(device).type)
 
 
+def batch_passes(count: int, per_pass: int) -> list[slice]:
+    """The passes a training batch of `count` examples is cut into, for `per_pass` = examples_per_pass: as few
+    as hold at most 1.5·per_pass examples each, of equal sizes (the first ones one larger where they cannot
+    be). A Poisson batch a little over per_pass is then one pass, not a full one and a few examples: that
+    small pass costs most of what a full one costs in per-layer overhead (ResNet-20 on 2 CPU cores: 12
+    examples 24 ms against 174 ms for 128, 51 against 210 ms under OMP_WAIT_POLICY=PASSIVE, while 140 in
+    one pass took 191 and 229 ms). A function of `count` and `per_pass` alone, so a step's bits do not
+    depend on anything else."""
+    passes = -(-count // (per_pass + per_pass // 2))
+    if not passes:
+        return []
+    size, larger = divmod(count, passes)
+    ends = [0]
+    for index in range(passes):
+        ends.append(ends[-1] + size + (index < larger))
+    return [slice(start, end) for start, end in zip(ends, ends[1:])]
+
+
 def pass_examples(output_bytes: int, kind: str) -> int:
     """PASS_EXAMPLES of the device `kind` (a GPU's for "cuda", else a CPU's), halved (to at least
     MIN_PASS_EXAMPLES) while that many examples' largest layer outputs, of `output_bytes` each, would exceed

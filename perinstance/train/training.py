@@ -133,8 +133,9 @@ class Trainer:
         self.tracked = run.tracked_points
         self.tracked_rows = []
         self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
-        # Examples per pass, from the model's shapes and the device's kind alone: the chunks a batch is cut into,
-        # hence the order of its sums and every bit of a step, do not depend on the batch drawn.
+        # Examples per pass, from the model's shapes and the device's kind alone: the passes a batch is cut into
+        # (gradients.batch_passes, of its size and this), hence the order of its sums and every bit of a step,
+        # depend on nothing but the batch drawn.
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
 
     def state(self, step: int, accuracy: float) -> dict:
@@ -157,8 +158,8 @@ class Trainer:
     def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
         summed, losses = None, []
-        for start in range(0, len(indices), self.chunk):
-            chunk = indices[start:start + self.chunk]
+        for part in gradients.batch_passes(len(indices), self.chunk):
+            chunk = indices[part]
             chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(
                 self.model, self.train_x[chunk], self.train_y[chunk], self._weights)
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
@@ -172,8 +173,8 @@ class Trainer:
         norm is needed)."""
         summed = [torch.zeros_like(param) for param in self.params]
         losses = []
-        for start in range(0, len(indices), self.chunk):
-            chunk = indices[start:start + self.chunk]
+        for part in gradients.batch_passes(len(indices), self.chunk):
+            chunk = indices[part]
             chunk_losses = F.cross_entropy(self.model(self.train_x[chunk]), self.train_y[chunk], reduction="none")
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
@@ -214,8 +215,8 @@ class Trainer:
         no clipped sum (the same norms as per_sample_pass computes)."""
         run = self.run
         norms, losses, correct = [], [], []
-        for start in range(0, len(self.tracked), self.chunk):
-            chunk = torch.as_tensor(self.tracked[start:start + self.chunk], device=self.device)
+        for part in gradients.batch_passes(len(self.tracked), self.chunk):
+            chunk = torch.as_tensor(self.tracked[part], device=self.device)
             chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, self.train_x[chunk],
                                                                            self.train_y[chunk])
             norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
