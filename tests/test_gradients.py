@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.train import gradients
+from perinstance.train import gradients, layer_forms
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -43,7 +43,7 @@ def data(channels, image_size, dtype=torch.float64, count=COUNT):
 def conv_form(conv, image_size):
     """The form conv2d_squared_norms takes for `conv` on image_size² inputs."""
     output_size = conv(torch.zeros(1, conv.in_channels, image_size, image_size)).shape[2:]
-    return gradients.conv2d_norm_form(conv, (image_size, image_size), output_size)
+    return layer_forms.conv2d_norm_form(conv, (image_size, image_size), output_size)
 
 
 # (layer, image size, the form it must take): every branch, with padding, stride, dilation, groups, no bias.
@@ -83,6 +83,66 @@ def test_frozen_parameters_are_left_out():
     model[1].weight.requires_grad_(False)
     inputs, labels = data(3, 5)
     assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
+@pytest.mark.parametrize("frozen", ["bias", "weight"])
+def test_group_norm_with_one_trainable_parameter(frozen):
+    model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(4, 8))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 2.0)
+        model[1].bias.uniform_(-1.0, 1.0)
+    getattr(model[1], frozen).requires_grad_(False)
+    inputs, labels = data(3, 5)
+    assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
+class Unflatten(nn.Module):
+    def __init__(self, *shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, inputs):
+        return inputs.reshape(len(inputs), *self.shape)
+
+
+@pytest.mark.parametrize("shape", [(8,), (6, 2), (4, 3, 2, 2)])
+def test_group_norm_of_inputs_of_any_rank(shape):
+    """GroupNorm on (n, C), (n, C, L) and (n, C, D, H, W) inputs, after a Linear layer shaped into them."""
+    torch.manual_seed(0)
+    size = int(np.prod(shape))
+    model = nn.Sequential(nn.Linear(5, size), Unflatten(*shape), nn.GroupNorm(2, shape[0]), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(size, 3)).double()
+    with torch.no_grad():
+        model[2].weight.uniform_(0.5, 2.0)
+        model[2].bias.uniform_(-1.0, 1.0)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(COUNT, 5, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (COUNT,), generator=generator)
+    assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
+def test_group_norm_pass_keeps_the_layer_and_its_input_gradient():
+    """The engine's pass runs GroupNorm with per-sample parameter rows: the same outputs and the same gradient
+    for the layers below it as the layer's own forward and backward; afterwards, and after a forward that
+    fails, the layer is its own again."""
+    model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(4, 8))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 2.0)
+        model[1].bias.uniform_(-1.0, 1.0)
+    inputs, labels = data(3, 5)
+    conv_output = model[0](inputs)
+    expected_output = model[1](conv_output)
+    expected_grad, = torch.autograd.grad(F.cross_entropy(model[2:](expected_output), labels, reduction="sum"),
+                                         conv_output)
+    forward = gradients._forward(model, inputs, labels)
+    assert "forward" not in vars(model[1])
+    torch.testing.assert_close(forward.outputs[1], expected_output, rtol=0, atol=0)
+    grad_outputs, _ = gradients.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+                                            forward.group_norm_rows)
+    torch.testing.assert_close(grad_outputs[0], expected_grad, rtol=1e-12, atol=0)
+    with pytest.raises(RuntimeError):
+        gradients._forward(model, inputs[:, :2], labels)
+    assert "forward" not in vars(model[1])
 
 
 @pytest.mark.parametrize("name,shape", [("lenet5", (1, 32, 32)), ("resnet20", (3, 32, 32)), ("mlp", (1, 8, 8))])
@@ -271,6 +331,6 @@ def test_norms_do_not_depend_on_the_chunk(monkeypatch):
     monkeypatch.setattr(gradients, "MIN_PASS_EXAMPLES", 4)
     monkeypatch.setattr(gradients, "PASS_OUTPUT_BYTES", {"cpu": 4 * 6 * 28 * 28 * 8})
     assert gradients.examples_per_pass(model, inputs) == 4
-    monkeypatch.setattr(gradients, "PATCH_CHUNK", 3)
+    monkeypatch.setattr(layer_forms, "PATCH_CHUNK", 3)
     chunked, _ = gradient_rows.transformed_norms(model, inputs, labels, transform)
     np.testing.assert_allclose(chunked, whole, rtol=1e-12)

@@ -19,7 +19,7 @@ TRANSFORMS = [Transform("flat", 0.5), PSAC, Transform("psasc", 0.5, scale_r=0.1,
 
 
 def tiny_convnet():
-    """Conv layers on both sides of the ghost/materialise choice of gradients.conv2d_squared_norms, and GroupNorm."""
+    """Conv layers on both sides of the ghost/materialise choice of layer_forms.conv2d_squared_norms, and GroupNorm."""
     torch.manual_seed(1)
     model = nn.Sequential(
         nn.Conv2d(1, 4, 3), nn.Tanh(),           # 16 positions, 9·4 weights: materialised

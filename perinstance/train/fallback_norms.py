@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perinstance.train import gradients
+from perinstance.train import gradients, layer_forms
 from perinstance.train.user_code import USER_MODEL_MARK
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
@@ -49,7 +49,7 @@ def needs_fallback(model: nn.Module) -> bool:
     trainable layer of a type the engine has no closed form for."""
     if getattr(model, USER_MODEL_MARK, False):
         return True
-    return any(type(module) not in gradients.SQUARED_NORMS or not _zero_padded(module) for _, module, _ in _owners(model))
+    return any(type(module) not in layer_forms.SQUARED_NORMS or not _zero_padded(module) for _, module, _ in _owners(model))
 
 
 def _zero_padded(layer):
@@ -69,7 +69,7 @@ def _eval_mode(model):
 
 def _covered(layer, layer_input, output):
     """Whether the engine's closed form holds for this application of `layer`."""
-    if type(layer) not in gradients.SQUARED_NORMS or not isinstance(layer_input, torch.Tensor) \
+    if type(layer) not in layer_forms.SQUARED_NORMS or not isinstance(layer_input, torch.Tensor) \
             or not isinstance(output, torch.Tensor):
         return False
     if isinstance(layer, nn.Linear):

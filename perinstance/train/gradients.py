@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
+from perinstance.train.layer_forms import SQUARED_NORMS, LayerNorms, conv2d_norm_form, group_norm_rows, weight_gradients
+
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
 # time although per-sample gradients of the parameters are exactly what is wanted.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -62,11 +64,6 @@ def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([grad.reshape(grad.shape[0], -1) for grad in grad_samples], dim=1)
 
 
-# Values per input patch (in_channels·k_h·k_w) below which the convolution library's grouped weight-gradient
-# kernel is slower than a batched product of unfolded patches. Measured on 2 CPU cores, 1 and 2 threads,
-# 128-256 examples: patches 1.6-4× faster at 18, 25, 27, 36 and 75 values (LeNet-5's and ResNet-20's first
-# convolutions among them), the grouped kernel 1.4-2.5× faster at 144, 150 and 200 (LeNet-5's second).
-PATCH_VALUES = 128
 # Examples per pass of the engine (`examples_per_pass`), at most, by device kind, and at least; and the bytes a
 # chunk's largest layer output may take. On a CPU, 10 MiB: that output and its gradient stay within the 32 MiB
 # of L3 cache with room for the layer's other operands. 128 ResNet-20 examples (16×32×32 float32 outputs;
@@ -79,201 +76,12 @@ PASS_OUTPUT_BYTES = {"cpu": 10 << 20, "cuda": 64 << 20}
 # Examples per pass of a model that falls back to torch.func (fallback_norms.py), whose per-sample gradients
 # are materialised: gradient_rows.ROW_CHUNK.
 FALLBACK_PASS_EXAMPLES = 128
-# Examples whose unfolded patches are formed at once on a CPU (conv2d_squared_norms, "patches"; a GPU takes the
-# whole chunk, as each launch costs more than the work of a few examples): the patches are p/c times the input,
-# and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512 examples' at once;
-# ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks of 2 MiB of
-# operands it ran 1.15× slower on ResNet-20, no faster on LeNet-5.
-PATCH_CHUNK = 32
 
 
 # --- norms only, and the clipped sum from them (no per-sample gradients kept) ---------------
 #
-# Each layer's per-sample gradient is a function of its input a_i and of the gradient b_i of
-# the summed loss w.r.t. its output (no layer here mixes samples). One backward pass w.r.t. the
-# layer outputs gives every b_i and skips all weight gradients; each layer's ||g_i||² then
-# comes from (a_i, b_i) by a closed form or from g_i formed per sample, whichever the layer's
-# shapes make cheaper. With weights w_i, the gradient of Σ w_i·loss_i is Σ_i w_i·g_i where g_i
-# was formed, and elsewhere each layer's ordinary weight gradient for outputs' gradients w_i·b_i:
-# the clipped sum u(B) of §1 (accounting.md) without a second backward through the network.
-
-@dataclass
-class LayerNorms:
-    """||g_i||² of one layer's trainable parameters (n,), and the per-sample gradients (n, *param.shape) that
-    its form materialised on the way, by parameter: the clipped sum takes those as Σ_i w_i·g_i (book-keeping)
-    instead of a weight gradient of its own."""
-
-    squared: torch.Tensor
-    per_sample: dict
-
-
-def linear_squared_norms(layer: nn.Linear, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
-    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||². Nothing is
-    materialised (the clipped sum is the layer's weight gradient for the weighted b)."""
-    if inputs.dim() != 2:
-        raise ValueError(f"per-sample norms need (n, features) inputs to Linear, got shape {tuple(inputs.shape)}")
-    output_squares = grad_outputs.square().sum(dim=1)
-    squared = inputs.square().sum(dim=1) * output_squares if layer.weight.requires_grad else 0
-    if layer.bias is not None and layer.bias.requires_grad:
-        squared = squared + output_squares
-    return LayerNorms(squared, {})
-
-
-def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
-    """||g_i||² of a Conv2d layer, by the form `conv2d_norm_form` picks from its shapes.
-
-    With input patches a_t and output gradients b_t at the T output positions, g = Σ_t b_t a_tᵀ.
-    Materialised ("grouped"): one grouped convolution-weight gradient (groups = samples) in the convolution
-    library, or ("patches"), for patches of fewer than PATCH_VALUES values, where that library's grouped
-    kernel is slow, a batched product of unfolded patches; the per-sample gradients are returned with the
-    norms. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'), with the patch products a_t·a_t' summed from the
-    products of input pixels (`_patch_gram`). At one output position ("single", T = 1: LeNet-5's third
-    convolution) the layer is a Linear one on its only patch, ||g||² = ||a||²·||b||². The bias gradient
-    Σ_t b_t is always returned per sample.
-    """
-    if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
-        raise ValueError("per-sample norms of Conv2d need numeric zero padding")
-    count, outputs = grad_outputs.shape[:2]
-    output_rows = grad_outputs.reshape(count, outputs, -1)
-    squared, per_sample = 0, {}
-    if layer.weight.requires_grad:
-        form = conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:])
-        if form == "single":
-            squared = _patches(layer, inputs).square().sum(dim=(1, 2)) * output_rows.square().sum(dim=(1, 2))
-        elif form == "ghost":
-            output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
-            squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
-        else:
-            if form == "patches" and inputs.device.type == "cpu":
-                weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
-                                                        grad_outputs[first:first + PATCH_CHUNK])
-                                          for first in range(0, count, PATCH_CHUNK)])
-            else:
-                weight_grads = _materialised(layer, form, inputs, grad_outputs)
-            per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
-            squared = weight_grads.reshape(count, -1).square().sum(dim=1)
-    if layer.bias is not None and layer.bias.requires_grad:
-        per_sample[layer.bias] = output_rows.sum(dim=2)
-        squared = squared + per_sample[layer.bias].square().sum(dim=1)
-    return LayerNorms(squared, per_sample)
-
-
-def _materialised(layer, form, inputs, grad_outputs):
-    """(n, out_channels, in_channels/groups · k_h · k_w) per-sample weight gradients of a Conv2d, in `form`."""
-    count, outputs = grad_outputs.shape[:2]
-    if form == "patches":
-        return torch.bmm(grad_outputs.reshape(count, outputs, -1), _patches(layer, inputs).transpose(1, 2))
-    return torch.nn.grad.conv2d_weight(
-        inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
-        grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding, layer.dilation,
-        count * layer.groups).reshape(count, outputs, -1)
-
-
-def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) -> str:
-    """How conv2d_squared_norms takes ||g_i||² of `layer` on inputs of spatial `input_size` (outputs of
-    `output_size`): "single" at one output position, "ghost" where `conv2d_norm_costs` finds it cheaper than
-    materialising, else "patches" (patches of fewer than PATCH_VALUES values) or "grouped". A function of the
-    shapes alone, so every pass (Δ*, the mean-rule statistics, training) takes each layer the same way
-    (docs/sensitivity.md)."""
-    if layer.groups == 1 and tuple(output_size) == (1, 1):
-        return "single"
-    costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
-                              input_size, output_size, layer.padding)
-    if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
-        return "ghost"
-    if layer.groups == 1 and layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1] < PATCH_VALUES:
-        return "patches"
-    return "grouped"
-
-
-def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[int, int], input_size: tuple[int, int],
-                      output_size: tuple[int, int], padding: tuple[int, int]) -> dict[str, int]:
-    """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
-
-    Materialised: T·o·p. Ghost: the products of the input's P pixels (P²·c), their shifted sums
-    over the kernel columns then rows on the padded grid (`_patch_gram`), and the products of output
-    gradients (T²·o). ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of
-    nets.py is not (LeNet-5's third has one output position: "single", cheaper still).
-    """
-    (kernel_h, kernel_w), (output_h, output_w) = kernel_size, output_size
-    padded_h = input_size[0] + 2 * padding[0]
-    positions, pixels = output_h * output_w, input_size[0] * input_size[1]
-    materialised = positions * out_channels * in_channels * kernel_h * kernel_w
-    ghost = (pixels ** 2 * in_channels + kernel_w * (padded_h * output_w) ** 2 + kernel_h * positions ** 2
-             + positions ** 2 * out_channels)
-    return {"materialised": materialised, "ghost": ghost}
-
-
-def _patch_gram(layer, inputs):
-    """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1).
-
-    A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the
-    (P, P) products of padded input pixels, shifted and summed over kernel columns, then rows.
-    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small. The products of the
-    input's own pixels are formed, then padded with the zeros a padding pixel's products are (ResNet-20's
-    8×8 maps: 64² products over the channels instead of 100²).
-    """
-    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
-    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
-    count, _, height, width = inputs.shape
-    pixels = inputs.flatten(2)
-    pixel_gram = F.pad(torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width),
-                       (pad_w, pad_w, pad_h, pad_h) * 2)
-    padded_h, padded_w = height + 2 * pad_h, width + 2 * pad_w
-    output_h = (padded_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
-    output_w = (padded_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
-
-    def columns(offset):
-        return slice(offset * dilation_w, offset * dilation_w + stride_w * (output_w - 1) + 1, stride_w)
-
-    def rows(offset):
-        return slice(offset * dilation_h, offset * dilation_h + stride_h * (output_h - 1) + 1, stride_h)
-
-    column_sums = _sum_in_place(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
-    gram = _sum_in_place(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
-    return gram.reshape(count, output_h * output_w, output_h * output_w)
-
-
-def _sum_in_place(terms):
-    """The sum of a non-empty iterable of tensors, into a copy of the first (one buffer, no temporaries)."""
-    terms = iter(terms)
-    total = next(terms).clone()
-    for term in terms:
-        total += term
-    return total
-
-
-def _patches(layer, inputs):
-    """The (n, p, T) input patches of a Conv2d layer, one column per output position.
-
-    Copied once from a strided view of the padded input: several times faster on CPU than
-    F.unfold, which loops over the samples.
-    """
-    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
-    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
-    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
-    windows = padded.unfold(2, dilation_h * (kernel_h - 1) + 1, stride_h).unfold(3, dilation_w * (kernel_w - 1) + 1,
-                                                                                  stride_w)
-    windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
-    return windows.permute(0, 1, 4, 5, 2, 3).reshape(len(inputs), -1, windows.shape[2] * windows.shape[3])
-
-
-def group_norm_squared_norms(layer: nn.GroupNorm, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
-    """||g_i||² of a GroupNorm layer: per channel g_γ = Σ_positions b·x̂ and g_β = Σ_positions b, both
-    returned per sample ((n, channels) each)."""
-    per_sample = {}
-    if layer.weight is not None and layer.weight.requires_grad:
-        # In place: on CPU a second buffer of this size costs about as much again in fresh pages.
-        products = F.group_norm(inputs, layer.num_groups, eps=layer.eps).mul_(grad_outputs)
-        per_sample[layer.weight] = products.flatten(2).sum(dim=2)
-    if layer.bias is not None and layer.bias.requires_grad:
-        per_sample[layer.bias] = grad_outputs.flatten(2).sum(dim=2)
-    return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
-
-
-SQUARED_NORMS = {nn.Linear: linear_squared_norms, nn.Conv2d: conv2d_squared_norms,
-                 nn.GroupNorm: group_norm_squared_norms}
-
+# One forward records every parameter layer's input and output; one backward w.r.t. the outputs gives the
+# gradients b_i of every layer's output, and layer_forms.py each layer's ||g_i||² and its part of the clipped sum.
 
 @dataclass
 class _Pass:
@@ -284,11 +92,12 @@ class _Pass:
     outputs: list
     logits: torch.Tensor
     losses: torch.Tensor
+    group_norm_rows: dict  # GroupNorm layer -> its per-sample parameter rows (layer_forms.group_norm_rows)
 
 
 def _forward(model, inputs, labels):
     layers = _parameter_layers(model)
-    recorded = {}
+    recorded, rows = {}, {}
 
     def record(layer, layer_inputs, output):
         if layer in recorded:
@@ -296,10 +105,11 @@ def _forward(model, inputs, labels):
                              "would mix both uses")
         recorded[layer] = (layer_inputs[0].detach(), output)
 
-    logits = forward_with_hook(model, layers, record, inputs)
+    with group_norm_rows(layers, rows):
+        logits = forward_with_hook(model, layers, record, inputs)
     layers = [layer for layer in layers if layer in recorded]
     return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][1] for layer in layers],
-                 logits, F.cross_entropy(logits, labels, reduction="none"))
+                 logits, F.cross_entropy(logits, labels, reduction="none"), rows)
 
 
 def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor) -> torch.Tensor:
@@ -392,15 +202,27 @@ def _parameter_layers(model):
 
 
 def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                losses: torch.Tensor) -> tuple:
+                losses: torch.Tensor, group_norm_rows: dict | None = None) -> tuple:
     """The gradients b_i of the summed `losses` w.r.t. the `outputs` of `layers` (each applied once to its
     `inputs`; one backward, no weight gradient), and each layer's LayerNorms, one at a time as the caller (under
-    no_grad) takes them, so that a layer's materialised gradients are freed unless kept. No layers: no backward,
-    nothing."""
+    no_grad) takes them, so that a layer's materialised gradients are freed unless kept. A GroupNorm layer with
+    parameter rows in `group_norm_rows` (a pass of `_forward`) takes its per-sample gradients from the same
+    backward, as the gradients of its rows; any other from SQUARED_NORMS. No layers: no backward, nothing."""
     if not layers:
         return (), iter(())
-    grad_outputs = torch.autograd.grad(losses.sum(), outputs, materialize_grads=True)
-    return grad_outputs, (SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
+    rows = [(layer, param, row) for layer, pair in (group_norm_rows or {}).items()
+            for param, row in zip((layer.weight, layer.bias), pair) if row is not None and row.requires_grad]
+    grads = torch.autograd.grad(losses.sum(), [*outputs, *(row for _, _, row in rows)], materialize_grads=True)
+    grad_outputs, per_sample = grads[:len(outputs)], {}
+    for (layer, param, _), grad in zip(rows, grads[len(outputs):], strict=True):
+        per_sample.setdefault(layer, {})[param] = grad
+
+    def norms(layer, layer_inputs, grad_output):
+        if layer in per_sample:
+            return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample[layer].values()), per_sample[layer])
+        return SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
+
+    return grad_outputs, (norms(layer, layer_inputs, grad_output)
                           for layer, layer_inputs, grad_output in zip(layers, inputs, grad_outputs))
 
 
@@ -412,7 +234,8 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
-    _, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses)
+    _, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+                                    forward.group_norm_rows)
     with torch.no_grad():
         squared = sum(norms.squared for norms in norms_by_layer)
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
@@ -432,7 +255,8 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
-    grad_outputs, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses)
+    grad_outputs, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+                                               forward.group_norm_rows)
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
         norms = sum(norms.squared for norms in norms_by_layer).sqrt()
@@ -458,20 +282,8 @@ def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch
         rest = [param for param in layer.parameters(recurse=False) if param.requires_grad and param not in summed]
         if rest:
             weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-            summed.update(_weight_gradients(layer, layer_inputs, weighted, rest))
+            summed.update(weight_gradients(layer, layer_inputs, weighted, rest))
     return summed
-
-
-def _weight_gradients(layer, inputs, grad_outputs, params):
-    """The gradients of `params` (some of `layer`'s own) for the gradient `grad_outputs` of its output."""
-    if isinstance(layer, nn.Conv2d):  # a ghost or single-position form: its bias (as GroupNorm's) is materialised
-        if conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:]) == "single":
-            # A matrix product: several times faster than the convolution library's weight gradient here.
-            patches = _patches(layer, inputs).reshape(len(inputs), -1)
-            return {layer.weight: (grad_outputs.reshape(len(inputs), -1).T @ patches).reshape(layer.weight.shape)}
-        return {layer.weight: torch.nn.grad.conv2d_weight(inputs, layer.weight.shape, grad_outputs, layer.stride,
-                                                          layer.padding, layer.dilation, layer.groups)}
-    return {param: grad_outputs.T @ inputs if param is layer.weight else grad_outputs.sum(dim=0) for param in params}
 
 
 def directional_derivatives(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

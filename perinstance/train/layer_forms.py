@@ -1,0 +1,282 @@
+"""Each layer type's per-sample gradient norms from the layer's input and the gradient of its output (closed
+forms, or per-sample gradients formed where a layer's shapes make that cheaper), the form chosen for each
+convolution, and a layer's weight gradient for weighted output gradients: what gradients.py's norms pass and
+clipped sum are built from (docs/sensitivity.md)."""
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Values per input patch (in_channels·k_h·k_w) below which the convolution library's grouped weight-gradient
+# kernel is slower than a batched product of unfolded patches. Measured on 2 CPU cores, 1 and 2 threads,
+# 128-256 examples: patches 1.6-4× faster at 18, 25, 27, 36 and 75 values (LeNet-5's and ResNet-20's first
+# convolutions among them), the grouped kernel 1.4-2.5× faster at 144, 150 and 200 (LeNet-5's second).
+PATCH_VALUES = 128
+# Examples whose unfolded patches are formed at once on a CPU (conv2d_squared_norms, "patches"; a GPU takes the
+# whole chunk, as each launch costs more than the work of a few examples): the patches are p/c times the input,
+# and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512 examples' at once;
+# ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks of 2 MiB of
+# operands it ran 1.15× slower on ResNet-20, no faster on LeNet-5.
+PATCH_CHUNK = 32
+
+
+# Each layer's per-sample gradient is a function of its input a_i and of the gradient b_i of
+# the summed loss w.r.t. its output (no layer here mixes samples). One backward pass w.r.t. the
+# layer outputs gives every b_i and skips all weight gradients; each layer's ||g_i||² then
+# comes from (a_i, b_i) by a closed form or from g_i formed per sample, whichever the layer's
+# shapes make cheaper. With weights w_i, the gradient of Σ w_i·loss_i is Σ_i w_i·g_i where g_i
+# was formed, and elsewhere each layer's ordinary weight gradient for outputs' gradients w_i·b_i:
+# the clipped sum u(B) of §1 (accounting.md) without a second backward through the network.
+
+@dataclass
+class LayerNorms:
+    """||g_i||² of one layer's trainable parameters (n,), and the per-sample gradients (n, *param.shape) that
+    its form materialised on the way, by parameter: the clipped sum takes those as Σ_i w_i·g_i (book-keeping)
+    instead of a weight gradient of its own."""
+
+    squared: torch.Tensor
+    per_sample: dict
+
+
+def linear_squared_norms(layer: nn.Linear, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||². Nothing is
+    materialised (the clipped sum is the layer's weight gradient for the weighted b)."""
+    if inputs.dim() != 2:
+        raise ValueError(f"per-sample norms need (n, features) inputs to Linear, got shape {tuple(inputs.shape)}")
+    output_squares = grad_outputs.square().sum(dim=1)
+    squared = inputs.square().sum(dim=1) * output_squares if layer.weight.requires_grad else 0
+    if layer.bias is not None and layer.bias.requires_grad:
+        squared = squared + output_squares
+    return LayerNorms(squared, {})
+
+
+def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a Conv2d layer, by the form `conv2d_norm_form` picks from its shapes.
+
+    With input patches a_t and output gradients b_t at the T output positions, g = Σ_t b_t a_tᵀ.
+    Materialised ("grouped"): one grouped convolution-weight gradient (groups = samples) in the convolution
+    library, or ("patches"), for patches of fewer than PATCH_VALUES values, where that library's grouped
+    kernel is slow, a batched product of unfolded patches; the per-sample gradients are returned with the
+    norms. Ghost: ||g||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t'), with the patch products a_t·a_t' summed from the
+    products of input pixels (`_patch_gram`). At one output position ("single", T = 1: LeNet-5's third
+    convolution) the layer is a Linear one on its only patch, ||g||² = ||a||²·||b||². The bias gradient
+    Σ_t b_t is always returned per sample.
+    """
+    if layer.padding_mode != "zeros" or isinstance(layer.padding, str):
+        raise ValueError("per-sample norms of Conv2d need numeric zero padding")
+    count, outputs = grad_outputs.shape[:2]
+    output_rows = grad_outputs.reshape(count, outputs, -1)
+    squared, per_sample = 0, {}
+    if layer.weight.requires_grad:
+        form = conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:])
+        if form == "single":
+            squared = _patches(layer, inputs).square().sum(dim=(1, 2)) * output_rows.square().sum(dim=(1, 2))
+        elif form == "ghost":
+            output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
+            squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
+        else:
+            if form == "patches" and inputs.device.type == "cpu":
+                weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
+                                                        grad_outputs[first:first + PATCH_CHUNK])
+                                          for first in range(0, count, PATCH_CHUNK)])
+            else:
+                weight_grads = _materialised(layer, form, inputs, grad_outputs)
+            per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
+            squared = weight_grads.reshape(count, -1).square().sum(dim=1)
+    if layer.bias is not None and layer.bias.requires_grad:
+        per_sample[layer.bias] = output_rows.sum(dim=2)
+        squared = squared + per_sample[layer.bias].square().sum(dim=1)
+    return LayerNorms(squared, per_sample)
+
+
+def _materialised(layer, form, inputs, grad_outputs):
+    """(n, out_channels, in_channels/groups · k_h · k_w) per-sample weight gradients of a Conv2d, in `form`."""
+    count, outputs = grad_outputs.shape[:2]
+    if form == "patches":
+        return torch.bmm(grad_outputs.reshape(count, outputs, -1), _patches(layer, inputs).transpose(1, 2))
+    return torch.nn.grad.conv2d_weight(
+        inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
+        grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding, layer.dilation,
+        count * layer.groups).reshape(count, outputs, -1)
+
+
+def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) -> str:
+    """How conv2d_squared_norms takes ||g_i||² of `layer` on inputs of spatial `input_size` (outputs of
+    `output_size`): "single" at one output position, "ghost" where `conv2d_norm_costs` finds it cheaper than
+    materialising, else "patches" (patches of fewer than PATCH_VALUES values) or "grouped". A function of the
+    shapes alone, so every pass (Δ*, the mean-rule statistics, training) takes each layer the same way
+    (docs/sensitivity.md)."""
+    if layer.groups == 1 and tuple(output_size) == (1, 1):
+        return "single"
+    costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
+                              input_size, output_size, layer.padding)
+    if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
+        return "ghost"
+    if layer.groups == 1 and layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1] < PATCH_VALUES:
+        return "patches"
+    return "grouped"
+
+
+def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[int, int], input_size: tuple[int, int],
+                      output_size: tuple[int, int], padding: tuple[int, int]) -> dict[str, int]:
+    """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
+
+    Materialised: T·o·p. Ghost: the products of the input's P pixels (P²·c), their shifted sums
+    over the kernel columns then rows on the padded grid (`_patch_gram`), and the products of output
+    gradients (T²·o). ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of
+    nets.py is not (LeNet-5's third has one output position: "single", cheaper still).
+    """
+    (kernel_h, kernel_w), (output_h, output_w) = kernel_size, output_size
+    padded_h = input_size[0] + 2 * padding[0]
+    positions, pixels = output_h * output_w, input_size[0] * input_size[1]
+    materialised = positions * out_channels * in_channels * kernel_h * kernel_w
+    ghost = (pixels ** 2 * in_channels + kernel_w * (padded_h * output_w) ** 2 + kernel_h * positions ** 2
+             + positions ** 2 * out_channels)
+    return {"materialised": materialised, "ghost": ghost}
+
+
+def _patch_gram(layer, inputs):
+    """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1).
+
+    A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the
+    (P, P) products of padded input pixels, shifted and summed over kernel columns, then rows.
+    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small. The products of the
+    input's own pixels are formed, then padded with the zeros a padding pixel's products are (ResNet-20's
+    8×8 maps: 64² products over the channels instead of 100²).
+    """
+    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
+    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
+    count, _, height, width = inputs.shape
+    pixels = inputs.flatten(2)
+    pixel_gram = F.pad(torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width),
+                       (pad_w, pad_w, pad_h, pad_h) * 2)
+    padded_h, padded_w = height + 2 * pad_h, width + 2 * pad_w
+    output_h = (padded_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
+    output_w = (padded_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
+
+    def columns(offset):
+        return slice(offset * dilation_w, offset * dilation_w + stride_w * (output_w - 1) + 1, stride_w)
+
+    def rows(offset):
+        return slice(offset * dilation_h, offset * dilation_h + stride_h * (output_h - 1) + 1, stride_h)
+
+    column_sums = _sum_in_place(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
+    gram = _sum_in_place(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
+    return gram.reshape(count, output_h * output_w, output_h * output_w)
+
+
+def _sum_in_place(terms):
+    """The sum of a non-empty iterable of tensors, into a copy of the first (one buffer, no temporaries)."""
+    terms = iter(terms)
+    total = next(terms).clone()
+    for term in terms:
+        total += term
+    return total
+
+
+def _patches(layer, inputs):
+    """The (n, p, T) input patches of a Conv2d layer, one column per output position.
+
+    Copied once from a strided view of the padded input: several times faster on CPU than
+    F.unfold, which loops over the samples.
+    """
+    (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
+    (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
+    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
+    windows = padded.unfold(2, dilation_h * (kernel_h - 1) + 1, stride_h).unfold(3, dilation_w * (kernel_w - 1) + 1,
+                                                                                  stride_w)
+    windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
+    return windows.permute(0, 1, 4, 5, 2, 3).reshape(len(inputs), -1, windows.shape[2] * windows.shape[3])
+
+
+def group_norm_squared_norms(layer: nn.GroupNorm, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a GroupNorm layer: per channel g_γ = Σ_positions b·x̂ and g_β = Σ_positions b, both
+    returned per sample ((n, channels) each)."""
+    per_sample = {}
+    if layer.weight is not None and layer.weight.requires_grad:
+        # In place: on CPU a second buffer of this size costs about as much again in fresh pages.
+        products = F.group_norm(inputs, layer.num_groups, eps=layer.eps).mul_(grad_outputs)
+        per_sample[layer.weight] = products.flatten(2).sum(dim=2)
+    if layer.bias is not None and layer.bias.requires_grad:
+        per_sample[layer.bias] = grad_outputs.flatten(2).sum(dim=2)
+    return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
+
+
+class _GroupNormRows(torch.autograd.Function):
+    """GroupNorm whose affine parameters enter as per-sample rows (n, channels), all equal to the layer's own:
+    the gradient of a row is that sample's γ or β gradient. Its backward is torch's fused GroupNorm backward
+    on the batch viewed as one sample of n·channels channels in n·groups groups (the same groups, so the same
+    input gradient, bit for bit): the per-channel γ and β gradients that kernel forms on the way to the input
+    gradient are then per sample, at almost no cost beyond that input gradient."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight_rows, bias_rows, num_groups, eps):
+        count, channels = inputs.shape[:2]
+        positions = math.prod(inputs.shape[2:])
+        weight = None if weight_rows is None else weight_rows[0]
+        bias = None if bias_rows is None else bias_rows[0]
+        output, mean, rstd = torch.native_group_norm(inputs, weight, bias, count, channels, positions, num_groups, eps)
+        ctx.save_for_backward(inputs, mean, rstd, weight_rows)
+        ctx.num_groups = num_groups
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, mean, rstd, weight_rows = ctx.saved_tensors
+        count, channels = inputs.shape[:2]
+        positions = math.prod(inputs.shape[2:])
+        sample = (1, count * channels, positions)
+        weights = None if weight_rows is None else weight_rows.reshape(-1)
+        grad_input, grad_weight, grad_bias = torch.ops.aten.native_group_norm_backward(
+            grad_output.reshape(sample), inputs.reshape(sample), mean.reshape(1, -1), rstd.reshape(1, -1), weights, 1,
+            count * channels, positions, count * ctx.num_groups, list(ctx.needs_input_grad[:3]))
+        return (None if grad_input is None else grad_input.reshape(inputs.shape),
+                None if grad_weight is None else grad_weight.reshape(count, channels),
+                None if grad_bias is None else grad_bias.reshape(count, channels), None, None)
+
+
+@contextmanager
+def group_norm_rows(layers: Sequence[nn.Module], rows: dict) -> Iterator[None]:
+    """Within the block, each GroupNorm layer of `layers` runs as _GroupNormRows; `rows` gets, per layer
+    applied, its (weight rows, bias rows): leaves whose gradients are the per-sample ones of its trainable
+    parameters (None for an absent or frozen one)."""
+
+    def forward_of(layer):
+        def forward(inputs):
+            weight_rows, bias_rows = (None if param is None else
+                                      param.detach().expand(len(inputs), -1).requires_grad_(param.requires_grad)
+                                      for param in (layer.weight, layer.bias))
+            rows[layer] = (weight_rows, bias_rows)
+            return _GroupNormRows.apply(inputs, weight_rows, bias_rows, layer.num_groups, layer.eps)
+        return forward
+
+    norms = [layer for layer in layers if type(layer) is nn.GroupNorm]
+    for layer in norms:
+        layer.forward = forward_of(layer)
+    try:
+        yield
+    finally:
+        for layer in norms:
+            del layer.forward
+
+
+SQUARED_NORMS = {nn.Linear: linear_squared_norms, nn.Conv2d: conv2d_squared_norms,
+                 nn.GroupNorm: group_norm_squared_norms}
+
+
+def weight_gradients(layer: nn.Module, inputs: torch.Tensor, grad_outputs: torch.Tensor,
+                     params: Sequence[nn.Parameter]) -> dict:
+    """The gradients of `params` (some of `layer`'s own) for the gradient `grad_outputs` of its output."""
+    if isinstance(layer, nn.Conv2d):  # a ghost or single-position form: its bias (as GroupNorm's) is materialised
+        if conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:]) == "single":
+            # A matrix product: several times faster than the convolution library's weight gradient here.
+            patches = _patches(layer, inputs).reshape(len(inputs), -1)
+            return {layer.weight: (grad_outputs.reshape(len(inputs), -1).T @ patches).reshape(layer.weight.shape)}
+        return {layer.weight: torch.nn.grad.conv2d_weight(inputs, layer.weight.shape, grad_outputs, layer.stride,
+                                                          layer.padding, layer.dilation, layer.groups)}
+    return {param: grad_outputs.T @ inputs if param is layer.weight else grad_outputs.sum(dim=0) for param in params}
