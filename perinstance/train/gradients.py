@@ -219,7 +219,7 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
 
     def norms(layer, layer_inputs, grad_output):
         if layer in per_sample:
-            return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample[layer].values()), per_sample[layer])
+            return LayerNorms.of_per_sample(per_sample[layer])
         return SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
 
     return grad_outputs, (norms(layer, layer_inputs, grad_output)

@@ -42,6 +42,11 @@ class LayerNorms:
     squared: torch.Tensor
     per_sample: dict
 
+    @classmethod
+    def of_per_sample(cls, per_sample: dict) -> "LayerNorms":
+        """The LayerNorms of a layer whose trainable parameters' per-sample gradients are all in `per_sample`."""
+        return cls(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
+
 
 def linear_squared_norms(layer: nn.Linear, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
     """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||². Nothing is
@@ -204,7 +209,7 @@ def group_norm_squared_norms(layer: nn.GroupNorm, inputs: torch.Tensor, grad_out
         per_sample[layer.weight] = products.flatten(2).sum(dim=2)
     if layer.bias is not None and layer.bias.requires_grad:
         per_sample[layer.bias] = grad_outputs.flatten(2).sum(dim=2)
-    return LayerNorms(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
+    return LayerNorms.of_per_sample(per_sample)
 
 
 class _GroupNormRows(torch.autograd.Function):
