@@ -158,8 +158,8 @@ class Trainer:
     def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
         summed, losses = None, []
-        for part in gradients.batch_passes(len(indices), self.chunk):
-            chunk = indices[part]
+        for span in gradients.batch_passes(len(indices), self.chunk):
+            chunk = indices[span]
             chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(
                 self.model, self.train_x[chunk], self.train_y[chunk], self._weights)
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
@@ -173,8 +173,8 @@ class Trainer:
         norm is needed)."""
         summed = [torch.zeros_like(param) for param in self.params]
         losses = []
-        for part in gradients.batch_passes(len(indices), self.chunk):
-            chunk = indices[part]
+        for span in gradients.batch_passes(len(indices), self.chunk):
+            chunk = indices[span]
             chunk_losses = F.cross_entropy(self.model(self.train_x[chunk]), self.train_y[chunk], reduction="none")
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
@@ -215,8 +215,8 @@ class Trainer:
         no clipped sum (the same norms as per_sample_pass computes)."""
         run = self.run
         norms, losses, correct = [], [], []
-        for part in gradients.batch_passes(len(self.tracked), self.chunk):
-            chunk = torch.as_tensor(self.tracked[part], device=self.device)
+        for span in gradients.batch_passes(len(self.tracked), self.chunk):
+            chunk = torch.as_tensor(self.tracked[span], device=self.device)
             chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, self.train_x[chunk],
                                                                            self.train_y[chunk])
             norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
