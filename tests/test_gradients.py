@@ -54,6 +54,7 @@ CONVS = [
     (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), 5, "grouped"),
     (lambda: nn.Conv2d(16, 40, 3, padding=1, stride=2), 4, "ghost"),
     (lambda: nn.Conv2d(8, 30, (3, 2), padding=(1, 0), stride=(2, 1), dilation=(1, 2), bias=False), 4, "ghost"),
+    (lambda: nn.Conv2d(16, 40, 3, stride=3, padding=2), 2, "ghost"),  # the middle kernel offset reads only padding
     (lambda: nn.Conv2d(4, 120, 5), 5, "single"),  # LeNet-5's third convolution: one output position
     (lambda: nn.Conv2d(3, 7, 3, stride=2, padding=1), 2, "single"),  # one position, its patch partly padding
 ]

@@ -119,7 +119,7 @@ def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) ->
     if layer.groups == 1 and tuple(output_size) == (1, 1):
         return "single"
     costs = conv2d_norm_costs(layer.in_channels // layer.groups, layer.out_channels, layer.kernel_size,
-                              input_size, output_size, layer.padding)
+                              input_size, output_size)
     if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
         return "ghost"
     if layer.groups == 1 and layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1] < PATCH_VALUES:
@@ -128,19 +128,18 @@ def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) ->
 
 
 def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[int, int], input_size: tuple[int, int],
-                      output_size: tuple[int, int], padding: tuple[int, int]) -> dict[str, int]:
+                      output_size: tuple[int, int]) -> dict[str, int]:
     """Multiply-adds per sample of the two forms of `conv2d_squared_norms`.
 
     Materialised: T·o·p. Ghost: the products of the input's P pixels (P²·c), their shifted sums
-    over the kernel columns then rows on the padded grid (`_patch_gram`), and the products of output
+    over the kernel columns then rows (`_patch_gram`), and the products of output
     gradients (T²·o). ResNet-20's 8×8 convolutions are cheaper as ghosts, every other convolution of
     nets.py is not (LeNet-5's third has one output position: "single", cheaper still).
     """
     (kernel_h, kernel_w), (output_h, output_w) = kernel_size, output_size
-    padded_h = input_size[0] + 2 * padding[0]
     positions, pixels = output_h * output_w, input_size[0] * input_size[1]
     materialised = positions * out_channels * in_channels * kernel_h * kernel_w
-    ghost = (pixels ** 2 * in_channels + kernel_w * (padded_h * output_w) ** 2 + kernel_h * positions ** 2
+    ghost = (pixels ** 2 * in_channels + kernel_w * (input_size[0] * output_w) ** 2 + kernel_h * positions ** 2
              + positions ** 2 * out_channels)
     return {"materialised": materialised, "ghost": ghost}
 
@@ -148,40 +147,42 @@ def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[in
 def _patch_gram(layer, inputs):
     """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1).
 
-    A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the
-    (P, P) products of padded input pixels, shifted and summed over kernel columns, then rows.
-    Cheaper than unfolding the patches (p = c·k_h·k_w values each) when T is small. The products of the
-    input's own pixels are formed, then padded with the zeros a padding pixel's products are (ResNet-20's
-    8×8 maps: 64² products over the channels instead of 100²).
+    A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the (P, P)
+    products of the input's own pixels, shifted and summed over kernel columns, then rows. Cheaper than
+    unfolding the patches (p = c·k_h·k_w values each) when T is small. A padding pixel is zero, and so are
+    its products: each offset adds only the positions whose pixel lies in the input, a slice of the
+    products, so that no padded copy is formed (ResNet-20's 8×8 maps: sums over 64² products instead of
+    100²). The offsets are added in kernel order onto zeros: the same sums as over the padded products.
     """
     (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
     (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
     count, _, height, width = inputs.shape
+    output_h = (height + 2 * pad_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
+    output_w = (width + 2 * pad_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
     pixels = inputs.flatten(2)
-    pixel_gram = F.pad(torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width),
-                       (pad_w, pad_w, pad_h, pad_h) * 2)
-    padded_h, padded_w = height + 2 * pad_h, width + 2 * pad_w
-    output_h = (padded_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
-    output_w = (padded_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
-
-    def columns(offset):
-        return slice(offset * dilation_w, offset * dilation_w + stride_w * (output_w - 1) + 1, stride_w)
-
-    def rows(offset):
-        return slice(offset * dilation_h, offset * dilation_h + stride_h * (output_h - 1) + 1, stride_h)
-
-    column_sums = _sum_in_place(pixel_gram[:, :, columns(j), :, columns(j)] for j in range(kernel_w))
-    gram = _sum_in_place(column_sums[:, rows(i), :, rows(i)] for i in range(kernel_h))
+    pixel_gram = torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width)
+    column_sums = pixel_gram.new_zeros(count, height, output_w, height, output_w)
+    for outputs, columns in _offset_slices(width, output_w, kernel_w, stride_w, pad_w, dilation_w):
+        column_sums[:, :, outputs, :, outputs] += pixel_gram[:, :, columns, :, columns]
+    gram = pixel_gram.new_zeros(count, output_h, output_w, output_h, output_w)
+    for outputs, rows in _offset_slices(height, output_h, kernel_h, stride_h, pad_h, dilation_h):
+        gram[:, outputs, :, outputs] += column_sums[:, rows, :, rows]
     return gram.reshape(count, output_h * output_w, output_h * output_w)
 
 
-def _sum_in_place(terms):
-    """The sum of a non-empty iterable of tensors, into a copy of the first (one buffer, no temporaries)."""
-    terms = iter(terms)
-    total = next(terms).clone()
-    for term in terms:
-        total += term
-    return total
+def _offset_slices(size: int, outputs: int, kernel: int, stride: int, padding: int,
+                   dilation: int) -> list[tuple[slice, slice]]:
+    """For each kernel offset along one axis, in order: (the output positions t whose input position
+    stride·t + dilation·offset − padding lies in the input's `size`, those input positions), as slices; an
+    offset that reaches no input position is left out."""
+    pairs = []
+    for offset in range(kernel):
+        shift = dilation * offset - padding
+        first = max(0, -(shift // stride))  # the least t with stride·t + shift ≥ 0
+        stop = min(outputs, (size - 1 - shift) // stride + 1)
+        if stop > first:
+            pairs.append((slice(first, stop), slice(stride * first + shift, stride * (stop - 1) + shift + 1, stride)))
+    return pairs
 
 
 def _patches(layer, inputs):
@@ -192,7 +193,8 @@ def _patches(layer, inputs):
     """
     (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
     (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
-    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h))
+    # F.pad copies its input even where every pad is zero.
+    padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else inputs
     windows = padded.unfold(2, dilation_h * (kernel_h - 1) + 1, stride_h).unfold(3, dilation_w * (kernel_w - 1) + 1,
                                                                                   stride_w)
     windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
