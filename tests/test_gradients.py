@@ -78,6 +78,24 @@ def test_group_norm_norms_match_materialised_gradients():
     assert_matches_materialised(model, inputs * 3 + 1, labels, rtol=1e-10)
 
 
+@pytest.mark.parametrize("make_conv,kept", [(lambda: nn.Conv2d(3, 8, 3), [False, False, True]),
+                                             (lambda: nn.Conv2d(16, 40, 3, padding=1, stride=2), [True, False, True])])
+def test_output_gradients_the_clipped_sum_does_not_read_are_not_kept(make_conv, kept):
+    """A materialised convolution's b_i is dropped once its norms are taken, a GroupNorm's (whose per-sample
+    gradients come from its rows) is never kept; a ghost convolution's and a Linear layer's stay for the
+    clipped sum, which still matches the materialised gradients."""
+    conv = make_conv()
+    model = conv_model(conv, 6, norm=nn.GroupNorm(4, conv.out_channels))
+    inputs, labels = data(conv.in_channels, 6)
+    forward = gradients._forward(model, inputs, labels)
+    grad_outputs, norms = gradients.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+                                                forward.group_norm_rows)
+    with torch.no_grad():
+        list(norms)
+    assert [grad is not None for grad in grad_outputs] == kept
+    assert_matches_materialised(model, inputs, labels, rtol=1e-10)
+
+
 def test_frozen_parameters_are_left_out():
     model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(2, 8))
     model[0].bias.requires_grad_(False)

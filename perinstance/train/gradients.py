@@ -207,23 +207,34 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
     `inputs`; one backward, no weight gradient), and each layer's LayerNorms, one at a time as the caller (under
     no_grad) takes them, so that a layer's materialised gradients are freed unless kept. A GroupNorm layer with
     parameter rows in `group_norm_rows` (a pass of `_forward`) takes its per-sample gradients from the same
-    backward, as the gradients of its rows; any other from SQUARED_NORMS. No layers: no backward, nothing."""
+    backward, as the gradients of its rows, and its b_i is not kept (None): the backward frees it as it goes
+    (ResNet-20: 19 such layers, 2–2.5 ms of a 50 ms backward per 128 examples). Any other layer takes its norms
+    from SQUARED_NORMS; once they hold the per-sample gradients of all its trainable parameters, its b_i is
+    dropped from the list (None), as the clipped sum does not read it. No layers: no backward, nothing."""
     if not layers:
         return (), iter(())
     rows = [(layer, param, row) for layer, pair in (group_norm_rows or {}).items()
             for param, row in zip((layer.weight, layer.bias), pair) if row is not None and row.requires_grad]
-    grads = torch.autograd.grad(losses.sum(), [*outputs, *(row for _, _, row in rows)], materialize_grads=True)
-    grad_outputs, per_sample = grads[:len(outputs)], {}
-    for (layer, param, _), grad in zip(rows, grads[len(outputs):], strict=True):
+    with_rows = {layer for layer, _, _ in rows}
+    kept = [index for index, layer in enumerate(layers) if layer not in with_rows]
+    grads = torch.autograd.grad(losses.sum(), [*(outputs[index] for index in kept), *(row for _, _, row in rows)],
+                                materialize_grads=True)
+    grad_outputs, per_sample = [None] * len(outputs), {}
+    for index, grad in zip(kept, grads):
+        grad_outputs[index] = grad
+    for (layer, param, _), grad in zip(rows, grads[len(kept):], strict=True):
         per_sample.setdefault(layer, {})[param] = grad
 
-    def norms(layer, layer_inputs, grad_output):
+    def norms(index):
+        layer = layers[index]
         if layer in per_sample:
             return LayerNorms.of_per_sample(per_sample[layer])
-        return SQUARED_NORMS[type(layer)](layer, layer_inputs, grad_output)
+        norms = SQUARED_NORMS[type(layer)](layer, inputs[index], grad_outputs[index])
+        if all(param in norms.per_sample for param in layer.parameters(recurse=False) if param.requires_grad):
+            grad_outputs[index] = None  # the clipped sum takes this layer from its per-sample gradients
+        return norms
 
-    return grad_outputs, (norms(layer, layer_inputs, grad_output)
-                          for layer, layer_inputs, grad_output in zip(layers, inputs, grad_outputs))
+    return grad_outputs, (norms(index) for index in range(len(layers)))
 
 
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
@@ -236,6 +247,7 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     forward = _forward(model, inputs, labels)
     _, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
                                     forward.group_norm_rows)
+    forward.outputs.clear()  # spent by the backward; the per-layer work reads only inputs and gradients
     with torch.no_grad():
         squared = sum(norms.squared for norms in norms_by_layer)
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
@@ -257,6 +269,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     forward = _forward(model, inputs, labels)
     grad_outputs, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
                                                forward.group_norm_rows)
+    forward.outputs.clear()  # spent by the backward; the per-layer work reads only inputs and gradients
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
         norms = sum(norms.squared for norms in norms_by_layer).sqrt()
