@@ -2,7 +2,8 @@
 
 For LeNet-5 on the embedded MNIST subset and ResNet-20 (GroupNorm) on random CIFAR-10-shaped
 inputs: same model, data, expected batch size and number of steps for every method, measured
-side by side (interleaved repeats) in one process on --device; printed as samples/s and ratios. On
+side by side (one untimed round of every method, then interleaved repeats) in one process on --device;
+printed as samples/s and ratios (best round of each). On
 CUDA the clock is the wall clock read after torch.cuda.synchronize(). Opacus and non-private SGD
 draw their batches from their DataLoader and move them to the device before the clock starts, so
 the DataLoader's per-example indexing is not timed; this trainer's timed step includes its own
@@ -115,6 +116,11 @@ METHODS = {
 
 
 def bench(workload, steps, batch_size, repeats, clock, device):
+    # One untimed round first, every method alike: a process's first pass over a batch shape pays one-off costs
+    # (the convolution library builds its kernels for each shape; Poisson batches take a new size at most
+    # steps of a short run, a fixed batch only once), which a training run pays in its first steps only.
+    for method in METHODS.values():
+        method(workload, steps, batch_size, clock, device)
     results = {name: [] for name in METHODS}
     for _ in range(repeats):  # interleaved, so load changes hit every method alike
         for name, method in METHODS.items():
