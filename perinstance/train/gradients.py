@@ -225,7 +225,7 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
     for (layer, param, _), grad in zip(rows, grads[len(kept):], strict=True):
         per_sample.setdefault(layer, {})[param] = grad
 
-    def norms(index):
+    def norms_of(index):
         layer = layers[index]
         if layer in per_sample:
             return LayerNorms.of_per_sample(per_sample[layer])
@@ -234,7 +234,7 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
             grad_outputs[index] = None  # the clipped sum takes this layer from its per-sample gradients
         return norms
 
-    return grad_outputs, (norms(index) for index in range(len(layers)))
+    return grad_outputs, (norms_of(index) for index in range(len(layers)))
 
 
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
