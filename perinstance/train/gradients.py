@@ -94,6 +94,14 @@ class _Pass:
     losses: torch.Tensor
     group_norm_rows: dict  # GroupNorm layer -> its per-sample parameter rows (layer_forms.group_norm_rows)
 
+    def layer_norms(self) -> tuple:
+        """`layer_norms` of this pass; the layer outputs are let go once its backward has spent them (the
+        per-layer work reads only the inputs and the gradients)."""
+        grad_outputs, norms_by_layer = layer_norms(self.layers, self.inputs, self.outputs, self.losses,
+                                                   self.group_norm_rows)
+        self.outputs.clear()
+        return grad_outputs, norms_by_layer
+
 
 def _forward(model, inputs, labels):
     layers = _parameter_layers(model)
@@ -245,9 +253,7 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
     forward = _forward(model, inputs, labels)
-    _, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
-                                    forward.group_norm_rows)
-    forward.outputs.clear()  # spent by the backward; the per-layer work reads only inputs and gradients
+    _, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         squared = sum(norms.squared for norms in norms_by_layer)
     return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
@@ -267,9 +273,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     if fallback_norms.needs_fallback(model):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
     forward = _forward(model, inputs, labels)
-    grad_outputs, norms_by_layer = layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
-                                               forward.group_norm_rows)
-    forward.outputs.clear()  # spent by the backward; the per-layer work reads only inputs and gradients
+    grad_outputs, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
         norms = sum(norms.squared for norms in norms_by_layer).sqrt()
