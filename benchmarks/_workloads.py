@@ -3,6 +3,7 @@ on CIFAR-10-shaped inputs. ResNet-20's inputs are random: timings do not depend 
 
 import argparse
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 
@@ -84,6 +85,14 @@ def timer(clock: str, device: str) -> Callable[[], float]:
         return time.perf_counter()
 
     return synchronised_wall
+
+
+def same_round_ratios(mine: list[float], theirs: list[float]) -> str:
+    """The ratios of two methods' rates measured in the same interleaved rounds, as their median and range.
+    A round's ratio compares two timings taken moments apart, so a load that shifts between rounds moves both;
+    the ratio of the best rounds can pair one method's quiet round with the other's disturbed one."""
+    ratios = [first / second for first, second in zip(mine, theirs, strict=True)]
+    return f"same-round ratio median {statistics.median(ratios):.2f}×, range {min(ratios):.2f}–{max(ratios):.2f}×"
 
 
 def require_device(parser: argparse.ArgumentParser, device: str) -> None:

@@ -20,7 +20,6 @@ method runs on --device; on CUDA the clock is the wall clock read after torch.cu
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -32,7 +31,7 @@ from torch.func import functional_call, grad, vmap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests' oracle
 
-from _workloads import add_timing_arguments, device_name, require_device, timer, workloads  # noqa: E402
+from _workloads import add_timing_arguments, device_name, require_device, same_round_ratios, timer, workloads  # noqa: E402
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
@@ -150,17 +149,16 @@ def bench_norms(workload, rounds, clock, device):
     print(f"\n1. Δ* of all {workload.label}, {gradient_rows.parameter_count(model)} parameters, engine chunks of "
           f"{gradients.examples_per_pass(model, x, device)}, others {CHUNK}, {rounds} interleaved rounds on {device} "
           f"({clock.__name__}). "
-          "Best round (least disturbed by other processes), and the median over rounds of the same-round ratio:")
+          "Best round (least disturbed by other processes), and the ratios of the same round:")
     print("   layer forms of the engine: " + ", ".join(f"{form} {list(forms.values()).count(form)}"
                                                      for form in sorted(set(forms.values()))))
     targets = NORM_TARGETS.get(workload.model_name, {})
     for name, rate in rates.items():
         best_ratio = max(engine) / max(rate)
-        median_ratio = statistics.median(mine / theirs for mine, theirs in zip(engine, rate))
         target = f"   target ≥ {targets[name]}×: {'met' if best_ratio >= targets[name] else 'NOT met'}" \
             if name in targets else ""
-        print(f"   {name:42s} {max(rate):8.0f} samples/s   engine is {best_ratio:5.2f}× this "
-              f"(median ratio {median_ratio:5.2f}×){target}")
+        spread = "" if rate is engine else f" ({same_round_ratios(engine, rate)})"
+        print(f"   {name:42s} {max(rate):8.0f} samples/s   engine is {best_ratio:5.2f}× this{spread}{target}")
 
 
 # --- 2. the Rényi mean experiment --------------------------------------------------------------
