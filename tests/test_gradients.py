@@ -142,8 +142,9 @@ def test_group_norm_of_inputs_of_any_rank(shape):
 
 def test_group_norm_pass_keeps_the_layer_and_its_input_gradient():
     """The engine's pass runs GroupNorm with per-sample parameter rows: the same outputs and the same gradient
-    for the layers below it as the layer's own forward and backward; afterwards, and after a forward that
-    fails, the layer is its own again."""
+    for the layers below it as the layer's own forward and backward, and it keeps neither the layer's input
+    nor its output (its rows give its gradients); afterwards, and after a forward that fails, the layer is its
+    own again."""
     model = conv_model(nn.Conv2d(3, 8, 3), 5, norm=nn.GroupNorm(4, 8))
     with torch.no_grad():
         model[1].weight.uniform_(0.5, 2.0)
@@ -155,7 +156,8 @@ def test_group_norm_pass_keeps_the_layer_and_its_input_gradient():
                                          conv_output)
     forward = gradients._forward(model, inputs, labels)
     assert "forward" not in vars(model[1])
-    torch.testing.assert_close(forward.outputs[1], expected_output, rtol=0, atol=0)
+    torch.testing.assert_close(forward.inputs[2], model[2:4](expected_output), rtol=0, atol=0)
+    assert forward.inputs[1] is None and forward.outputs[1] is None
     grad_outputs, _ = gradients.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
                                             forward.group_norm_rows)
     torch.testing.assert_close(grad_outputs[0], expected_grad, rtol=1e-12, atol=0)

@@ -85,7 +85,8 @@ FALLBACK_PASS_EXAMPLES = 128
 
 @dataclass
 class _Pass:
-    """One forward pass with every parameter layer's input and output, and the per-example losses."""
+    """One forward pass with every parameter layer's input and output (None for a GroupNorm layer with parameter
+    rows), and the per-example losses."""
 
     layers: list
     inputs: list
@@ -111,7 +112,10 @@ def _forward(model, inputs, labels):
         if layer in recorded:
             raise ValueError(f"{type(layer).__name__} is applied twice in one forward; its per-sample gradient "
                              "would mix both uses")
-        recorded[layer] = (layer_inputs[0].detach(), output)
+        # A GroupNorm layer with parameter rows takes its gradients from them, not from its input and output: not
+        # holding its output lets the forward free it where nothing else keeps it (a block's second GroupNorm,
+        # whose output only the residual sum reads), and reuse its memory while it is still in cache.
+        recorded[layer] = (None, None) if layer in rows else (layer_inputs[0].detach(), output)
 
     with group_norm_rows(layers, rows):
         logits = forward_with_hook(model, layers, record, inputs)
