@@ -104,11 +104,11 @@ def torch_func_norms(model, x, y):
 
 
 def engine_without_norms(model, x, y):
-    """The engine's passes with no per-layer norm: the forward and the backward to the layer outputs, a
-    floor under the engine's time (its norms pass replaces the weight gradients of a plain backward)."""
+    """The engine's passes with no per-layer norm: the forward and the engine's own backward (to the layer
+    outputs and GroupNorm's parameter rows), its norms left untaken; a floor under the engine's time (its norms
+    pass replaces the weight gradients of a plain backward)."""
     for _, inputs, labels in gradient_rows.example_chunks(x, y, x.device, gradients.examples_per_pass(model, x, x.device)):
-        forward = gradients._forward(model, inputs, labels)
-        torch.autograd.grad(forward.losses.sum(), forward.outputs)
+        gradients._forward(model, inputs, labels).layer_norms()
 
 
 def plain_forward_backward(model, x, y):
