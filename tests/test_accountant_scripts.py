@@ -20,6 +20,7 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize, stats
 from scipy.special import logsumexp
 
+from perinstance.accountants.report import quantile
 from perinstance.accounting import batch_sizes, exact_eps_delta, renyi_step
 from perinstance.files.results import COLUMNS
 
@@ -414,10 +415,32 @@ def test_eps_delta_mean_rule_flags_and_k_min_zero(tmp_path, run, results):
     for kind in ("estimate", "baseline"):
         np.testing.assert_array_equal(values_of(failure, kind), values_of(frame, kind))
     # δ at most delta_fail leaves nothing to spend.
-    assert run("eps_delta.py", "--res-name", "zero", "--delta", "1e-3", "--failure", "2e-3", "--out",
-               "spent.csv").returncode == 0
+    result = run("eps_delta.py", "--res-name", "zero", "--delta", "1e-3", "--failure", "2e-3", "--out", "spent.csv")
+    assert result.returncode == 0
     spent = pd.read_csv(tmp_path / "spent.csv")
     assert np.all(np.isinf(spent.loc[spent["kind"] == "certified", "eps"]))
+    # The summary's quantiles of bounds that are all infinite are inf, not NaN.
+    summary = result.stdout.split("summary of eps")[1]
+    assert "NaN" not in summary and summary.count("inf") >= 3
+
+
+def test_summary_quantile_is_numpys_and_inf_where_the_upper_value_is_inf():
+    """The report's q10/q90: numpy's linear interpolation between finite values (NaN left out), +inf where it
+    would interpolate towards +inf (numpy gives NaN there), the lower value where the quantile falls on it."""
+    generator = np.random.default_rng(0)
+    for count in (1, 2, 7, 40):
+        values = generator.exponential(size=count)
+        values[generator.random(count) < 0.2] = np.nan
+        for q in (0.0, 0.1, 0.5, 0.9, 1.0):
+            expected = np.nanquantile(values, q) if not np.isnan(values).all() else np.nan
+            np.testing.assert_equal(quantile(values, q), expected)
+    assert quantile(np.array([1.0, np.inf]), 0.9) == np.inf
+    assert quantile(np.array([1.0, np.inf]), 0.0) == 1.0
+    assert quantile(np.array([np.inf, np.inf, np.nan]), 0.5) == np.inf
+    assert quantile(np.array([1.0, 2.0, np.inf]), 0.5) == 2.0
+    assert quantile(np.array([1.0, 2.0, np.inf]), 0.75) == np.inf
+    assert quantile(np.array([1.0, 2.0, 4.0, np.inf, np.inf]), 0.5) == 4.0
+    assert np.isnan(quantile(np.array([np.nan, np.nan]), 0.5))
 
 
 # --- Rényi DP per step ----------------------------------------------------------------------
