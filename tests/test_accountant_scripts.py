@@ -20,8 +20,8 @@ from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy import optimize, stats
 from scipy.special import logsumexp
 
-from perinstance.accountants.report import quantile
 from perinstance.accounting import batch_sizes, exact_eps_delta, renyi_step
+from perinstance.accounting.intervals import quantile
 from perinstance.files.results import COLUMNS
 
 SIGMA, CLIP, RATE, BATCH, SIZE, STEPS = 1.2, 2.0, 0.02, 20, 1000, 60

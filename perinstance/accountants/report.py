@@ -17,6 +17,7 @@ import pandas as pd
 
 from perinstance.accountants.accountants import Source, run_key
 from perinstance.accounting.guarantees import Direction, Kind
+from perinstance.accounting.intervals import quantile
 from perinstance.errors import UsageError
 from perinstance.files import fileio, storage
 
@@ -157,19 +158,6 @@ def _summarise_kinds(group, kinds, main):
         summary["2x below"] = np.mean(group[main].to_numpy(dtype=float)
                                       <= group[Kind.BASELINE].to_numpy(dtype=float) / 2)
     return pd.Series(summary)
-
-
-def quantile(values: np.ndarray, q: float) -> float:
-    """np.nanquantile(values, q), except where it would interpolate towards +inf: +inf there (or the value it
-    falls on). numpy computes b − (b − a)·(1 − t) even at t = 0, NaN when b is +inf: a bound infinite for the top
-    tenth of the points was printed as q90 NaN. +inf is replaced by the largest float, so that every other
-    quantile is numpy's to the bit; a result above every finite value is +inf. NaN when no value is left."""
-    kept = values[~np.isnan(values)]
-    if not len(kept):
-        return float("nan")
-    largest_finite = kept[np.isfinite(kept)].max(initial=-np.inf)
-    result = float(np.quantile(np.where(kept == np.inf, np.finfo(float).max, kept), q))
-    return np.inf if result > largest_finite else result
 
 
 def correct_table(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame | None:

@@ -50,6 +50,20 @@ def bootstrap(statistic: Callable[..., np.ndarray], *samples: np.ndarray, paired
     return np.concatenate(replicates)
 
 
+def quantile(values: np.ndarray, q: float) -> float:
+    """np.nanquantile(values, q), for the summaries of bounds in the reports and figures, except where it would
+    interpolate towards +inf: +inf there (or the value it falls on). numpy computes b − (b − a)·(1 − t) even at
+    t = 0, NaN when b is +inf: a bound infinite for the top tenth of the points was printed as q90 NaN. +inf is
+    replaced by the largest float, so that every other quantile is numpy's to the bit; a result above every
+    finite value is +inf. NaN when no value is left."""
+    kept = values[~np.isnan(values)]
+    if not len(kept):
+        return float("nan")
+    largest_finite = kept[np.isfinite(kept)].max(initial=-np.inf)
+    result = float(np.quantile(np.where(kept == np.inf, np.finfo(float).max, kept), q))
+    return np.inf if result > largest_finite else result
+
+
 def _percentile_interval(estimate: float, replicates: np.ndarray, count: int, confidence: float) -> Interval:
     """The central `confidence` quantiles of the finite replicates (a resample on which the statistic is
     undefined, e.g. a constant one for a correlation, counts for neither end)."""
