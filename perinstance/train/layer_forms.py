@@ -83,7 +83,7 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
             squared = _patches(layer, inputs).square().sum(dim=(1, 2)) * output_rows.square().sum(dim=(1, 2))
         elif form == "ghost":
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
-            squared = (_patch_gram(layer, inputs) * output_gram).sum(dim=(1, 2))
+            squared = (_patch_gram(layer, inputs, grad_outputs.shape[2:]) * output_gram).sum(dim=(1, 2))
         else:
             if form == "patches" and inputs.device.type == "cpu":
                 weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
@@ -144,8 +144,9 @@ def conv2d_norm_costs(in_channels: int, out_channels: int, kernel_size: tuple[in
     return {"materialised": materialised, "ghost": ghost}
 
 
-def _patch_gram(layer, inputs):
-    """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1).
+def _patch_gram(layer, inputs, output_size):
+    """(n, T, T) products a_t·a_t' of the input patches of a Conv2d layer (groups = 1) whose output maps are of
+    `output_size` (T = its product).
 
     A patch is k_h·k_w pixels, so a_t·a_t' = Σ_δ x_{t+δ}·x_{t'+δ} over the kernel offsets δ: the (P, P)
     products of the input's own pixels, shifted and summed over kernel columns, then rows. Cheaper than
@@ -157,8 +158,7 @@ def _patch_gram(layer, inputs):
     (pad_h, pad_w), (kernel_h, kernel_w) = layer.padding, layer.kernel_size
     (stride_h, stride_w), (dilation_h, dilation_w) = layer.stride, layer.dilation
     count, _, height, width = inputs.shape
-    output_h = (height + 2 * pad_h - dilation_h * (kernel_h - 1) - 1) // stride_h + 1
-    output_w = (width + 2 * pad_w - dilation_w * (kernel_w - 1) - 1) // stride_w + 1
+    output_h, output_w = output_size
     pixels = inputs.flatten(2)
     pixel_gram = torch.bmm(pixels.transpose(1, 2), pixels).reshape(count, height, width, height, width)
     column_sums = pixel_gram.new_zeros(count, height, output_w, height, output_w)
