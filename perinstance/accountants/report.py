@@ -152,11 +152,11 @@ def _summarise_kinds(group, kinds, main):
     summary = {"points": len(group)}
     for kind in kinds:
         summary[str(kind)] = np.nanmedian(group[kind].to_numpy(dtype=float))
-    summary[f"{main} q10"] = quantile(group[main].to_numpy(dtype=float), 0.1)
-    summary[f"{main} q90"] = quantile(group[main].to_numpy(dtype=float), 0.9)
+    values = group[main].to_numpy(dtype=float)
+    summary[f"{main} q10"] = quantile(values, 0.1)
+    summary[f"{main} q90"] = quantile(values, 0.9)
     if Kind.BASELINE in kinds and main != Kind.BASELINE:
-        summary["2x below"] = np.mean(group[main].to_numpy(dtype=float)
-                                      <= group[Kind.BASELINE].to_numpy(dtype=float) / 2)
+        summary["2x below"] = np.mean(values <= group[Kind.BASELINE].to_numpy(dtype=float) / 2)
     return pd.Series(summary)
 
 
