@@ -7,6 +7,7 @@ the sum rule exactly as renyi_per_instance_sum_compo.py does (docs/accounting.md
 `sensitivities` measures Δ* (§2, sum rule) at a model's current parameters.
 """
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -252,6 +253,21 @@ def _examples(data, points):
     return inputs[index], labels[index].long()
 
 
+def _without_opacus_hooks(wrapper: GradSampleModule) -> torch.nn.Module:
+    """A copy of the network inside Opacus's `wrapper` without the hooks Opacus registered on its layers (the
+    network's own hooks, such as weight norm's, are kept). Even disabled, Opacus's full backward hooks stop
+    torch.func, which takes the layers the engine lacks and checks the ones it covers; and the wrapper itself is
+    left as it was, hooks, mode and all."""
+    opacus_hooks = {handle.id for handle in wrapper.autograd_grad_sample_hooks}
+    network = copy.deepcopy(wrapper._module)
+    for module in network.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                      module._backward_hooks):
+            for key in [key for key in hooks if key in opacus_hooks]:
+                del hooks[key]
+    return network
+
+
 def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[torch.Tensor, torch.Tensor],
                   clip_bound: float, clipping: str = "flat", points: Sequence[int] | None = None, *,
                   scale_r: float | None = None, scale_s: float | None = None) -> torch.Tensor:
@@ -264,8 +280,9 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
     its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
     points: indices into data (None: all). The model (or the module inside Opacus's GradSampleModule) is
     evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/train/gradients.py
-    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py). Returns a float64
-    tensor, one Δ* per point, on the CPU.
+    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py), checked as a
+    --model network is: a parameter that two layers share, or that is used outside its layer's forward, comes
+    from torch.func too. Returns a float64 tensor, one Δ* per point, on the CPU.
     """
     if clipping not in CLIPPING_CHOICES:
         raise ValueError(f"clipping must be one of {', '.join(CLIPPING_CHOICES)}, not {clipping!r}")
@@ -276,17 +293,13 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
         scale_s = _positive_finite("scale_s", scale_s if scale_s is not None else math.nan)
     transform = Transform(clipping, clip_bound, scale_r, scale_s)
     inputs, labels = _examples(data, points)
-    wrapper = model if isinstance(model, GradSampleModule) else None
-    network = model if wrapper is None else wrapper._module
+    network = _without_opacus_hooks(model) if isinstance(model, GradSampleModule) else model
     device = next(network.parameters()).device
-    was_training, hooks_enabled = network.training, wrapper is not None and wrapper.hooks_enabled
-    if wrapper is not None:
-        wrapper.disable_hooks()  # Opacus's own per-sample hooks would record this pass too
+    was_training = network.training
     network.eval()
     try:
-        norms, _ = transformed_norms(network, inputs, labels, transform, device)
+        with user_code.checked_as_user_model(network):  # a tied weight, or one used outside its layer
+            norms, _ = transformed_norms(network, inputs, labels, transform, device)
     finally:
         network.train(was_training)
-        if hooks_enabled:
-            wrapper.enable_hooks()
     return torch.from_numpy(norms)

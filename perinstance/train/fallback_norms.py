@@ -9,11 +9,12 @@ respect to those layers' parameters alone. Both parts are exact, so ||g_i||² is
 clipped sum u(B) of accounting.md §1 is the engine's per-layer sums plus Σ_i w_i·g_i of the fallback layers.
 Which layers fall back is printed once per process.
 
-Models built from a --model spec always go through here (user_code.USER_MODEL_MARK), so that every layer is
-checked at every pass, as does any model with a trainable layer of a type (or a Conv2d padding) the engine
-lacks; another model keeps the engine's own checks (a layer applied twice is an error there). A covered layer
-whose closed form disagrees with torch.func on the first examples a process sees (its weights also used outside
-its forward) falls back too. The pass runs the model in eval mode (dropout off), in training as in measurement.
+Models built from a --model spec, and models given to the public API's `sensitivities`, always go through
+here (user_code.USER_MODEL_MARK), so that every layer is checked at every pass, as does any model with a
+trainable layer of a type (or a Conv2d padding) the engine lacks; another model (this suite's own networks)
+keeps the engine's own checks (a layer applied twice is an error there). A covered layer whose closed form
+disagrees with torch.func on the first examples a process sees (its weights also used outside its forward)
+falls back too, as does a layer with a parameter that another layer shares. The pass runs the model in eval mode (dropout off), in training as in measurement.
 """
 
 import sys

@@ -18,7 +18,8 @@ import random
 import re
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,8 @@ SPEC_FORMS = "PATH.py:NAME or package.module:NAME"
 # The seed of torch's, numpy's and Python's global generators while a dataset function runs (restored after):
 # data drawn at random is then the same in every process, so its fingerprint names it.
 DATASET_SEED = 0
-# Set on every model built from a spec: the per-sample engine then checks each layer at every pass
+# Set on every model built from a spec, and on a model given to the public API while it is measured
+# (`checked_as_user_model`): the per-sample engine then checks each layer at every pass
 # (perinstance/train/fallback_norms.py) instead of trusting that the fast engine covers it.
 USER_MODEL_MARK = "perinstance_user_model"
 
@@ -191,6 +193,21 @@ def build_model(spec: str, input_shape: tuple, num_classes: int, dp: bool = True
         refuse_sample_mixing(model, spec)
     setattr(model, USER_MODEL_MARK, True)
     return model
+
+
+@contextmanager
+def checked_as_user_model(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model` carries USER_MODEL_MARK, as a model built from a spec does: a network that
+    the caller built may tie a weight to two layers or use a layer's weight outside its forward, which the fast
+    engine's closed forms cannot see. The mark is removed after (unless the model already had it)."""
+    if getattr(model, USER_MODEL_MARK, False):
+        yield
+        return
+    setattr(model, USER_MODEL_MARK, True)
+    try:
+        yield
+    finally:
+        delattr(model, USER_MODEL_MARK)
 
 
 def refuse_sample_mixing(model: nn.Module, spec: str) -> None:
