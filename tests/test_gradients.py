@@ -234,10 +234,23 @@ def test_unused_and_unapplied_layers_have_zero_gradient():
     assert all(torch.equal(summed, torch.zeros_like(summed)) for summed in sums[2:])
 
 
+class TiedLinear(nn.Module):
+    """A Linear layer without bias whose weight is the first layer's: it holds no parameter of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.head = nn.Linear(4, 4), nn.Linear(4, 4, bias=False), nn.Linear(4, 3)
+        self.second.weight = self.first.weight
+
+    def forward(self, inputs):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(inputs)))))
+
+
 @pytest.mark.parametrize("model", [
     nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)),
     nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 2, 2, padding=1, padding_mode="reflect"), nn.Flatten(),
                   nn.Linear(18, 3)),
+    TiedLinear(),  # the engine would add the two layers' squared norms, not square their summed gradient
 ])
 def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
     """perinstance/train/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
@@ -267,6 +280,21 @@ def test_a_frozen_parameter_of_a_fallback_layer_counts_in_no_norm():
             for i in range(COUNT)]
     torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
                                rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("name, shape", [("lenet5", (1, 32, 32)), ("resnet20", (3, 32, 32))])
+def test_parameter_owners_hold_the_trainable_parameters_in_order(name, shape):
+    """The one walk of a pass lists trainable_parameters(model), in order: a frozen parameter left out, a parameter
+    registered twice in one module or shared by two modules listed once, where model.parameters() lists it."""
+    model = build_model(name, shape[0], shape[1], 10, dp=True)
+    model.get_submodule(next(name for name, _ in model.named_modules() if name)).weight.requires_grad_(False)
+    tied = TiedLinear()
+    tied.head.again = tied.head.weight
+    for network in (model, tied):
+        owners = gradients.parameter_owners(network)
+        assert [param for _, params in owners for param in params] == gradients.trainable_parameters(network)
+    assert [module for module, _ in gradients.parameter_owners(tied)] == [tied.first, tied.second, tied.head]
+    assert gradients.parameter_owners(tied)[1][1] == []
 
 
 def test_a_layer_applied_twice_is_refused():

@@ -45,12 +45,16 @@ def _owners(model):
             if any(param.requires_grad for param in module.parameters(recurse=False))]
 
 
-def needs_fallback(model: nn.Module) -> bool:
+def needs_fallback(model: nn.Module, owners: list | None = None) -> bool:
     """Whether per-sample gradients of `model` go through this module: a model built from a spec, or one with a
-    trainable layer of a type the engine has no closed form for."""
+    trainable layer of a type the engine has no closed form for, or a trainable parameter that two layers share.
+    `owners`: gradients.parameter_owners(model), where the caller has it."""
     if getattr(model, USER_MODEL_MARK, False):
         return True
-    return any(type(module) not in layer_forms.SQUARED_NORMS or not _zero_padded(module) for _, module, _ in _owners(model))
+    owners = gradients.parameter_owners(model) if owners is None else owners
+    shared = any(len(params) < len(gradients.own_trainable_parameters(module)) for module, params in owners)
+    return shared or any(type(module) not in layer_forms.SQUARED_NORMS or not _zero_padded(module)
+                         for module, _ in owners)
 
 
 def _zero_padded(layer):
