@@ -14,7 +14,8 @@ here (user_code.USER_MODEL_MARK), so that every layer is checked at every pass, 
 trainable layer of a type (or a Conv2d padding) the engine lacks; another model (this suite's own networks)
 keeps the engine's own checks (a layer applied twice is an error there). A covered layer whose closed form
 disagrees with torch.func on the first examples a process sees (its weights also used outside its forward)
-falls back too, as does a layer with a parameter that another layer shares. The pass runs the model in eval mode (dropout off), in training as in measurement.
+falls back too, as does a layer with a parameter that another layer shares. The pass runs the model in eval
+mode (dropout off), in training as in measurement.
 """
 
 import sys
@@ -40,9 +41,8 @@ _announced = set()
 
 def _owners(model):
     """(name, module, its own trainable parameters) of every module that owns one."""
-    return [(name, module, [param for param in module.parameters(recurse=False) if param.requires_grad])
-            for name, module in model.named_modules()
-            if any(param.requires_grad for param in module.parameters(recurse=False))]
+    owners = [(name, module, gradients.own_trainable_parameters(module)) for name, module in model.named_modules()]
+    return [(name, module, params) for name, module, params in owners if params]
 
 
 def needs_fallback(model: nn.Module, owners: list | None = None) -> bool:

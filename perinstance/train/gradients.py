@@ -61,13 +61,13 @@ def parameter_owners(model: nn.Module) -> list[tuple[nn.Module, list[nn.Paramete
     """(module, the trainable parameters it holds that no module before it holds) of every module of `model` that
     holds a trainable parameter, in model.modules() order: the parameters, in turn, are trainable_parameters(model),
     and a module whose list is shorter than its own shares a parameter. The one walk of the model a pass of the
-    engine makes (ResNet-20: 30 µs; the three walks it replaced took 300)."""
-    owners, seen = [], set()
+    engine makes (ResNet-20: 0.11 ms with needs_fallback's look at it; the three walks it replaced took 0.31)."""
+    owners, seen = [], set()  # ids: hashing a tensor goes through Python, id() does not
     for module in model.modules():
         own = own_trainable_parameters(module)
         if own:
-            owners.append((module, [param for param in own if param not in seen]))
-            seen.update(own)
+            owners.append((module, [param for param in own if id(param) not in seen]))
+            seen.update(map(id, own))
     return owners
 
 
