@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.train import gradients, layer_forms
+from perinstance.train import gradients, layer_forms, user_code
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -338,6 +338,24 @@ def test_examples_per_pass_keep_the_largest_layer_output_under_its_budget(name, 
     torch.manual_seed(0)
     model = build_model(name, shape[0], shape[1], 10)
     assert gradients.examples_per_pass(model, torch.zeros(2, *shape)) == chunk
+
+
+def test_a_checked_model_takes_the_engine_chunk_within_its_largest_layer_budget():
+    """A --model network (or one given to sensitivities()) of covered layers only: the engine's chunk, unless
+    materialising its largest layer, should the check send that layer to torch.func, would exceed
+    CHECKED_LAYER_BYTES; with a layer torch.func takes, FALLBACK_PASS_EXAMPLES."""
+    torch.manual_seed(0)
+    lenet = build_model("lenet5", 1, 32, 10)  # largest layer 48,120 parameters: 697 examples within 128 MiB
+    wide = nn.Sequential(nn.Flatten(), nn.Linear(64, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Linear(2048, 10))
+    with_layer_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Linear(8, 10))
+    for model in (lenet, wide, with_layer_norm):
+        setattr(model, user_code.USER_MODEL_MARK, True)
+    assert gradients.examples_per_pass(lenet, torch.zeros(2, 1, 32, 32)) == 512
+    assert gradients.CHECKED_LAYER_BYTES // (2048 * 2049 * 4) == 7  # under FALLBACK_PASS_EXAMPLES
+    assert gradients.examples_per_pass(wide, torch.zeros(2, 1, 8, 8)) == gradients.FALLBACK_PASS_EXAMPLES
+    assert gradients.examples_per_pass(with_layer_norm, torch.zeros(2, 1, 8, 8)) == gradients.FALLBACK_PASS_EXAMPLES
+    delattr(wide, user_code.USER_MODEL_MARK)
+    assert gradients.examples_per_pass(wide, torch.zeros(2, 1, 8, 8)) == 512  # the engine's own: nothing to check
 
 
 def test_a_gpu_takes_four_times_the_examples_per_pass():

@@ -46,15 +46,21 @@ def _owners(model):
 
 
 def needs_fallback(model: nn.Module, owners: list | None = None) -> bool:
-    """Whether per-sample gradients of `model` go through this module: a model built from a spec, or one with a
-    trainable layer of a type the engine has no closed form for, or a trainable parameter that two layers share.
-    `owners`: gradients.parameter_owners(model), where the caller has it."""
+    """Whether per-sample gradients of `model` go through this module: a model built from a spec (or given to the
+    public API), or one the engine does not cover (`engine_covers`). `owners`: gradients.parameter_owners(model),
+    where the caller has it."""
     if getattr(model, USER_MODEL_MARK, False):
         return True
-    owners = gradients.parameter_owners(model) if owners is None else owners
+    return not engine_covers(gradients.parameter_owners(model) if owners is None else owners)
+
+
+def engine_covers(owners: list) -> bool:
+    """Whether the engine has a closed form for every trainable layer of a model (`owners`:
+    gradients.parameter_owners of it): each of a type it covers (a Conv2d zero-padded), none sharing a parameter
+    with another. A layer may still fall back when its pass is checked (a weight used outside its forward)."""
     shared = any(len(params) < len(gradients.own_trainable_parameters(module)) for module, params in owners)
-    return shared or any(type(module) not in layer_forms.SQUARED_NORMS or not _zero_padded(module)
-                         for module, _ in owners)
+    return not shared and all(type(module) in layer_forms.SQUARED_NORMS and _zero_padded(module)
+                              for module, _ in owners)
 
 
 def _zero_padded(layer):

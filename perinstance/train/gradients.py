@@ -97,9 +97,14 @@ def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
 PASS_EXAMPLES = {"cpu": 512, "cuda": 2048}
 MIN_PASS_EXAMPLES = 32
 PASS_OUTPUT_BYTES = {"cpu": 10 << 20, "cuda": 64 << 20}
-# Examples per pass of a model that falls back to torch.func (fallback_norms.py), whose per-sample gradients
-# are materialised: gradient_rows.ROW_CHUNK.
+# Examples per pass of a model with layers that fall back to torch.func (fallback_norms.py), whose per-sample
+# gradients are materialised: gradient_rows.ROW_CHUNK.
 FALLBACK_PASS_EXAMPLES = 128
+# A model that goes through fallback_norms.py only to be checked (a --model network, or one given to the public
+# API, every trainable layer of a kind the engine covers) takes the engine's examples per pass, but no more than
+# keep any one layer's per-sample gradients within these bytes, should the check send that layer to torch.func
+# (and never fewer than FALLBACK_PASS_EXAMPLES). LeNet-5's largest layer, 48,120 float32 parameters: 697 examples.
+CHECKED_LAYER_BYTES = 128 << 20
 
 
 # --- norms only, and the clipped sum from them (no per-sample gradients kept) ---------------
@@ -186,15 +191,22 @@ def norm_forms(model: nn.Module, example: torch.Tensor) -> dict:
 
 def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torch.device = "cpu") -> int:
     """Examples per pass of the norms engine (a norms-only pass, or a training step's norms and clipped sum) over
-    examples shaped as `inputs`' on `device`: `pass_examples` of the model's largest layer output. A function of
-    the model's shapes and the device's kind alone, so every chunk of a measurement and every step of a run is
-    cut alike."""
+    examples shaped as `inputs`' on `device`: `pass_examples` of the model's largest layer output;
+    FALLBACK_PASS_EXAMPLES where torch.func takes some of its layers; capped by CHECKED_LAYER_BYTES where the
+    engine covers every layer but checks it first. A function of the model's shapes and the device's kind
+    alone, so every chunk of a measurement and every step of a run is cut alike."""
     from perinstance.train import fallback_norms
 
-    if fallback_norms.needs_fallback(model):  # torch.func materialises its layers' per-sample gradients
+    owners = parameter_owners(model)
+    if not fallback_norms.engine_covers(owners):  # torch.func materialises its layers' per-sample gradients
         return FALLBACK_PASS_EXAMPLES
+    element_size = next(model.parameters()).element_size()
     largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, inputs[:1].to(device))), default=0)
-    return pass_examples(largest * next(model.parameters()).element_size(), torch.device(device).type)
+    chunk = pass_examples(largest * element_size, torch.device(device).type)
+    if fallback_norms.needs_fallback(model, owners):
+        largest_layer = max(sum(param.numel() for param in params) for _, params in owners) * element_size
+        chunk = min(chunk, max(FALLBACK_PASS_EXAMPLES, CHECKED_LAYER_BYTES // largest_layer))
+    return chunk
 
 
 def batch_passes(count: int, per_pass: int) -> list[slice]:
