@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.train import gradients, layer_forms, user_code
+from perinstance.train import fallback_norms, gradients, layer_forms, user_code
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -267,6 +267,41 @@ def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
     for index, summed in enumerate(sums):
         torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
                                    rtol=1e-10, atol=1e-12)
+
+
+class GroupNormTwiceAndOutside(nn.Module):
+    """One GroupNorm layer applied twice, another whose γ the model also adds itself: both fall back when the
+    model is checked (a --model network), and the covered GroupNorm layer takes its rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.twice = nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)
+        self.covered, self.outside = nn.GroupNorm(2, 4), nn.GroupNorm(1, 4)
+        self.head = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, inputs):
+        hidden = self.covered(torch.tanh(self.twice(self.twice(self.conv(inputs)))))
+        hidden = self.outside(hidden) + self.outside.weight[:, None, None]
+        return self.head(torch.tanh(hidden).flatten(1))
+
+
+def test_a_checked_model_takes_group_norm_rows_where_covered():
+    torch.manual_seed(0)
+    model = GroupNormTwiceAndOutside().double()
+    setattr(model, user_code.USER_MODEL_MARK, True)
+    inputs, labels = data(2, 6)
+    weights = torch.linspace(0.5, 2.0, COUNT, dtype=torch.float64)
+    sums, _, norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, lambda _: weights)
+    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
+            for i in range(COUNT)]
+    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
+                               rtol=1e-10, atol=0)
+    for index, summed in enumerate(sums):
+        torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
+                                   rtol=1e-10, atol=1e-12)
+    split = fallback_norms._split_forward(model, inputs, labels)
+    assert split.layers == [model.conv, model.covered, model.head] and list(split.group_norm_rows) == [model.covered]
+    assert split.inputs[1] is None and split.outputs[1] is None
 
 
 def test_a_frozen_parameter_of_a_fallback_layer_counts_in_no_norm():

@@ -92,8 +92,9 @@ def _covered(layer, layer_input, output):
 
 @dataclass
 class _Split:
-    """One forward pass: the covered layers with their inputs and outputs, the names of the parameters that
-    fall back (in model.named_parameters() order), the logits and per-example losses."""
+    """One forward pass: the covered layers with their inputs and outputs (None for a GroupNorm layer with
+    parameter rows), the names of the parameters that fall back (in model.named_parameters() order), the logits
+    and per-example losses, and the covered GroupNorm layers' parameter rows (layer_forms.group_norm_rows)."""
 
     layers: list
     inputs: list
@@ -101,6 +102,11 @@ class _Split:
     fallback: list
     logits: torch.Tensor
     losses: torch.Tensor
+    group_norm_rows: dict
+
+    def layer_norms(self) -> tuple:
+        """gradients.layer_norms of the covered layers."""
+        return gradients.layer_norms(self.layers, self.inputs, self.outputs, self.losses, self.group_norm_rows)
 
 
 # The engine's closed form of a layer holds only if its parameters are used by its own forward alone; a parent
@@ -119,13 +125,15 @@ def _split_forward(model, inputs, labels, check=True):
     for _, _, params in owners:
         for param in params:
             owner_count[param] = owner_count.get(param, 0) + 1
-    calls = {}
+    calls, rows = {}, {}  # rows: GroupNorm's per-sample γ and β from the backward itself, as in the engine's pass
 
     def record(layer, layer_inputs, output):
-        calls.setdefault(layer, []).append((layer_inputs[0].detach() if layer_inputs and isinstance(
-            layer_inputs[0], torch.Tensor) else None, output))
+        # A GroupNorm layer with rows needs neither its input nor its output, and the forward frees them.
+        calls.setdefault(layer, []).append((None, None) if layer in rows else (layer_inputs[0].detach() if (
+            layer_inputs and isinstance(layer_inputs[0], torch.Tensor)) else None, output))
 
-    logits = gradients.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
+    with layer_forms.group_norm_rows([module for _, module, _ in owners], rows):
+        logits = gradients.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:
         _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])
@@ -134,7 +142,7 @@ def _split_forward(model, inputs, labels, check=True):
     for name, module, params in owners:
         applications = calls.get(module, [])
         if name not in wrong and len(applications) == 1 and all(owner_count[param] == 1 for param in params) \
-                and _covered(module, *applications[0]):
+                and (module in rows or _covered(module, *applications[0])):
             covered.append(module)
         else:
             falling.append((name, module, params))
@@ -144,13 +152,14 @@ def _split_forward(model, inputs, labels, check=True):
     falling_params = {param for _, _, params in falling for param in params}
     fallback = [name for name, param in model.named_parameters() if param in falling_params]
     return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][1] for layer in covered],
-                  fallback, logits, F.cross_entropy(logits, labels, reduction="none"))
+                  fallback, logits, F.cross_entropy(logits, labels, reduction="none"),
+                  {layer: rows[layer] for layer in covered if layer in rows})
 
 
 def _check_closed_forms(model, inputs, labels):
     """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's."""
     split = _split_forward(model, inputs, labels, check=False)
-    _, norms_by_layer = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
+    _, norms_by_layer = split.layer_norms()
     layer_names = {module: name for name, module in model.named_modules()}
     parameter_names = {param: name for name, param in model.named_parameters()}
     wrong = set()
@@ -208,7 +217,7 @@ def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        _, layer_norms = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
+        _, layer_norms = split.layer_norms()
         fallback = per_example_gradients(model, split.fallback, inputs, labels)
         with torch.no_grad():  # the covered layers' norms one at a time, their materialised gradients freed
             squared = _squared(layer_norms, fallback, split.losses)
@@ -222,7 +231,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     covered layers' sums as the engine takes them (gradients.weighted_layer_gradients)."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
-        grad_outputs, layer_norms = gradients.layer_norms(split.layers, split.inputs, split.outputs, split.losses)
+        grad_outputs, layer_norms = split.layer_norms()
         fallback = per_example_gradients(model, split.fallback, inputs, labels)
         with torch.no_grad():
             layer_norms = list(layer_norms)
