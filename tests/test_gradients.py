@@ -76,6 +76,23 @@ def test_group_norm_norms_match_materialised_gradients():
         model[1].bias.uniform_(-1.0, 1.0)
     inputs, labels = data(3, 5)
     assert_matches_materialised(model, inputs * 3 + 1, labels, rtol=1e-10)
+    # Without its rows (a caller of layer_norms that did not run the pass under group_norm_rows), the layer
+    # takes the separate form from its input and its output gradient: the same norms.
+    recorded = {}
+
+    def record(layer, layer_inputs, output):
+        recorded[layer] = (layer_inputs[0], output)
+
+    logits = gradients.forward_with_hook(model, [model[0], model[1], model[4]], record, inputs * 3 + 1)
+    layers = list(recorded)
+    _, norms = gradients.layer_norms(layers, [recorded[layer][0] for layer in layers],
+                                     [recorded[layer][1] for layer in layers],
+                                     F.cross_entropy(logits, labels, reduction="none"))
+    with torch.no_grad():
+        separate = [layer_norm.squared for layer_norm in norms][1]
+    grad_samples, _, _ = materialised(model, inputs * 3 + 1, labels)
+    expected = sum(grad.reshape(COUNT, -1).square().sum(dim=1) for grad in grad_samples[2:4])  # γ and β
+    torch.testing.assert_close(separate, expected, rtol=1e-10, atol=0)
 
 
 @pytest.mark.parametrize("make_conv,kept", [(lambda: nn.Conv2d(3, 8, 3), [False, False, True]),
