@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
-from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
+from opacus.grad_sample import AbstractGradSampleModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from perinstance.accountants import composition
@@ -253,12 +253,13 @@ def _examples(data, points):
     return inputs[index], labels[index].long()
 
 
-def _without_opacus_hooks(wrapper: GradSampleModule) -> torch.nn.Module:
-    """A copy of the network inside Opacus's `wrapper` without the hooks Opacus registered on its layers (the
-    network's own hooks, such as weight norm's, are kept). Even disabled, Opacus's full backward hooks stop
-    torch.func, which takes the layers the engine lacks and checks the ones it covers; and the wrapper itself is
-    left as it was, hooks, mode and all."""
-    opacus_hooks = {handle.id for handle in wrapper.autograd_grad_sample_hooks}
+def _without_opacus_hooks(wrapper: AbstractGradSampleModule) -> torch.nn.Module:
+    """A copy of the network inside Opacus's `wrapper` (GradSampleModule, ghost clipping's
+    GradSampleModuleFastGradientClipping, ...) without the hooks Opacus registered on its layers (the network's
+    own hooks, such as weight norm's, are kept). Even disabled, Opacus's full backward hooks stop torch.func,
+    which takes the layers the engine lacks and checks the ones it covers, and ghost clipping's hooks raise in
+    any backward they did not see the forward of; the wrapper itself is left as it was, hooks, mode and all."""
+    opacus_hooks = {handle.id for handle in getattr(wrapper, "autograd_grad_sample_hooks", [])}
     network = copy.deepcopy(wrapper._module)
     for module in network.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
@@ -278,7 +279,7 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
     Γ = clip_bound (psasc: clip_bound/scale_s). Divide by Γ for IndividualAccountant.step.
     data: a torch Dataset of (input, label) pairs, a DataLoader (its dataset is read in index order, not
     its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
-    points: indices into data (None: all). The model (or the module inside Opacus's GradSampleModule) is
+    points: indices into data (None: all). The model (or the module inside an Opacus wrapper) is
     evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/train/gradients.py
     (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py), checked as a
     --model network is: a parameter that two layers share, or that is used outside its layer's forward, comes
@@ -293,7 +294,7 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
         scale_s = _positive_finite("scale_s", scale_s if scale_s is not None else math.nan)
     transform = Transform(clipping, clip_bound, scale_r, scale_s)
     inputs, labels = _examples(data, points)
-    network = _without_opacus_hooks(model) if isinstance(model, GradSampleModule) else model
+    network = _without_opacus_hooks(model) if isinstance(model, AbstractGradSampleModule) else model
     device = next(network.parameters()).device
     was_training = network.training
     network.eval()

@@ -19,6 +19,7 @@ from conftest import ROOT, run_in_process
 from opacus import GradSampleModule
 from opacus.accountants import RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from perinstance import IndividualAccountant, api, sensitivities
@@ -257,6 +258,16 @@ def test_sensitivities_of_an_opacus_model_with_a_layer_the_engine_lacks():
     np.testing.assert_allclose(sensitivities(wrapped, (inputs, labels), 0.5).numpy(), expected, rtol=1e-5)
     F.cross_entropy(wrapped(inputs), labels, reduction="sum").backward()
     assert all(param.grad_sample.shape == (6, *param.shape) for param in wrapped.parameters())
+
+
+def test_sensitivities_of_a_ghost_clipping_model(tiny_model):
+    """make_private(grad_sample_mode="ghost") returns GradSampleModuleFastGradientClipping, not a GradSampleModule:
+    its hooks were left on, and raised in the engine's backward ("No activations detected")."""
+    model, inputs, labels = tiny_model
+    expected = np.minimum(autograd_norms(model, inputs, labels), 1.0)
+    wrapped = GradSampleModuleFastGradientClipping(copy.deepcopy(model), max_grad_norm=1.0)
+    np.testing.assert_allclose(sensitivities(wrapped, (inputs, labels), 1.0).numpy(), expected, rtol=1e-5)
+    assert wrapped.hooks_enabled and all(param.grad is None for param in wrapped.parameters())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
