@@ -85,12 +85,7 @@ def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: t
             output_gram = torch.bmm(output_rows.transpose(1, 2), output_rows)
             squared = (_patch_gram(layer, inputs, grad_outputs.shape[2:]) * output_gram).sum(dim=(1, 2))
         else:
-            if form == "patches" and inputs.device.type == "cpu":
-                weight_grads = torch.cat([_materialised(layer, form, inputs[first:first + PATCH_CHUNK],
-                                                        grad_outputs[first:first + PATCH_CHUNK])
-                                          for first in range(0, count, PATCH_CHUNK)])
-            else:
-                weight_grads = _materialised(layer, form, inputs, grad_outputs)
+            weight_grads = _materialised(layer, form, inputs, grad_outputs)
             per_sample[layer.weight] = weight_grads.reshape(count, *layer.weight.shape)
             squared = weight_grads.reshape(count, -1).square().sum(dim=1)
     if layer.bias is not None and layer.bias.requires_grad:
@@ -103,7 +98,14 @@ def _materialised(layer, form, inputs, grad_outputs):
     """(n, out_channels, in_channels/groups · k_h · k_w) per-sample weight gradients of a Conv2d, in `form`."""
     count, outputs = grad_outputs.shape[:2]
     if form == "patches":
-        return torch.bmm(grad_outputs.reshape(count, outputs, -1), _patches(layer, inputs).transpose(1, 2))
+        # Each chunk's products go straight into their rows of the result: no copy of the chunks into one.
+        chunk = PATCH_CHUNK if inputs.device.type == "cpu" else max(count, 1)
+        output_rows = grad_outputs.reshape(count, outputs, -1)
+        weight_grads = output_rows.new_empty(count, outputs, layer.in_channels * math.prod(layer.kernel_size))
+        for first in range(0, count, chunk):
+            torch.bmm(output_rows[first:first + chunk], _patches(layer, inputs[first:first + chunk]).transpose(1, 2),
+                      out=weight_grads[first:first + chunk])
+        return weight_grads
     return torch.nn.grad.conv2d_weight(
         inputs.reshape(1, -1, *inputs.shape[2:]), (count * outputs, *layer.weight.shape[1:]),
         grad_outputs.reshape(1, -1, *grad_outputs.shape[2:]), layer.stride, layer.padding, layer.dilation,
@@ -197,7 +199,8 @@ def _patches(layer, inputs):
     padded = F.pad(inputs, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else inputs
     windows = padded.unfold(2, dilation_h * (kernel_h - 1) + 1, stride_h).unfold(3, dilation_w * (kernel_w - 1) + 1,
                                                                                   stride_w)
-    windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
+    if dilation_h != 1 or dilation_w != 1:
+        windows = windows[..., ::dilation_h, ::dilation_w]  # (n, c, T_h, T_w, kernel_h, kernel_w)
     return windows.permute(0, 1, 4, 5, 2, 3).reshape(len(inputs), -1, windows.shape[2] * windows.shape[3])
 
 
