@@ -263,6 +263,21 @@ class TiedLinear(nn.Module):
         return self.head(torch.tanh(self.second(torch.tanh(self.first(inputs)))))
 
 
+def assert_clipped_sum_is_one_backward_per_example(model, inputs, labels):
+    """clipped_gradient_sum's norms and Σ w_i·g_i (weights 0.5 to 2) against one plain backward per example;
+    returns the norms."""
+    weights = torch.linspace(0.5, 2.0, COUNT, dtype=torch.float64)
+    sums, _, norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, lambda _: weights)
+    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
+            for i in range(COUNT)]
+    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
+                               rtol=1e-10, atol=0)
+    for index, summed in enumerate(sums):
+        torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
+                                   rtol=1e-10, atol=1e-12)
+    return norms
+
+
 @pytest.mark.parametrize("model", [
     nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)),
     nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.Conv2d(1, 2, 2, padding=1, padding_mode="reflect"), nn.Flatten(),
@@ -274,16 +289,8 @@ def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
     model = model.double()
     inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
     norms, _, _ = gradients.per_sample_norms(model, inputs, labels)
-    weights = torch.linspace(0.5, 2.0, COUNT, dtype=torch.float64)
-    sums, _, clipped_norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, lambda _: weights)
-    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
-            for i in range(COUNT)]
-    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
-                               rtol=1e-10, atol=0)
-    torch.testing.assert_close(clipped_norms, norms, rtol=1e-12, atol=0)
-    for index, summed in enumerate(sums):
-        torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
-                                   rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(assert_clipped_sum_is_one_backward_per_example(model, inputs, labels), norms,
+                               rtol=1e-12, atol=0)
 
 
 class GroupNormTwiceAndOutside(nn.Module):
@@ -307,15 +314,7 @@ def test_a_checked_model_takes_group_norm_rows_where_covered():
     model = GroupNormTwiceAndOutside().double()
     setattr(model, user_code.USER_MODEL_MARK, True)
     inputs, labels = data(2, 6)
-    weights = torch.linspace(0.5, 2.0, COUNT, dtype=torch.float64)
-    sums, _, norms, _ = gradients.clipped_gradient_sum(model, inputs, labels, lambda _: weights)
-    rows = [torch.autograd.grad(F.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]), list(model.parameters()))
-            for i in range(COUNT)]
-    torch.testing.assert_close(norms, torch.stack([torch.cat([part.flatten() for part in row]).norm() for row in rows]),
-                               rtol=1e-10, atol=0)
-    for index, summed in enumerate(sums):
-        torch.testing.assert_close(summed, sum(weight * row[index] for weight, row in zip(weights, rows)),
-                                   rtol=1e-10, atol=1e-12)
+    assert_clipped_sum_is_one_backward_per_example(model, inputs, labels)
     split = fallback_norms._split_forward(model, inputs, labels)
     assert split.layers == [model.conv, model.covered, model.head] and list(split.group_norm_rows) == [model.covered]
     assert split.inputs[1] is None and split.outputs[1] is None
