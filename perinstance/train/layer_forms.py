@@ -17,7 +17,7 @@ from torch import nn
 # 128-256 examples: patches 1.6-4× faster at 18, 25, 27, 36 and 75 values (LeNet-5's and ResNet-20's first
 # convolutions among them), the grouped kernel 1.4-2.5× faster at 144, 150 and 200 (LeNet-5's second).
 PATCH_VALUES = 128
-# Examples whose unfolded patches are formed at once on a CPU (conv2d_squared_norms, "patches"; a GPU takes the
+# Examples whose unfolded patches are formed at once on a CPU (`_materialised`, "patches"; a GPU takes the
 # whole chunk, as each launch costs more than the work of a few examples): the patches are p/c times the input,
 # and a few examples' stay in cache (LeNet-5's first convolution: 3.9× faster than 512 examples' at once;
 # ResNet-20's, as fast as 128 examples'). The grouped kernel takes a whole chunk: in blocks of 2 MiB of
