@@ -295,6 +295,8 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
     transform = Transform(clipping, clip_bound, scale_r, scale_s)
     inputs, labels = _examples(data, points)
     network = _without_opacus_hooks(model) if isinstance(model, AbstractGradSampleModule) else model
+    if not any(param.requires_grad for param in network.parameters()):
+        raise ValueError("model has no trainable parameter, so no gradient to measure (is every parameter frozen?)")
     device = next(network.parameters()).device
     was_training = network.training
     network.eval()

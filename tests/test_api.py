@@ -296,6 +296,13 @@ def test_sensitivities_refuse_data_they_cannot_read(tiny_model):
     refused(lambda: sensitivities(model, (inputs, labels[:5]), 1.0), "data")
 
 
+def test_sensitivities_refuse_a_model_without_trainable_parameters(tiny_model):
+    """Every parameter frozen: a ValueError naming the model (an AttributeError from deep inside before)."""
+    model, inputs, labels = tiny_model
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    refused(lambda: sensitivities(frozen, (inputs, labels), 1.0), "model")
+
+
 def test_sensitivities_of_layers_the_engine_lacks_come_from_torch_func():
     """An Embedding on integer tokens (perinstance/train/fallback_norms.py): min(||g_i||, C) of one backward per point."""
     torch.manual_seed(0)
