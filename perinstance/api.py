@@ -7,9 +7,9 @@ the sum rule exactly as renyi_per_instance_sum_compo.py does (docs/accounting.md
 `sensitivities` measures Δ* (§2, sum rule) at a model's current parameters.
 """
 
-import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -253,20 +253,32 @@ def _examples(data, points):
     return inputs[index], labels[index].long()
 
 
-def _without_opacus_hooks(wrapper: AbstractGradSampleModule) -> torch.nn.Module:
-    """A copy of the network inside Opacus's `wrapper` (GradSampleModule, ghost clipping's
-    GradSampleModuleFastGradientClipping, ...) without the hooks Opacus registered on its layers (the network's
-    own hooks, such as weight norm's, are kept). Even disabled, Opacus's full backward hooks stop torch.func,
-    which takes the layers the engine lacks and checks the ones it covers, and ghost clipping's hooks raise in
-    any backward they did not see the forward of; the wrapper itself is left as it was, hooks, mode and all."""
-    opacus_hooks = {handle.id for handle in getattr(wrapper, "autograd_grad_sample_hooks", [])}
-    network = copy.deepcopy(wrapper._module)
-    for module in network.modules():
+@contextmanager
+def _without_opacus_hooks(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The network to measure: `model`, or the one inside an Opacus wrapper (GradSampleModule, ghost clipping's
+    GradSampleModuleFastGradientClipping, ...), whose layers then run without the hooks Opacus registered on them
+    until the block ends (the network's own hooks, such as weight norm's, stay). Even disabled, Opacus's full
+    backward hooks stop torch.func, which takes the layers the engine lacks and checks the ones it covers, and
+    ghost clipping's raise in any backward whose forward they did not see. Every hook is back after, in its
+    place: the wrapper is left as it was. No copy of the network is made (a GPU model's memory twice)."""
+    if not isinstance(model, AbstractGradSampleModule):
+        yield model
+        return
+    opacus_hooks = {handle.id for handle in getattr(model, "autograd_grad_sample_hooks", [])}
+    saved = []
+    for module in model._module.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
                       module._backward_hooks):
-            for key in [key for key in hooks if key in opacus_hooks]:
-                del hooks[key]
-    return network
+            if any(key in opacus_hooks for key in hooks):
+                saved.append((hooks, list(hooks.items())))
+                for key in [key for key in hooks if key in opacus_hooks]:
+                    del hooks[key]
+    try:
+        yield model._module
+    finally:
+        for hooks, entries in saved:
+            hooks.clear()
+            hooks.update(entries)
 
 
 def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[torch.Tensor, torch.Tensor],
@@ -294,15 +306,15 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
         scale_s = _positive_finite("scale_s", scale_s if scale_s is not None else math.nan)
     transform = Transform(clipping, clip_bound, scale_r, scale_s)
     inputs, labels = _examples(data, points)
-    network = _without_opacus_hooks(model) if isinstance(model, AbstractGradSampleModule) else model
-    if not any(param.requires_grad for param in network.parameters()):
+    if not any(param.requires_grad for param in model.parameters()):
         raise ValueError("model has no trainable parameter, so no gradient to measure (is every parameter frozen?)")
-    device = next(network.parameters()).device
-    was_training = network.training
-    network.eval()
-    try:
-        with user_code.checked_as_user_model(network):  # a tied weight, or one used outside its layer
-            norms, _ = transformed_norms(network, inputs, labels, transform, device)
-    finally:
-        network.train(was_training)
+    with _without_opacus_hooks(model) as network:
+        device = next(network.parameters()).device
+        was_training = network.training
+        network.eval()
+        try:
+            with user_code.checked_as_user_model(network):  # a tied weight, or one used outside its layer
+                norms, _ = transformed_norms(network, inputs, labels, transform, device)
+        finally:
+            network.train(was_training)
     return torch.from_numpy(norms)

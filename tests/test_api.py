@@ -242,8 +242,14 @@ def test_sensitivities_of_an_opacus_model_leave_its_hooks_and_mode(tiny_model):
     expected = np.minimum(autograd_norms(model, inputs, labels), 1.0)
     wrapped = GradSampleModule(copy.deepcopy(model))
     wrapped.train()
+
+    def hooks():
+        return [(list(module._forward_hooks.items()), list(module._backward_hooks.items()))
+                for module in wrapped.modules()]
+
+    before = hooks()
     np.testing.assert_allclose(sensitivities(wrapped, (inputs, labels), 1.0).numpy(), expected, rtol=1e-5)
-    assert wrapped.training and wrapped.hooks_enabled
+    assert wrapped.training and wrapped.hooks_enabled and hooks() == before  # Opacus's hooks back, in order
     assert all(param.grad is None and getattr(param, "grad_sample", None) is None for param in wrapped.parameters())
 
 
