@@ -255,7 +255,8 @@ def test_sensitivities_of_an_opacus_model_leave_its_hooks_and_mode(tiny_model):
 
 def test_sensitivities_of_an_opacus_model_with_a_layer_the_engine_lacks():
     """torch.func takes the Embedding; Opacus's full backward hooks, even disabled, stopped it (a RuntimeError
-    before), so the pass runs on a copy without them. The wrapper still records per-sample gradients after."""
+    before), so the pass takes them off the network's layers and puts them back after. The wrapper still records
+    per-sample gradients after."""
     torch.manual_seed(0)
     tokens = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 2))
     inputs, labels = torch.randint(0, 10, (6, 3)), torch.arange(6) % 2

@@ -49,9 +49,13 @@ def needs_fallback(model: nn.Module, owners: list | None = None) -> bool:
     """Whether per-sample gradients of `model` go through this module: a model built from a spec (or given to the
     public API), or one the engine does not cover (`engine_covers`). `owners`: gradients.parameter_owners(model),
     where the caller has it."""
-    if getattr(model, USER_MODEL_MARK, False):
-        return True
-    return not engine_covers(gradients.parameter_owners(model) if owners is None else owners)
+    return checked(model) or not engine_covers(gradients.parameter_owners(model) if owners is None else owners)
+
+
+def checked(model: nn.Module) -> bool:
+    """Whether `model` carries USER_MODEL_MARK (built from a spec, or given to the public API): every pass of it
+    goes through here, its covered layers checked against torch.func."""
+    return getattr(model, USER_MODEL_MARK, False)
 
 
 def engine_covers(owners: list) -> bool:

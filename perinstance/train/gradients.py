@@ -203,7 +203,7 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     element_size = next(model.parameters()).element_size()
     largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, inputs[:1].to(device))), default=0)
     chunk = pass_examples(largest * element_size, torch.device(device).type)
-    if owners and fallback_norms.needs_fallback(model, owners):
+    if owners and fallback_norms.checked(model):  # engine_covers held above: only the check sends it to torch.func
         largest_layer = max(sum(param.numel() for param in params) for _, params in owners) * element_size
         chunk = min(chunk, max(FALLBACK_PASS_EXAMPLES, CHECKED_LAYER_BYTES // largest_layer))
     return chunk
