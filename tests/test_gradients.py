@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.train import fallback_norms, gradients, layer_forms, user_code
+from perinstance.train import fallback_norms, gradients, layer_forms
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -312,7 +312,7 @@ class GroupNormTwiceAndOutside(nn.Module):
 def test_a_checked_model_takes_group_norm_rows_where_covered():
     torch.manual_seed(0)
     model = GroupNormTwiceAndOutside().double()
-    setattr(model, user_code.USER_MODEL_MARK, True)
+    setattr(model, fallback_norms.USER_MODEL_MARK, True)
     inputs, labels = data(2, 6)
     assert_clipped_sum_is_one_backward_per_example(model, inputs, labels)
     split = fallback_norms._split_forward(model, inputs, labels)
@@ -400,12 +400,12 @@ def test_a_checked_model_takes_the_engine_chunk_within_its_largest_layer_budget(
     wide = nn.Sequential(nn.Flatten(), nn.Linear(64, 2048), nn.Tanh(), nn.Linear(2048, 2048), nn.Linear(2048, 10))
     with_layer_norm = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Linear(8, 10))
     for model in (lenet, wide, with_layer_norm):
-        setattr(model, user_code.USER_MODEL_MARK, True)
+        setattr(model, fallback_norms.USER_MODEL_MARK, True)
     assert gradients.examples_per_pass(lenet, torch.zeros(2, 1, 32, 32)) == 512
     assert gradients.CHECKED_LAYER_BYTES // (2048 * 2049 * 4) == 7  # under FALLBACK_PASS_EXAMPLES
     assert gradients.examples_per_pass(wide, torch.zeros(2, 1, 8, 8)) == gradients.FALLBACK_PASS_EXAMPLES
     assert gradients.examples_per_pass(with_layer_norm, torch.zeros(2, 1, 8, 8)) == gradients.FALLBACK_PASS_EXAMPLES
-    delattr(wide, user_code.USER_MODEL_MARK)
+    delattr(wide, fallback_norms.USER_MODEL_MARK)
     assert gradients.examples_per_pass(wide, torch.zeros(2, 1, 8, 8)) == 512  # the engine's own: nothing to check
 
 

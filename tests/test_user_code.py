@@ -19,7 +19,7 @@ from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants.analysis.rdp import _compute_rdp
 
 from perinstance.measure.gradient_rows import transformed_gradient_chunks
-from perinstance.train import gradients, run_plan, user_code
+from perinstance.train import fallback_norms, gradients, run_plan, user_code
 from perinstance.train.clipping import Transform
 
 TRANSFORMER = '''
@@ -218,7 +218,7 @@ class _Reused(torch.nn.Module):
 def test_a_weight_used_outside_its_layer_falls_back(capsys):
     torch.manual_seed(2)
     model = _Reused()
-    setattr(model, user_code.USER_MODEL_MARK, True)
+    setattr(model, fallback_norms.USER_MODEL_MARK, True)
     inputs, labels = torch.randn(6, 4), torch.arange(6) % 3
     norms, _, _ = gradients.per_sample_norms(model, inputs, labels)
     expected = []

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from perinstance.errors import UsageError
+from perinstance.train import user_code
 
 DATASET_CHOICES = ("mnist-embedded", "MNIST", "FashionMNIST", "CIFAR10", "synthetic", "imagefolder:PATH",
                    "scatternet:DATASET", "first:N:DATASET", "PATH.py:NAME", "package.module:NAME")
@@ -91,10 +92,8 @@ def _load_full_dataset(name, data_root):
         return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root)
     if key.startswith("imagefolder:"):
         return _load_imagefolder(name[len("imagefolder:"):])
-    from perinstance.train import user_code
-
     if user_code.is_spec(name):  # PATH.py:NAME or package.module:NAME, the user's own data
-        return user_code.load_dataset(name, data_root)
+        return _load_user_dataset(name, data_root)
     loaders = {
         "mnist-embedded": _load_embedded_mnist,
         "mnist": lambda: _load_torchvision("MNIST", data_root),
@@ -114,6 +113,15 @@ def without_point(dataset: Dataset, index: int) -> Dataset:
         raise UsageError("--less-point", f"point {index} is out of range 0..{size - 1}")
     keep = torch.arange(size) != index
     return dataclasses.replace(dataset, train_x=dataset.train_x[keep], train_y=dataset.train_y[keep])
+
+
+def _load_user_dataset(spec, data_root):
+    """The Dataset of a dataset spec (user_code.py): named by the spec, its classes 0..max label, fingerprinted as
+    every dataset is."""
+    train, test, _ = user_code.load_examples(spec, data_root)
+    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
+    return _make_dataset(spec, train.inputs, train.labels, test.inputs, test.labels,
+                         [str(label) for label in range(num_classes)])
 
 
 def _make_dataset(name, train_x, train_y, test_x, test_y, class_names):

@@ -10,7 +10,7 @@ clipped sum u(B) of accounting.md §1 is the engine's per-layer sums plus Σ_i w
 Which layers fall back is printed once per process.
 
 Models built from a --model spec, and models given to the public API's `sensitivities`, always go through
-here (user_code.USER_MODEL_MARK), so that every layer is checked at every pass, as does any model with a
+here (USER_MODEL_MARK), so that every layer is checked at every pass, as does any model with a
 trainable layer of a type (or a Conv2d padding) the engine lacks; another model (this suite's own networks)
 keeps the engine's own checks (a layer applied twice is an error there). A covered layer whose closed form
 disagrees with torch.func on the first examples a process sees (its weights also used outside its forward)
@@ -29,11 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.train import gradients, layer_forms
-from perinstance.train.user_code import USER_MODEL_MARK
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
 NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented"
+# Set on every model built from a spec, and on a model given to the public API while it is measured
+# (user_code.checked_as_user_model): every pass of it then goes through here, each layer checked, instead of
+# trusting that the fast engine covers it.
+USER_MODEL_MARK = "perinstance_user_model"
 
 # Each distinct line of which layers fall back, printed once per process.
 _announced = set()

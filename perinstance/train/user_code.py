@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-import perinstance
 from perinstance.errors import UsageError
+from perinstance.train.fallback_norms import USER_MODEL_MARK
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
 # are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.
@@ -37,10 +37,6 @@ SPEC_FORMS = "PATH.py:NAME or package.module:NAME"
 # The seed of torch's, numpy's and Python's global generators while a dataset function runs (restored after):
 # data drawn at random is then the same in every process, so its fingerprint names it.
 DATASET_SEED = 0
-# Set on every model built from a spec, and on a model given to the public API while it is measured
-# (`checked_as_user_model`): the per-sample engine then checks each layer at every pass
-# (perinstance/train/fallback_norms.py) instead of trusting that the fast engine covers it.
-USER_MODEL_MARK = "perinstance_user_model"
 
 
 @dataclass(frozen=True)
@@ -353,17 +349,6 @@ def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -
         before, now = (recorded or {}).get(key), (planned or {}).get(key)
         if before is not None and now is not None and before.get("spec") == now.get("spec"):
             check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
-
-
-def load_dataset(spec: str, data_root: str) -> "perinstance.train.data.Dataset":
-    """The data.Dataset of a dataset spec: named by the spec, its classes 0..max label, fingerprinted as every
-    dataset is (data.py)."""
-    from perinstance.train import data
-
-    train, test, _ = load_examples(spec, data_root)
-    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    return data._make_dataset(spec, train.inputs, train.labels, test.inputs, test.labels,
-                              [str(label) for label in range(num_classes)])
 
 
 def model_flag(text: str) -> str:
