@@ -36,7 +36,7 @@ from reference import reference_batch_means, reference_renyi_statistics  # noqa:
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
 from perinstance.measure.poisson_batches import Pool  # noqa: E402
-from perinstance.train import gradients  # noqa: E402
+from perinstance.persample import gradients  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
 from perinstance.train.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
 

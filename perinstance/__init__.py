@@ -4,6 +4,7 @@ The package is layered; imports flow one way, lowest layer first (tests/test_lay
 
     accounting/   pure math (numpy/scipy, no torch): imports no other subpackage
     files/        file formats, atomic writes, result files, checkpoints
+    persample/    the per-sample gradient engine: per-sample norms and clipped sums of any model
     train/        datasets, models, DP-SGD training, runs, the shared flags, torchrun ranks
     measure/      per-sample gradient rows, Poisson batches, coupling, the measurement
     accountants/  the accountants' command side, the report, compute_sensitivity's command

@@ -292,8 +292,8 @@ def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[tor
     data: a torch Dataset of (input, label) pairs, a DataLoader (its dataset is read in index order, not
     its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
     points: indices into data (None: all). The model (or the module inside an Opacus wrapper) is
-    evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/train/gradients.py
-    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py), checked as a
+    evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/persample/gradients.py
+    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/persample/fallback_norms.py), checked as a
     --model network is: a parameter that two layers share, or that is used outside its layer's forward, comes
     from torch.func too. Returns a float64 tensor, one Δ* per point, on the CPU.
     """

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from perinstance.measure.gradient_rows import parameter_count, training_mode
-from perinstance.train import gradients
+from perinstance.persample import gradients
 
 
 def reference_batch_means(model, inputs, labels, transform, batches, device="cpu"):

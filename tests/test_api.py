@@ -311,7 +311,7 @@ def test_sensitivities_refuse_a_model_without_trainable_parameters(tiny_model):
 
 
 def test_sensitivities_of_layers_the_engine_lacks_come_from_torch_func():
-    """An Embedding on integer tokens (perinstance/train/fallback_norms.py): min(||g_i||, C) of one backward per point."""
+    """An Embedding on integer tokens (perinstance/persample/fallback_norms.py): min(||g_i||, C) of one backward per point."""
     torch.manual_seed(0)
     tokens = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 2))
     inputs, labels = torch.randint(0, 10, (6, 3)), torch.arange(6) % 2

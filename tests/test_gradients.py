@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.train import fallback_norms, gradients, layer_forms
+from perinstance.persample import fallback_norms, gradients, layer_forms
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -285,7 +285,7 @@ def assert_clipped_sum_is_one_backward_per_example(model, inputs, labels):
     TiedLinear(),  # the engine would add the two layers' squared norms, not square their summed gradient
 ])
 def test_layers_without_a_closed_form_fall_back_to_torch_func(model):
-    """perinstance/train/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
+    """perinstance/persample/fallback_norms.py: the norms and the clipped sum equal one backward per example."""
     model = model.double()
     inputs, labels = torch.randn(COUNT, 4, dtype=torch.float64), torch.arange(COUNT) % 3
     norms, _, _ = gradients.per_sample_norms(model, inputs, labels)

@@ -19,7 +19,8 @@ from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants.analysis.rdp import _compute_rdp
 
 from perinstance.measure.gradient_rows import transformed_gradient_chunks
-from perinstance.train import fallback_norms, gradients, run_plan, user_code
+from perinstance.persample import fallback_norms, gradients
+from perinstance.train import run_plan, user_code
 from perinstance.train.clipping import Transform
 
 TRANSFORMER = '''

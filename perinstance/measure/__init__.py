@@ -1,5 +1,5 @@
 """Measuring a checkpoint: per-sample gradient rows, the Poisson batches and the coupling of the mean
 rule, and the measurement that writes the sensitivity rows.
 
-May import train/, files/, accounting/ and the package top.
+May import train/, persample/, files/, accounting/ and the package top.
 """

@@ -29,7 +29,8 @@ from perinstance.measure.gradient_rows import (
     square_norms,
 )
 from perinstance.measure.predictions import Predictions, predictions_of
-from perinstance.train import gradients, sampling
+from perinstance.persample import gradients
+from perinstance.train import sampling
 from perinstance.train.clipping import Transform
 
 # The Δ_B output is (points, draws) float64 anyway, so a pass may hold 4× more (batches, points)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.predictions import Predictions, predictions_of
-from perinstance.train import fallback_norms, gradients
+from perinstance.persample import fallback_norms, gradients
 from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
 

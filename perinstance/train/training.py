@@ -22,7 +22,8 @@ from tqdm import tqdm
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio, results
-from perinstance.train import canaries, clipping, gradients, run_plan, runs, sampling, user_code
+from perinstance.persample import gradients
+from perinstance.train import canaries, clipping, run_plan, runs, sampling, user_code
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 

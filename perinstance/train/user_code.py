@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from perinstance.errors import UsageError
-from perinstance.train.fallback_norms import USER_MODEL_MARK
+from perinstance.persample.fallback_norms import USER_MODEL_MARK
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
 # are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from perinstance.train.layer_forms import SQUARED_NORMS, LayerNorms, conv2d_norm_form, group_norm_rows, weight_gradients
+from perinstance.persample.layer_forms import (
+    SQUARED_NORMS,
+    LayerNorms,
+    conv2d_norm_form,
+    group_norm_rows,
+    weight_gradients,
+)
 
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
 # time although per-sample gradients of the parameters are exactly what is wanted.
@@ -195,7 +201,7 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     FALLBACK_PASS_EXAMPLES where torch.func takes some of its layers; capped by CHECKED_LAYER_BYTES where the
     engine covers every layer but checks it first. A function of the model's shapes and the device's kind
     alone, so every chunk of a measurement and every step of a run is cut alike."""
-    from perinstance.train import fallback_norms
+    from perinstance.persample import fallback_norms
 
     owners = parameter_owners(model)
     if not fallback_norms.engine_covers(owners):  # torch.func materialises its layers' per-sample gradients
@@ -288,7 +294,7 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
-    from perinstance.train import fallback_norms
+    from perinstance.persample import fallback_norms
 
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
@@ -309,7 +315,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
     losses; ||g_i||; logits).
     """
-    from perinstance.train import fallback_norms
+    from perinstance.persample import fallback_norms
 
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer

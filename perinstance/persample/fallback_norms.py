@@ -1,4 +1,4 @@
-"""Per-sample gradients of layers the fast norms engine (perinstance/train/gradients.py) does not cover.
+"""Per-sample gradients of layers the fast norms engine (perinstance/persample/gradients.py) does not cover.
 
 The engine's closed forms hold for a Linear layer on (n, features) inputs, a Conv2d with zero padding and a
 GroupNorm, each applied once per forward through its own `forward`. Any other trainable layer of a model (an
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perinstance.train import gradients, layer_forms
+from perinstance.persample import gradients, layer_forms
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
