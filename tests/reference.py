@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from perinstance.measure.gradient_rows import parameter_count, training_mode
-from perinstance.persample import gradients
+from perinstance.persample import gradients, layer_pass
 
 
 def reference_batch_means(model, inputs, labels, transform, batches, device="cpu"):
@@ -23,7 +23,7 @@ def reference_batch_means(model, inputs, labels, transform, batches, device="cpu
                 grad_samples, _, _ = gradients.per_sample_gradients(module, inputs[batch].to(device),
                                                                     labels[batch].to(device))
                 weights = transform.weights(gradients.grad_norms(grad_samples))
-                summed = torch.cat([part.reshape(-1) for part in gradients.weighted_sum(grad_samples, weights)])
+                summed = torch.cat([part.reshape(-1) for part in layer_pass.weighted_sum(grad_samples, weights)])
                 means.append(summed.double().cpu() / len(batch))
     finally:
         module.cleanup()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from perinstance.measure import gradient_rows
-from perinstance.persample import fallback_norms, gradients, layer_forms
+from perinstance.persample import fallback_norms, gradients, layer_forms, layer_pass
 from perinstance.train.clipping import Transform
 from perinstance.train.nets import build_model
 
@@ -83,9 +83,9 @@ def test_group_norm_norms_match_materialised_gradients():
     def record(layer, layer_inputs, output):
         recorded[layer] = (layer_inputs[0], output)
 
-    logits = gradients.forward_with_hook(model, [model[0], model[1], model[4]], record, inputs * 3 + 1)
+    logits = layer_pass.forward_with_hook(model, [model[0], model[1], model[4]], record, inputs * 3 + 1)
     layers = list(recorded)
-    _, norms = gradients.layer_norms(layers, [recorded[layer][0] for layer in layers],
+    _, norms = layer_pass.layer_norms(layers, [recorded[layer][0] for layer in layers],
                                      [recorded[layer][1] for layer in layers],
                                      F.cross_entropy(logits, labels, reduction="none"))
     with torch.no_grad():
@@ -105,7 +105,7 @@ def test_output_gradients_the_clipped_sum_does_not_read_are_not_kept(make_conv, 
     model = conv_model(conv, 6, norm=nn.GroupNorm(4, conv.out_channels))
     inputs, labels = data(conv.in_channels, 6)
     forward = gradients._forward(model, inputs, labels)
-    grad_outputs, norms = gradients.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+    grad_outputs, norms = layer_pass.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
                                                 forward.group_norm_rows)
     with torch.no_grad():
         list(norms)
@@ -175,7 +175,7 @@ def test_group_norm_pass_keeps_the_layer_and_its_input_gradient():
     assert "forward" not in vars(model[1])
     torch.testing.assert_close(forward.inputs[2], model[2:4](expected_output), rtol=0, atol=0)
     assert forward.inputs[1] is None and forward.outputs[1] is None
-    grad_outputs, _ = gradients.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
+    grad_outputs, _ = layer_pass.layer_norms(forward.layers, forward.inputs, forward.outputs, forward.losses,
                                             forward.group_norm_rows)
     torch.testing.assert_close(grad_outputs[0], expected_grad, rtol=1e-12, atol=0)
     with pytest.raises(RuntimeError):
@@ -195,7 +195,7 @@ def assert_matches_materialised(model, inputs, labels, rtol):
     grad_samples, losses, logits = materialised(model, inputs, labels)
     expected_norms = gradients.grad_norms(grad_samples)
     weights = torch.linspace(0.2, 1.5, len(labels), dtype=inputs.dtype)
-    expected_sums = gradients.weighted_sum(grad_samples, weights)
+    expected_sums = layer_pass.weighted_sum(grad_samples, weights)
 
     norms, own_losses, own_logits = gradients.per_sample_norms(model, inputs, labels)
     torch.testing.assert_close(norms, expected_norms, rtol=rtol, atol=0)
@@ -342,10 +342,10 @@ def test_parameter_owners_hold_the_trainable_parameters_in_order(name, shape):
     tied = TiedLinear()
     tied.head.again = tied.head.weight
     for network in (model, tied):
-        owners = gradients.parameter_owners(network)
-        assert [param for _, params in owners for param in params] == gradients.trainable_parameters(network)
-    assert [module for module, _ in gradients.parameter_owners(tied)] == [tied.first, tied.second, tied.head]
-    assert gradients.parameter_owners(tied)[1][1] == []
+        owners = layer_pass.parameter_owners(network)
+        assert [param for _, params in owners for param in params] == layer_pass.trainable_parameters(network)
+    assert [module for module, _ in layer_pass.parameter_owners(tied)] == [tied.first, tied.second, tied.head]
+    assert layer_pass.parameter_owners(tied)[1][1] == []
 
 
 def test_a_layer_applied_twice_is_refused():

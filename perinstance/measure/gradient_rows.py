@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.predictions import Predictions, predictions_of
-from perinstance.persample import fallback_norms, gradients
+from perinstance.persample import fallback_norms, gradients, layer_pass
 from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
 
@@ -127,7 +127,7 @@ def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, la
 
 
 def parameter_count(model: torch.nn.Module) -> int:
-    return sum(param.numel() for param in gradients.trainable_parameters(model))
+    return sum(param.numel() for param in layer_pass.trainable_parameters(model))
 
 
 def column_spans(dim: int) -> list[tuple[int, int]]:

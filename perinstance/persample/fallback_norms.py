@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perinstance.persample import gradients, layer_forms
+from perinstance.persample import layer_forms, layer_pass
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
@@ -44,15 +44,15 @@ _announced = set()
 
 def _owners(model):
     """(name, module, its own trainable parameters) of every module that owns one."""
-    owners = [(name, module, gradients.own_trainable_parameters(module)) for name, module in model.named_modules()]
+    owners = [(name, module, layer_pass.own_trainable_parameters(module)) for name, module in model.named_modules()]
     return [(name, module, params) for name, module, params in owners if params]
 
 
 def needs_fallback(model: nn.Module, owners: list | None = None) -> bool:
     """Whether per-sample gradients of `model` go through this module: a model built from a spec (or given to the
-    public API), or one the engine does not cover (`engine_covers`). `owners`: gradients.parameter_owners(model),
+    public API), or one the engine does not cover (`engine_covers`). `owners`: layer_pass.parameter_owners(model),
     where the caller has it."""
-    return checked(model) or not engine_covers(gradients.parameter_owners(model) if owners is None else owners)
+    return checked(model) or not engine_covers(layer_pass.parameter_owners(model) if owners is None else owners)
 
 
 def checked(model: nn.Module) -> bool:
@@ -63,9 +63,9 @@ def checked(model: nn.Module) -> bool:
 
 def engine_covers(owners: list) -> bool:
     """Whether the engine has a closed form for every trainable layer of a model (`owners`:
-    gradients.parameter_owners of it): each of a type it covers (a Conv2d zero-padded), none sharing a parameter
+    layer_pass.parameter_owners of it): each of a type it covers (a Conv2d zero-padded), none sharing a parameter
     with another. A layer may still fall back when its pass is checked (a weight used outside its forward)."""
-    shared = any(len(params) < len(gradients.own_trainable_parameters(module)) for module, params in owners)
+    shared = any(len(params) < len(layer_pass.own_trainable_parameters(module)) for module, params in owners)
     return not shared and all(type(module) in layer_forms.SQUARED_NORMS and _zero_padded(module)
                               for module, _ in owners)
 
@@ -112,8 +112,8 @@ class _Split:
     group_norm_rows: dict
 
     def layer_norms(self) -> tuple:
-        """gradients.layer_norms of the covered layers."""
-        return gradients.layer_norms(self.layers, self.inputs, self.outputs, self.losses, self.group_norm_rows)
+        """layer_pass.layer_norms of the covered layers."""
+        return layer_pass.layer_norms(self.layers, self.inputs, self.outputs, self.losses, self.group_norm_rows)
 
 
 # The engine's closed form of a layer holds only if its parameters are used by its own forward alone; a parent
@@ -140,7 +140,7 @@ def _split_forward(model, inputs, labels, check=True):
             layer_inputs and isinstance(layer_inputs[0], torch.Tensor)) else None, output))
 
     with layer_forms.group_norm_rows([module for _, module, _ in owners], rows):
-        logits = gradients.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
+        logits = layer_pass.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:
         _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])
@@ -235,7 +235,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
                          weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
     """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits); the
-    covered layers' sums as the engine takes them (gradients.weighted_layer_gradients)."""
+    covered layers' sums as the engine takes them (layer_pass.weighted_layer_gradients)."""
     with _eval_mode(model):
         split = _split_forward(model, inputs, labels)
         grad_outputs, layer_norms = split.layer_norms()
@@ -245,10 +245,10 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
             norms = _squared(layer_norms, fallback, split.losses).sqrt()
             weights = weights_of_norms(norms)
             parameters = dict(model.named_parameters())
-            summed = dict(zip((parameters[name] for name in split.fallback), gradients.weighted_sum(fallback, weights)))
-            summed.update(gradients.weighted_layer_gradients(split.layers, split.inputs, grad_outputs, layer_norms,
+            summed = dict(zip((parameters[name] for name in split.fallback), layer_pass.weighted_sum(fallback, weights)))
+            summed.update(layer_pass.weighted_layer_gradients(split.layers, split.inputs, grad_outputs, layer_norms,
                                                              weights))
-    return ([summed[param] for param in gradients.trainable_parameters(model)], split.losses.detach(), norms,
+    return ([summed[param] for param in layer_pass.trainable_parameters(model)], split.losses.detach(), norms,
             split.logits.detach())
 
 

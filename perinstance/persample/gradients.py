@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from perinstance.persample.layer_forms import (
-    SQUARED_NORMS,
-    LayerNorms,
-    conv2d_norm_form,
-    group_norm_rows,
-    weight_gradients,
+from perinstance.persample import fallback_norms
+from perinstance.persample.layer_forms import SQUARED_NORMS, conv2d_norm_form, group_norm_rows
+from perinstance.persample.layer_pass import (
+    forward_with_hook,
+    layer_norms,
+    parameter_owners,
+    trainable_parameters,
+    weighted_layer_gradients,
 )
 
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
@@ -49,44 +51,10 @@ def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor,
     return grad_samples, losses.detach(), logits.detach()
 
 
-def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return [param for param in module.parameters() if param.requires_grad]
-
-
-def own_trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters `module` holds itself, as module.parameters(recurse=False) lists them (without
-    its generator machinery: a tenth of the time, which a pass spends once per layer)."""
-    own = []
-    for param in module._parameters.values():
-        if param is not None and param.requires_grad and not any(param is other for other in own):
-            own.append(param)
-    return own
-
-
-def parameter_owners(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(module, the trainable parameters it holds that no module before it holds) of every module of `model` that
-    holds a trainable parameter, in model.modules() order: the parameters, in turn, are trainable_parameters(model),
-    and a module whose list is shorter than its own shares a parameter. The one walk of the model a pass of the
-    engine makes (ResNet-20: 0.11 ms with needs_fallback's look at it; the three walks it replaced took 0.31)."""
-    owners, seen = [], set()  # ids: hashing a tensor goes through Python, id() does not
-    for module in model.modules():
-        own = own_trainable_parameters(module)
-        if own:
-            owners.append((module, [param for param in own if id(param) not in seen]))
-            seen.update(map(id, own))
-    return owners
-
-
 def grad_norms(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-sample L2 norms of the full (all-parameter) gradient."""
     per_parameter = [torch.linalg.vector_norm(grad.reshape(grad.shape[0], -1), dim=1) for grad in grad_samples]
     return torch.linalg.vector_norm(torch.stack(per_parameter, dim=1), dim=1)
-
-
-def weighted_sum(grad_samples: Sequence[torch.Tensor], weights: torch.Tensor) -> list[torch.Tensor]:
-    """Σ_i w_i·g_i for each parameter: the summed transformed gradient u(B) of §1."""
-    # A matrix-vector product (BLAS) is several times faster than the equivalent einsum here.
-    return [(weights @ grad.reshape(grad.shape[0], -1)).reshape(grad.shape[1:]) for grad in grad_samples]
 
 
 def flatten(grad_samples: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -159,16 +127,6 @@ def _forward(model, inputs, labels, owners=None):
                  logits, F.cross_entropy(logits, labels, reduction="none"), rows)
 
 
-def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor) -> torch.Tensor:
-    """model(inputs) with `hook` registered as a forward hook of each of `layers` for this call only."""
-    handles = [layer.register_forward_hook(hook) for layer in layers]
-    try:
-        return model(inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
     """(layer, input shape, output shape) of every parameter layer the forward of `example` (a batch of one)
     applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass."""
@@ -201,8 +159,6 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     FALLBACK_PASS_EXAMPLES where torch.func takes some of its layers; capped by CHECKED_LAYER_BYTES where the
     engine covers every layer but checks it first. A function of the model's shapes and the device's kind
     alone, so every chunk of a measurement and every step of a run is cut alike."""
-    from perinstance.persample import fallback_norms
-
     owners = parameter_owners(model)
     if not fallback_norms.engine_covers(owners):  # torch.func materialises its layers' per-sample gradients
         return FALLBACK_PASS_EXAMPLES
@@ -255,47 +211,9 @@ def _parameter_layers(model, owners=None):
     return layers
 
 
-def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                losses: torch.Tensor, group_norm_rows: dict | None = None) -> tuple:
-    """The gradients b_i of the summed `losses` w.r.t. the `outputs` of `layers` (each applied once to its
-    `inputs`; one backward, no weight gradient), and each layer's LayerNorms, one at a time as the caller (under
-    no_grad) takes them, so that a layer's materialised gradients are freed unless kept. A GroupNorm layer with
-    parameter rows in `group_norm_rows` (a pass of `_forward`) takes its per-sample gradients from the same
-    backward, as the gradients of its rows, and its b_i is not kept (None): the backward frees it as it goes
-    (ResNet-20: 19 such layers, 2–2.5 ms of a 50 ms backward per 128 examples). Any other layer takes its norms
-    from SQUARED_NORMS; once they hold the per-sample gradients of all its trainable parameters, its b_i is
-    dropped from the list (None), as the clipped sum does not read it. No layers: no backward, nothing."""
-    if not layers:
-        return (), iter(())
-    rows = [(layer, param, row) for layer, pair in (group_norm_rows or {}).items()
-            for param, row in zip((layer.weight, layer.bias), pair) if row is not None and row.requires_grad]
-    with_rows = {layer for layer, _, _ in rows}
-    kept = [index for index, layer in enumerate(layers) if layer not in with_rows]
-    grads = torch.autograd.grad(losses.sum(), [*(outputs[index] for index in kept), *(row for _, _, row in rows)],
-                                materialize_grads=True)
-    grad_outputs, per_sample = [None] * len(outputs), {}
-    for index, grad in zip(kept, grads):
-        grad_outputs[index] = grad
-    for (layer, param, _), grad in zip(rows, grads[len(kept):], strict=True):
-        per_sample.setdefault(layer, {})[param] = grad
-
-    def norms_of(index):
-        layer = layers[index]
-        if layer in per_sample:
-            return LayerNorms.of_per_sample(per_sample[layer])
-        norms = SQUARED_NORMS[type(layer)](layer, inputs[index], grad_outputs[index])
-        if all(param in norms.per_sample for param in own_trainable_parameters(layer)):
-            grad_outputs[index] = None  # the clipped sum takes this layer from its per-sample gradients
-        return norms
-
-    return grad_outputs, (norms_of(index) for index in range(len(layers)))
-
-
 def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
-    from perinstance.persample import fallback_norms
-
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.per_sample_norms(model, inputs, labels)
@@ -315,8 +233,6 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
     losses; ||g_i||; logits).
     """
-    from perinstance.persample import fallback_norms
-
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
@@ -330,25 +246,6 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     # A layer the forward never applied has zero gradient.
     return ([summed[param] if param in summed else torch.zeros_like(param) for _, params in owners for param in params],
             forward.losses.detach(), norms, forward.logits.detach())
-
-
-def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor],
-                             grad_outputs: Sequence[torch.Tensor], layer_norms: Sequence[LayerNorms],
-                             weights: torch.Tensor) -> dict:
-    """Σ_i w_i·g_i of every trainable parameter of `layers` (each applied once, with its input, the gradient of
-    the summed loss w.r.t. its output, and its LayerNorms): a parameter whose per-sample gradients the norms
-    materialised gets one matrix-vector product over them; the others (Linear layers, ghost- and single-position
-    convolutions) get their layer's weight gradient for the outputs' gradients w_i·b_i, computed directly (a matrix product,
-    or the convolution library's weight gradient), not by autograd."""
-    summed = {}
-    for layer, layer_inputs, grad_output, norms in zip(layers, inputs, grad_outputs, layer_norms, strict=True):
-        for param, grads in norms.per_sample.items():
-            summed[param] = (weights @ grads.reshape(len(weights), -1)).reshape(param.shape)
-        rest = [param for param in own_trainable_parameters(layer) if param not in summed]
-        if rest:
-            weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-            summed.update(weight_gradients(layer, layer_inputs, weighted, rest))
-    return summed
 
 
 def directional_derivatives(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio, results
-from perinstance.persample import gradients
+from perinstance.persample import gradients, layer_pass
 from perinstance.train import canaries, clipping, run_plan, runs, sampling, user_code
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
@@ -128,7 +128,7 @@ class Trainer:
         self.test_x, self.test_y = dataset.test_x, dataset.test_y
         torch.manual_seed(sampling.init_seed(run.seed))
         self.model = model_for_run(run).to(self.device)
-        self.params = gradients.trainable_parameters(self.model)
+        self.params = layer_pass.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
         self.noise_std = Mechanism.of_run(run, "sum").noise_std
         self.tracked = run.tracked_points
