@@ -42,9 +42,9 @@ from perinstance.train.options import (
     Parser,
     add_device_argument,
     non_negative_int,
-    parse_points,
     probability,
 )
+from perinstance.train.points import parse_points
 
 
 def build_parser():
@@ -123,7 +123,7 @@ def main(argv=None):
     request = audit_simulation.AuditRequest(rule=rule, trials=command.trials, delta=command.delta, statistic=command.statistic,
                                             upper_batches=command.upper_batches, seed=seed, points=points, spread=command.spread)
     out, figure = audit_simulation.output_paths(command.out, command.figure, run.name, rule)
-    steps = sensitivity_cli.resolve_stages(command.stages, run.saved_steps(), config.total_steps)
+    steps = runs.resolve_stages(command.stages, run.saved_steps(), config.total_steps)
 
     started = time.time()
     frames = [audit_simulation.audit_checkpoint(run, step, request, command.device) for step in steps]

@@ -29,8 +29,9 @@ from perinstance.errors import run_main
 from perinstance.files import results
 from perinstance.files.result_file import ResultFile
 from perinstance.measure import measurement
-from perinstance.train import distributed
-from perinstance.train.options import HELP_FORMAT, Parser, parse_points
+from perinstance.train import distributed, planned_run, runs
+from perinstance.train.options import HELP_FORMAT, Parser
+from perinstance.train.points import parse_points
 
 # The result file is rewritten whole on each write, so rows are written at most this often (and at the end or
 # on an interruption): a kill loses at most this much measuring, and many checkpoints do not cost a quadratic
@@ -50,7 +51,7 @@ def main(argv=None):
     # Every flag is checked before anything is trained, measured or written.
     command = sensitivity_cli.parse_command(flags, given)
     run = sensitivity_cli.find_run(command.run, command.training, given)
-    request = command.request.for_run(run.config, given)
+    request = command.request.for_run(run.config, estimator_given="estimator" in given)
     points = parse_points(command.points, run.universe, run.config.seed)
     result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
                                   automatic=request.automatic_format)
@@ -64,8 +65,8 @@ def main(argv=None):
                                    device=command.device)
 
     started = time.time()
-    config = sensitivity_cli.ensure_trained(run)
-    steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
+    config = planned_run.ensure_trained(run)
+    steps = runs.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
     written, skipped, pending, last_write = 0, 0, [], time.time()
     try:
         for step in steps:

@@ -23,6 +23,7 @@ from perinstance.audit import membership
 from perinstance.errors import UsageError, run_main
 from perinstance.files import fileio
 from perinstance.plots import audit_plots
+from perinstance.train import runs
 from perinstance.train.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
 
 COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accuracy", "attack_advantage",
@@ -93,7 +94,7 @@ def main(argv=None):
     members = membership.class_members(labels, private.dataset.test_y.numpy(), private.dataset.num_classes, seed)
     frames = []
     for model, run in opened.items():
-        step = sensitivity_cli.resolve_stages([request.stage], run.saved_steps(), run.config.total_steps)[0]
+        step = runs.resolve_stages([request.stage], run.saved_steps(), run.config.total_steps)[0]
         frame = membership.attack_by_class(run, step, members, request.splits, seed, request.device)
         frames.append(frame.assign(model=model, step=step, run=run.name, splits=request.splits,
                                    class_name=[private.dataset.class_names[label] for label in frame["class"]],

@@ -18,7 +18,8 @@ from perinstance.errors import UsageError, run_main
 from perinstance.files import checkpoints
 from perinstance.train import distributed, run_plan, training
 from perinstance.train.data import load_dataset
-from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_points, parse_seeds
+from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_seeds
+from perinstance.train.points import parse_points
 
 # Runs named in a rank's summary line before it says "and N more".
 RUNS_NAMED = 8

@@ -25,7 +25,7 @@ from perinstance.accounting.mechanism import Mechanism
 from perinstance.measure import gradient_rows
 from perinstance.train import clipping, run_plan, training
 from perinstance.train.data import load_dataset
-from perinstance.train.options import parse_points
+from perinstance.train.points import parse_points
 
 SIGMA = 0.6  # about ε = 10 at δ = 1e-5 for 4 epochs of q = 0.032 (Opacus calibration: 0.608)
 DELTA = 1e-5

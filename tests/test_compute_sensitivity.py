@@ -228,7 +228,7 @@ def test_no_train_names_the_training_command(tmp_path):
 
 def test_stages_resolve_to_the_nearest_saved_checkpoint():
     saved = [0, 10, 20, 30, 40]
-    resolve = sensitivity_cli.resolve_stages
+    resolve = runs.resolve_stages
     assert resolve(sensitivity_cli.parse_stages(["initial", "final"]), saved, 40) == [0, 40]
     assert resolve(sensitivity_cli.parse_stages(["middle", "0.26"]), saved, 40) == [10, 20]
     assert resolve(sensitivity_cli.parse_stages(["0.125"]), saved, 40) == [0]  # 5 is as near 0 as 10: the earlier

@@ -81,7 +81,7 @@ def test_every_public_function_and_method_is_annotated():
 
 
 def test_every_hint_names_a_type_that_exists():
-    # A hint written as a string (a type of a higher layer, "perinstance.accountants.sensitivity_cli.Request")
+    # A hint written as a string (a type of a higher layer, "perinstance.measure.measurement.Measurement")
     # resolves once every module is imported. torch is given: train/sampling.py imports it inside the one
     # function that draws with it, so that the accountants read the stream names without torch.
     unresolved = {}

@@ -19,7 +19,8 @@ from perinstance.accounting.mechanism import Mechanism, rule_noise_std
 from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.files.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, STATISTICS, read_results, results_path
-from perinstance.train.options import add_overwrite_argument, parse_points, probability
+from perinstance.train.options import add_overwrite_argument, probability
+from perinstance.train.points import parse_points
 
 NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
                    "batch_size", "dataset_size", "noise_std"]

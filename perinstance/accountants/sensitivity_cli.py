@@ -1,6 +1,6 @@
-"""compute_sensitivity.py's flags as one typed command, the run it measures and the stages it resolves
-to checkpoints. The rows of a checkpoint are perinstance/measure/measurement.py's, the result file
-perinstance/files/result_file.py's."""
+"""compute_sensitivity.py's flags as one typed command, and the run they name. What is measured is a
+perinstance/measure/measurement.py Measurement, the run a perinstance/train/planned_run.py PlannedRun, the
+result file perinstance/files/result_file.py's."""
 
 import argparse
 import os
@@ -12,9 +12,8 @@ from perinstance.accounting.guarantees import Direction
 from perinstance.errors import UsageError
 from perinstance.files import results, storage
 from perinstance.measure import poisson_batches
-from perinstance.measure.measurement import COUPLING, JENSEN, NO_DIRECTION, NORM
-from perinstance.train import run_plan, runs, training
-from perinstance.train.data import load_dataset, without_point
+from perinstance.measure.measurement import COUPLING, DEFAULT_NUM_BATCHES, JENSEN, MIN_GRID_SIZES, Measurement
+from perinstance.train import planned_run, run_plan, runs
 from perinstance.train.options import (
     Parser,
     add_alpha_argument,
@@ -24,13 +23,6 @@ from perinstance.train.options import (
     probability,
     training_flag,
 )
-
-STAGE_NAMES = ("initial", "middle", "final", "all")
-# Defaults of --num-batches: Δ_B draws per point (coupling), or sets of α batches per target (jensen).
-DEFAULT_NUM_BATCHES = {COUPLING: 10_000, JENSEN: 100}
-# accounting.md §3.2: every size of [k_min, k_hi], or at least 32 grid sizes.
-MIN_GRID_SIZES = 32
-
 
 # --- flags ---------------------------------------------------------------------------------
 
@@ -103,57 +95,11 @@ def training_defaults() -> dict[str, object]:
 
 
 @dataclass(frozen=True)
-class Request:
-    """What to measure, validated. `reduction`, `mc_seed`, `size_delta` and `num_batches` may be
-    None until `for_run` fills them from the run (its trained rule, seed, δ and T)."""
-
-    exp: str
-    reduction: str | None
-    estimator: str
-    stages: list
-    alpha: int | None
-    num_batches: int | None
-    num_iters: int
-    directions: tuple
-    mc_seed: int | None
-    mc_blocks: int
-    size_delta: float | None
-    max_sizes: int
-    res_path: str
-    overwrite: bool
-    automatic_format: bool = False  # --res-name without .csv/.parquet: CSV, Parquet when large
-    histogram_precision: float | None = None  # coupling: Δ_B stored as histograms (storage.histogram_rows)
-
-    @property
-    def family(self) -> str:
-        """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
-        return NORM if self.reduction == "sum" else self.estimator
-
-    def for_run(self, config: runs.RunConfig, given: Mapping[str, object]) -> "Request":
-        """The request completed from the run: the rule analysed defaults to the rule trained (with
-        --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4)."""
-        reduction = self.reduction or config.update_rule
-        if reduction == "sum" and "estimator" in given:
-            raise UsageError("--estimator", "the sum rule has no estimator: Δ* is measured exactly "
-                                            "(use --reduction mean)")
-        jensen = reduction == "mean" and self.estimator == JENSEN
-        if self.histogram_precision is not None and (reduction == "sum" or jensen):
-            raise UsageError("--histogram-precision", "only the mean rule's Δ_B samples (--reduction mean, coupling "
-                                                      "estimator) are stored as histograms")
-        return replace(
-            self, reduction=reduction,
-            mc_seed=None if reduction == "sum" else config.seed if self.mc_seed is None else self.mc_seed,
-            size_delta=self.size_delta or config.delta / (10 * config.total_steps),
-            num_batches=DEFAULT_NUM_BATCHES[self.estimator] if self.num_batches is None else self.num_batches,
-            alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
-
-
-@dataclass(frozen=True)
 class Command:
     """compute_sensitivity.py's flags, typed: the measurement `request`, the run (--run, or the
     `training` flags), the points, and how to run it."""
 
-    request: Request
+    request: Measurement
     run: str | None
     training: run_plan.TrainingFlags
     points: tuple
@@ -170,7 +116,7 @@ def parse_command(flags: Mapping, given: Mapping[str, object]) -> Command:
                    no_train=bool(flags["no_train"]), part_points=flags["part_points"], device=flags["device"])
 
 
-def parse_request(flags: Mapping, given: Mapping[str, object]) -> Request:
+def parse_request(flags: Mapping, given: Mapping[str, object]) -> Measurement:
     """The measurement flags (a mapping of destination to value), checked."""
     num_batches, estimator, alpha = flags["num_batches"], flags["estimator"], flags["alpha"]
     if num_batches is not None and (num_batches < 0 or (num_batches == 0 and estimator == JENSEN)):
@@ -200,7 +146,7 @@ def parse_request(flags: Mapping, given: Mapping[str, object]) -> Request:
     directions = poisson_batches.DIRECTIONS if flags["direction"] == "both" else (Direction(flags["direction"]),)
     # Without --run the training flags name the run, --reduction included.
     reduction = flags["reduction"] if flags["run"] is None or "reduction" in given else None
-    return Request(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=parse_stages(flags["stage"]),
+    return Measurement(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=parse_stages(flags["stage"]),
                    alpha=int(alpha[0]) if estimator == JENSEN else None, num_batches=num_batches,
                    num_iters=flags["num_iters"], directions=directions, mc_seed=flags["mc_seed"],
                    mc_blocks=flags["mc_blocks"], size_delta=flags["size_delta"], max_sizes=flags["max_sizes"],
@@ -212,67 +158,31 @@ def parse_stages(tokens: Sequence[str]) -> list[str | float]:
     """`--stage` tokens as stage names or fractions in [0, 1]."""
     stages = []
     for token in tokens:
-        if token in STAGE_NAMES:
+        if token in runs.STAGE_NAMES:
             stages.append(token)
             continue
         try:
             fraction = float(token)
         except ValueError:
             raise UsageError("--stage", f"unknown stage {token!r} (allowed: fractions in [0, 1], "
-                                        f"{', '.join(STAGE_NAMES)})") from None
+                                        f"{', '.join(runs.STAGE_NAMES)})") from None
         if not 0 <= fraction <= 1:
             raise UsageError("--stage", f"{token} is outside [0, 1]")
         stages.append(fraction)
     return stages
 
 
-def resolve_stages(stages: Sequence[str | float], saved_steps: Sequence[int], total_steps: int) -> list[int]:
-    """Checkpoint steps for the stages: a fraction f maps to the saved step nearest f·T (ties to the
-    earlier), middle to the one nearest T/2, initial/final to the first/last, all to every one."""
-    chosen = set()
-    for stage in stages:
-        if stage == "all":
-            chosen.update(saved_steps)
-        elif stage == "initial":
-            chosen.add(saved_steps[0])
-        elif stage == "final":
-            chosen.add(saved_steps[-1])
-        else:
-            fraction = 0.5 if stage == "middle" else stage
-            chosen.add(min(saved_steps, key=lambda step: (abs(step - fraction * total_steps), step)))
-    return sorted(chosen)
-
-
 # --- the run --------------------------------------------------------------------------------
 
-@dataclass
-class Run(runs.OpenRun):
-    """The training run the flags name; its config is planned from the flags until the run is
-    trained, then read from its run.json."""
 
-    training_args: run_plan.TrainingFlags
-    finished: bool
-
-
-def find_run(name: str | None, training_args: run_plan.TrainingFlags, given: Mapping[str, object]) -> Run:
+def find_run(name: str | None, training_args: run_plan.TrainingFlags,
+             given: Mapping[str, object]) -> planned_run.PlannedRun:
     """The run named by --run `name` (None: by the training flags `training_args`), checked against
     what is on disk; nothing is written."""
     if name is not None:
         training_args = named_run_args(name, training_args, given)
     # --overwrite belongs to the result file here: never retrain a run because of it.
-    training_args = run_plan.resolve_training_args(replace(training_args, overwrite=0))
-    name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
-    dataset = load_dataset(name, root)
-    run_data = dataset if less_point is None else without_point(dataset, less_point)
-    planned = run_plan.plan_run(training_args, run_data)
-    run_dir = run_plan.run_dir_for(training_args)
-    run = Run(run_dir, planned, dataset, run_data.train_x, run_data.train_y, training_args, finished=False)
-    if os.path.exists(runs.run_file(run_dir)):
-        existing = runs.load_run(run_dir)
-        check_same_run(run_dir, existing, planned)
-        run.config = existing
-        run.finished = existing.total_steps in run.saved_steps()
-    return run
+    return planned_run.plan(replace(training_args, overwrite=0))
 
 
 def named_run_args(run: str, training_args: run_plan.TrainingFlags,
@@ -297,7 +207,7 @@ def named_run_args(run: str, training_args: run_plan.TrainingFlags,
     return replace(training_args, **{dest: value for dest, value in recorded.items() if dest in known})
 
 
-def require_finished(run: Run) -> None:
+def require_finished(run: planned_run.PlannedRun) -> None:
     """--no-train: a run without its final checkpoint is an error that says how to train it."""
     if run.finished:
         return
@@ -305,14 +215,6 @@ def require_finished(run: Run) -> None:
     state = f"no checkpoints in {run.run_dir}" if not steps else \
         f"{run.run_dir} is trained up to step {steps[-1]} of {run.config.total_steps}"
     raise UsageError("--no-train", f"{state}; train first: {training_command(run.training_args, training_defaults())}")
-
-
-def check_same_run(run_dir: str, existing: runs.RunConfig, planned: runs.RunConfig) -> None:
-    """The run on disk was trained with these flags on this dataset (fingerprints equal)."""
-    differing = run_plan.run_differences(existing, planned)
-    if differing:
-        raise UsageError("--save-name", f"{run_dir} holds a run that differs in {', '.join(differing)}; "
-                                        "give the flags it was trained with, or another --save-name")
 
 
 def training_command(args: run_plan.TrainingFlags, defaults: Mapping[str, object]) -> str:
@@ -327,9 +229,3 @@ def training_command(args: run_plan.TrainingFlags, defaults: Mapping[str, object
     return shlex.join(words)
 
 
-def ensure_trained(run: Run) -> runs.RunConfig:
-    """Train the run if it has no final checkpoint (as the paper repository did); returns its config."""
-    if not run.finished:
-        run.config = training.train(run.training_args).run
-        run.finished = True
-    return run.config

@@ -19,11 +19,12 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from perinstance.accountants import sensitivity_cli
 from perinstance.errors import UsageError
 from perinstance.files.result_file import ResultFile
 from perinstance.measure import gradient_rows, measurement
-from perinstance.train import distributed
+from perinstance.measure.measurement import Measurement
+from perinstance.train import distributed, planned_run, runs
+from perinstance.train.planned_run import PlannedRun
 from perinstance.train.runs import RunConfig
 
 # Sum rule: points per part. A multiple of the engine's chunk (gradient_rows.ROW_CHUNK), so that
@@ -32,7 +33,7 @@ from perinstance.train.runs import RunConfig
 DEFAULT_PART_POINTS = 4 * gradient_rows.ROW_CHUNK
 
 
-def part_size(part_points: int | None, request: sensitivity_cli.Request, points: Sequence[int]) -> int:
+def part_size(part_points: int | None, request: Measurement, points: Sequence[int]) -> int:
     """Points per part: --part-points, or the default of the rule."""
     if part_points is not None and part_points <= 0:
         raise UsageError("--part-points", f"must be > 0, got {part_points}")
@@ -41,7 +42,7 @@ def part_size(part_points: int | None, request: sensitivity_cli.Request, points:
     return DEFAULT_PART_POINTS if request.reduction == "sum" else max(len(points), 1)
 
 
-def measure(world: distributed.World, request: sensitivity_cli.Request, run: sensitivity_cli.Run, points: Sequence[int],
+def measure(world: distributed.World, request: Measurement, run: PlannedRun, points: Sequence[int],
             result_file: ResultFile, *, part_points: int | None = None, device: str = "cpu") -> None:
     """This rank's share of the measurement; prints its `rank R/W:` line."""
     started = time.time()
@@ -51,8 +52,8 @@ def measure(world: distributed.World, request: sensitivity_cli.Request, run: sen
     blocks = request.mc_blocks if request.family == measurement.COUPLING and request.num_batches > 0 else 0
 
     def plan():
-        config = sensitivity_cli.ensure_trained(run)
-        steps = sensitivity_cli.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
+        config = planned_run.ensure_trained(run)
+        steps = runs.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
         items = [item for step in steps
                  for item in distributed.plan_items(step, result_file.missing(config.run, step, points, request),
                                                     chunk, blocks)]
@@ -82,7 +83,7 @@ def measure(world: distributed.World, request: sensitivity_cli.Request, run: sen
           f"{len(todo)} parts to do{resumed}); {outcome}; {time.time() - started:.1f}s", flush=True)
 
 
-def job_parts(request: sensitivity_cli.Request, config: RunConfig, points: Sequence[int]) -> distributed.Parts:
+def job_parts(request: Measurement, config: RunConfig, points: Sequence[int]) -> distributed.Parts:
     """The part files of this request for these points: the same command finds the same folder
     again, also once nothing is left to measure (to remove what a rank killed while it merged left)."""
     description = json.dumps([config.run, repr(request), [int(point) for point in points]])

@@ -22,7 +22,7 @@ from perinstance.experiments.config import DATA_ROOT, ReproduceConfig, training_
 from perinstance.files import results, storage
 from perinstance.measure import measurement
 from perinstance.train import run_plan, runs
-from perinstance.train.options import parse_points
+from perinstance.train.points import parse_points
 from perinstance.train.runs import RunConfig
 
 # The designs of the sampling-rate experiment, as figure 3 and the report name them.

@@ -84,7 +84,7 @@ class ResultFile:
         return rows[results.COLUMNS]
 
     def missing(self, run_name: str, step: int, points: Sequence[int],
-                request: "perinstance.accountants.sensitivity_cli.Request") -> dict[str, list[int]]:
+                request: "perinstance.measure.measurement.Measurement") -> dict[str, list[int]]:
         """{direction: points} whose rows at `step` are not in the file yet (COMBINATION_COLUMNS:
         what was measured and with which Monte-Carlo seed, not the flags that asked for it)."""
         alpha = np.nan if request.alpha is None else float(request.alpha)

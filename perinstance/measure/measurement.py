@@ -3,13 +3,14 @@ rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (m
 row with the point's label, loss and correctness (perinstance/files/results.py)."""
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
-import perinstance
 from perinstance.accounting.guarantees import Direction
 from perinstance.console import progress_bar
+from perinstance.errors import UsageError
 from perinstance.files import results, storage
 from perinstance.measure import coupling, poisson_batches
 from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
@@ -23,9 +24,62 @@ NO_DIRECTION = Direction.NONE.value
 # dataset statistics (mean rule), GLA's statistic S (mean rule, --estimator jensen). The
 # accountant (--exp) does not enter: eps_delta and renyi read the same Δ* or coupling rows.
 NORM, COUPLING, JENSEN = "norm", "coupling", "jensen"
+# Defaults of --num-batches: Δ_B draws per point (coupling), or sets of α batches per target (jensen).
+DEFAULT_NUM_BATCHES = {COUPLING: 10_000, JENSEN: 100}
+# accounting.md §3.2: every size of [k_min, k_hi], or at least 32 grid sizes.
+MIN_GRID_SIZES = 32
 
 
-def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request", run: OpenRun, step: int,
+@dataclass(frozen=True)
+class Measurement:
+    """What compute_sensitivity.py measures and where its rows go, validated. `reduction`, `mc_seed`,
+    `size_delta` and `num_batches` may be None until `for_run` fills them from the run (its trained rule,
+    seed, δ and T)."""
+
+    exp: str
+    reduction: str | None
+    estimator: str
+    stages: list
+    alpha: int | None
+    num_batches: int | None
+    num_iters: int
+    directions: tuple
+    mc_seed: int | None
+    mc_blocks: int
+    size_delta: float | None
+    max_sizes: int
+    res_path: str
+    overwrite: bool
+    automatic_format: bool = False  # --res-name without .csv/.parquet: CSV, Parquet when large
+    histogram_precision: float | None = None  # coupling: Δ_B stored as histograms (storage.histogram_rows)
+
+    @property
+    def family(self) -> str:
+        """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
+        return NORM if self.reduction == "sum" else self.estimator
+
+    def for_run(self, config: RunConfig, estimator_given: bool = False) -> "Measurement":
+        """The measurement completed from the run: the rule analysed defaults to the rule trained (with
+        --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4).
+        `estimator_given`: --estimator was given (the sum rule has none)."""
+        reduction = self.reduction or config.update_rule
+        if reduction == "sum" and estimator_given:
+            raise UsageError("--estimator", "the sum rule has no estimator: Δ* is measured exactly "
+                                            "(use --reduction mean)")
+        jensen = reduction == "mean" and self.estimator == JENSEN
+        if self.histogram_precision is not None and (reduction == "sum" or jensen):
+            raise UsageError("--histogram-precision", "only the mean rule's Δ_B samples (--reduction mean, coupling "
+                                                      "estimator) are stored as histograms")
+        return replace(
+            self, reduction=reduction,
+            mc_seed=None if reduction == "sum" else config.seed if self.mc_seed is None else self.mc_seed,
+            size_delta=self.size_delta or config.delta / (10 * config.total_steps),
+            num_batches=DEFAULT_NUM_BATCHES[self.estimator] if self.num_batches is None else self.num_batches,
+            alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
+
+
+
+def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
                        points: Sequence[int] | np.ndarray, device: str,
                        blocks: Sequence[int] | None = None) -> pd.DataFrame:
     """The rows of one checkpoint for `points` (every requested direction). Coupling under
@@ -113,7 +167,7 @@ def coupling_columns(clip_bound: float, statistics: coupling.DatasetStatistics, 
     }
 
 
-def jensen_columns(request: "perinstance.accountants.sensitivity_cli.Request",
+def jensen_columns(request: Measurement,
                    statistics: dict[Direction, np.ndarray]) -> dict:
     """GLA's statistic S: one renyi_statistic row per direction, point, target batch and set."""
     parts = []

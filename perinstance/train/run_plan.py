@@ -27,7 +27,8 @@ from perinstance.files import checkpoints, fileio
 from perinstance.train import clipping, user_code
 from perinstance.train.canaries import check_canary_flags, parse_canary_norms
 from perinstance.train.data import Dataset
-from perinstance.train.options import Parser, add_training_args, parse_points
+from perinstance.train.options import Parser, add_training_args
+from perinstance.train.points import parse_points
 from perinstance.train.runs import RUN_FILE, RunConfig, load_run, run_file, save_run
 
 DEFAULT_EPS = 10.0

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,8 @@ RUN_FILE = "run.json"
 RUN_FORMAT = 2
 # Every error about the run folder names the flag that chose it.
 FLAG = "--save-name"
+# The named stages of a run, besides fractions of training in [0, 1] (resolve_stages).
+STAGE_NAMES = ("initial", "middle", "final", "all")
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,23 @@ class OpenRun:
         """The planned checkpoints present in the folder, ascending."""
         planned = set(self.config.checkpoint_steps)
         return [step for step in checkpoints.saved_steps(self.run_dir) if step in planned]
+
+
+def resolve_stages(stages: Sequence[str | float], saved_steps: Sequence[int], total_steps: int) -> list[int]:
+    """Checkpoint steps for the stages: a fraction f maps to the saved step nearest f·T (ties to the
+    earlier), middle to the one nearest T/2, initial/final to the first/last, all to every one."""
+    chosen = set()
+    for stage in stages:
+        if stage == "all":
+            chosen.update(saved_steps)
+        elif stage == "initial":
+            chosen.add(saved_steps[0])
+        elif stage == "final":
+            chosen.add(saved_steps[-1])
+        else:
+            fraction = 0.5 if stage == "middle" else stage
+            chosen.add(min(saved_steps, key=lambda step: (abs(step - fraction * total_steps), step)))
+    return sorted(chosen)
 
 
 def run_folder(name: str, models_dir: str, flag: str = "--run") -> str:
