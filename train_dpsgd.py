@@ -16,9 +16,9 @@ import time
 
 from perinstance.errors import UsageError, run_main
 from perinstance.files import checkpoints
-from perinstance.train import distributed, run_plan, training
+from perinstance.train import distributed, training
 from perinstance.train.data import load_dataset
-from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_seeds
+from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_seeds, training_flags
 from perinstance.train.points import parse_points
 
 # Runs named in a rank's summary line before it says "and N more".
@@ -40,7 +40,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     world = distributed.World.from_env()
-    planned = run_list(args.seeds, args.less_points, run_plan.TrainingFlags.from_flags(vars(args)))
+    planned = run_list(args.seeds, args.less_points, training_flags(vars(args)))
     distributed.make_deterministic(args.device)
 
     started = time.time()

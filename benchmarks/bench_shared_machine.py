@@ -25,7 +25,7 @@ from _workloads import workloads  # noqa: E402
 
 from perinstance import openmp_settings  # noqa: E402
 from perinstance.measure import gradient_rows  # noqa: E402
-from perinstance.train import run_plan, training  # noqa: E402
+from perinstance.train import options, run_plan, training  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
 
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "points": 64, "repeats": 1}
@@ -43,7 +43,7 @@ SPIN = "while True: pass"
 def time_work(smoke, steps, batch_size, points):
     """Training steps/s and Δ* norms points/s of LeNet-5 in this process (after one warm-up of each)."""
     workload = workloads(smoke, resnet_points=1)[0]
-    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([
+    args = run_plan.resolve_training_args(options.parse_training_flags([
         "--model", workload.model_name, "--sigma", "1", "--cn", "1", "--batch-size", str(batch_size),
         "--lr", "0.5", "--models-dir", "/tmp/bench"]))
     trainer = training.Trainer(run_plan.plan_run(args, workload.dataset), workload.dataset)

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _workloads import add_timing_arguments, device_name, require_device, same_round_ratios, timer, workloads  # noqa: E402
 
-from perinstance.train import run_plan, sampling, training
+from perinstance.train import options, run_plan, sampling, training
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}
@@ -47,7 +47,7 @@ NON_PRIVATE_TARGET = 0.8
 
 
 def time_this_trainer(workload, steps, batch_size, clock, device):
-    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([
+    args = run_plan.resolve_training_args(options.parse_training_flags([
         "--model", workload.model_name, "--sigma", str(NOISE_MULTIPLIER), "--cn", str(CLIP_NORM),
         "--batch-size", str(batch_size), "--lr", str(LEARNING_RATE), "--models-dir", "/tmp/bench",
         "--device", device]))

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perinstance.accounting import exact_eps_delta
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.measure import gradient_rows
-from perinstance.train import clipping, run_plan, training
+from perinstance.train import clipping, options, training
 from perinstance.train.data import load_dataset
 from perinstance.train.points import parse_points
 
@@ -56,7 +56,7 @@ VARIANTS = [
 
 
 def run_variant(flags, seed, epochs, models_dir, setting, points):
-    args = run_plan.TrainingFlags.parse(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
+    args = options.parse_training_flags(["--dataset", setting.dataset, "--model", setting.model, "--batch-size",
                                          str(setting.batch_size), "--sigma", str(SIGMA), "--epochs", str(epochs),
                                      "--seed", str(seed), "--lr", "2.0", "--models-dir", models_dir, "--save-freq",
                                      "1000000", *flags])

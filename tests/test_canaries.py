@@ -14,7 +14,7 @@ from conftest import assert_usage_error, run_in_process, snapshot
 from perinstance.accounting import one_run_audit
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.audit import one_run_cli
-from perinstance.train import canaries, run_plan, runs
+from perinstance.train import canaries, options, run_plan, runs
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "2",
        "--sigma", "0.8", "--save-freq", "8", "--canaries", "60", "--canary-norms", "0.5,1", "--save-name", "tiny"]
@@ -39,9 +39,9 @@ def test_the_run_records_its_canaries(models):
 
 
 def test_canaries_name_the_run():
-    plain = run_plan.TrainingFlags.parse(["--dataset", "synthetic", "--sigma", "1"])
-    with_canaries = run_plan.TrainingFlags.parse(["--dataset", "synthetic", "--sigma", "1", "--canaries", "60"])
-    other_norms = run_plan.TrainingFlags.parse(["--dataset", "synthetic", "--sigma", "1", "--canaries", "60",
+    plain = options.parse_training_flags(["--dataset", "synthetic", "--sigma", "1"])
+    with_canaries = options.parse_training_flags(["--dataset", "synthetic", "--sigma", "1", "--canaries", "60"])
+    other_norms = options.parse_training_flags(["--dataset", "synthetic", "--sigma", "1", "--canaries", "60",
                                             "--canary-norms", "0.5"])
     names = {run_plan.default_save_name(flags) for flags in (plain, with_canaries, other_norms)}
     assert len(names) == 3 and "canaries60" in run_plan.default_save_name(with_canaries)

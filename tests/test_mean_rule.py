@@ -525,11 +525,11 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     at a rate ≤ β (binomial margin), for §3.2's radius and §7.2's; a radius without the concentration
     term is exceeded often, so the check has the power to see a wrong r_k."""
     from perinstance.measure.gradient_rows import HeldRows
-    from perinstance.train import run_plan, training
+    from perinstance.train import options, training
     from perinstance.train.clipping import Transform
     from perinstance.train.data import load_dataset
 
-    args = run_plan.TrainingFlags.parse(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
+    args = options.parse_training_flags(["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5",
                                      "--epochs", "1", "--models-dir", str(tmp_path)])
     outcome = training.train(args, quiet=True)
     metadata = outcome.run

@@ -15,14 +15,14 @@ from scipy.stats import binom
 from perinstance.accounting import exact_eps_delta, rdp_composition
 from perinstance.accounting.mechanism import Mechanism, rule_noise_std
 from perinstance.errors import UsageError
-from perinstance.train import run_plan, runs
+from perinstance.train import options, run_plan, runs
 from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def planned(*argv):
-    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse([*SYNTHETIC, *map(str, argv)]))
+    args = run_plan.resolve_training_args(options.parse_training_flags([*SYNTHETIC, *map(str, argv)]))
     return run_plan.plan_run(args, load_dataset("synthetic"))
 
 

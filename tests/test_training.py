@@ -13,14 +13,14 @@ from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants import RDPAccountant
 
 from perinstance.files import checkpoints
-from perinstance.train import run_plan, runs, sampling, training
+from perinstance.train import options, run_plan, runs, sampling, training
 from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]
 
 
 def parse(*argv):
-    return run_plan.TrainingFlags.parse(list(map(str, argv)))
+    return options.parse_training_flags(list(map(str, argv)))
 
 
 # --- Poisson sampling -------------------------------------------------------------------

@@ -20,7 +20,7 @@ from opacus.accountants.analysis.rdp import _compute_rdp
 
 from perinstance.measure.gradient_rows import transformed_gradient_chunks
 from perinstance.persample import fallback_norms, gradients
-from perinstance.train import run_plan, user_code
+from perinstance.train import options, run_plan, user_code
 from perinstance.train.clipping import Transform
 
 TRANSFORMER = '''
@@ -286,8 +286,8 @@ def test_model_receives_the_documented_arguments(tmp_path):
 
 
 def test_default_run_name_follows_the_spec():
-    first = run_plan.resolve_training_args(run_plan.TrainingFlags.parse(["--model", "a/my_model.py:Net", "--dataset", "d.py:data"]))
-    second = run_plan.resolve_training_args(run_plan.TrainingFlags.parse(["--model", "b/my_model.py:Net", "--dataset",
+    first = run_plan.resolve_training_args(options.parse_training_flags(["--model", "a/my_model.py:Net", "--dataset", "d.py:data"]))
+    second = run_plan.resolve_training_args(options.parse_training_flags(["--model", "b/my_model.py:Net", "--dataset",
                                                                   "d.py:data"]))
     assert run_plan.default_save_name(first) != run_plan.default_save_name(second)
     assert run_plan.default_save_name(first).startswith("d.data_my_model.Net_sum_")

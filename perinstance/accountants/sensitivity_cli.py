@@ -19,9 +19,11 @@ from perinstance.train.options import (
     add_alpha_argument,
     add_training_args,
     non_negative_int,
+    parse_training_flags,
     positive_float,
     probability,
     training_flag,
+    training_flags,
 )
 
 # --- flags ---------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def given_flags(argv: Sequence[str]) -> dict[str, object]:
 
 def training_defaults() -> dict[str, object]:
     """Every training flag's destination and default."""
-    return run_plan.TrainingFlags.parse().as_dict()
+    return parse_training_flags().as_dict()
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def parse_command(flags: Mapping, given: Mapping[str, object]) -> Command:
     """The command that the parsed flags (a mapping of destination to value) and the flags `given`
     (given_flags) make, checked before the run or the dataset is touched."""
     return Command(request=parse_request(flags, given), run=flags["run"],
-                   training=run_plan.TrainingFlags.from_flags(flags), points=tuple(flags["points"]),
+                   training=training_flags(flags), points=tuple(flags["points"]),
                    no_train=bool(flags["no_train"]), part_points=flags["part_points"], device=flags["device"])
 
 

@@ -1,11 +1,13 @@
 """Argument parsing shared by every script, so flags cannot drift apart between them."""
 
 import argparse
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
 import numpy as np
 
+import perinstance
 from perinstance.errors import UsageError
 
 # Keeps the example commands at the top of each script's docstring as written in --help.
@@ -154,10 +156,20 @@ def parse_seeds(specs: Sequence[str | int], flag: str = "--seeds") -> list[int]:
     return sorted(seeds)
 
 
+def model_flag(text: str) -> str:
+    """argparse type of --model: a built-in network's name or a spec."""
+    from perinstance.train.nets import MODEL_CHOICES
+    from perinstance.train.user_code import SPEC_FORMS, is_spec
+
+    if text in MODEL_CHOICES or is_spec(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in network ({', '.join(MODEL_CHOICES)}) "
+                                     f"nor {SPEC_FORMS}")
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     """Every flag that defines a training run. Shared by train_dpsgd.py and compute_sensitivity.py."""
     from perinstance.train.clipping import CLIPPING_CHOICES
-    from perinstance.train.user_code import model_flag
 
     group = parser.add_argument_group("training run")
     group.add_argument("--dataset", default="mnist-embedded",
@@ -219,3 +231,17 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--canary-norms", default=None, metavar="C1,C2,...",
                        help="the canaries' norms as multiples of the bound Γ, one equal group each (default 1)")
     return group
+
+
+def training_flags(flags: Mapping[str, object]) -> "perinstance.train.run_plan.TrainingFlags":
+    """The training flags (run_plan.TrainingFlags) among parsed flags (a mapping of destination to value)."""
+    from perinstance.train.run_plan import TrainingFlags
+
+    return TrainingFlags(**{field.name: flags[field.name] for field in dataclasses.fields(TrainingFlags)})
+
+
+def parse_training_flags(argv: Iterable[str] = ()) -> "perinstance.train.run_plan.TrainingFlags":
+    """The training flags of a command line of training flags only (their defaults when empty)."""
+    parser = Parser()
+    add_training_args(parser)
+    return training_flags(vars(parser.parse_args(list(argv))))

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +26,6 @@ from perinstance.files import checkpoints, fileio
 from perinstance.train import clipping, user_code
 from perinstance.train.canaries import check_canary_flags, parse_canary_norms
 from perinstance.train.data import Dataset
-from perinstance.train.options import Parser, add_training_args
 from perinstance.train.points import parse_points
 from perinstance.train.runs import RUN_FILE, RunConfig, load_run, run_file, save_run
 
@@ -55,7 +53,8 @@ VERSIONS = {"torch": torch.__version__, "opacus": opacus.__version__, "numpy": n
 
 @dataclass(frozen=True)
 class TrainingFlags:
-    """Every flag of options.add_training_args, by destination: what names and defines a run."""
+    """Every flag of options.add_training_args, by destination: what names and defines a run
+    (options.training_flags reads them from parsed flags)."""
 
     dataset: str
     data_root: str
@@ -90,18 +89,6 @@ class TrainingFlags:
     track_points: list | None
     canaries: int | None
     canary_norms: str | None
-
-    @classmethod
-    def from_flags(cls, flags: Mapping[str, object]) -> "TrainingFlags":
-        """The training flags among parsed flags (a mapping of destination to value)."""
-        return cls(**{field.name: flags[field.name] for field in dataclasses.fields(cls)})
-
-    @classmethod
-    def parse(cls, argv: Iterable[str] = ()) -> "TrainingFlags":
-        """The training flags of a command line of training flags only (their defaults when empty)."""
-        parser = Parser()
-        add_training_args(parser)
-        return cls.from_flags(vars(parser.parse_args(list(argv))))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -351,18 +351,6 @@ def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -
             check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
 
 
-def model_flag(text: str) -> str:
-    """argparse type of --model: a built-in network's name or a spec."""
-    import argparse
-
-    from perinstance.train.nets import MODEL_CHOICES
-
-    if text in MODEL_CHOICES or is_spec(text):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is neither a built-in network ({', '.join(MODEL_CHOICES)}) "
-                                     f"nor {SPEC_FORMS}")
-
-
 def short_name(text: str) -> str:
     """A spec as run names show it: the file's (or module's last) name and the attribute, `my_model.Net`;
     anything else unchanged. The run name's hash covers the whole spec."""
