@@ -14,7 +14,7 @@ then exits with status 1. For the mean rule the summary also holds eps_lower aga
 ε of the sum rule's accounting at the same σ and q, and against the mean rule's own baseline
 (above it: status 1 too).
 
-One-run modes (docs/audit.md §1b; perinstance/audit/one_run_cli.py):
+One-run modes (docs/audit.md §1b; perinstance/audit/one_run.py):
 
     python audit.py --in-scores in.txt --out-scores out.txt --significance 0.05 --delta 1e-6
     python audit.py --run NAME --one-run
@@ -30,20 +30,20 @@ import time
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants import sensitivity_cli
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.audit import audit_simulation, one_run_cli
-from perinstance.errors import UsageError, run_main
-from perinstance.files import fileio
-from perinstance.plots import audit_plots
-from perinstance.train import runs
-from perinstance.train.options import (
+from perinstance.audit import audit_simulation, one_run
+from perinstance.cli import sensitivity
+from perinstance.cli.options import (
     HELP_FORMAT,
     Parser,
     add_device_argument,
     non_negative_int,
     probability,
 )
+from perinstance.errors import UsageError, run_main
+from perinstance.files import fileio
+from perinstance.plots import audit_plots
+from perinstance.train import runs
 from perinstance.train.points import parse_points
 
 
@@ -76,15 +76,15 @@ def build_parser():
     parser.add_argument("--out", default=None, help="output CSV (default res/<run>_audit_<rule>.csv)")
     parser.add_argument("--figure", default=None, help="figure (default figures/<run>_audit_<rule>.png)")
     add_device_argument(parser)
-    one_run = parser.add_argument_group("one-run audit (canary scores)")
-    one_run.add_argument("--one-run", action="store_true",
-                         help="audit the canaries of --run (trained with --canaries), group by group")
-    one_run.add_argument("--in-scores", default=None,
-                         help="scores of the held-in canaries, higher = member: one number a line, or .npy")
-    one_run.add_argument("--out-scores", default=None,
-                         help="scores of the held-out canaries: one number a line, or .npy")
-    one_run.add_argument("--significance", type=probability, default=0.05,
-                         help="significance level of the one-run lower bounds (default 0.05)")
+    scores = parser.add_argument_group("one-run audit (canary scores)")
+    scores.add_argument("--one-run", action="store_true",
+                        help="audit the canaries of --run (trained with --canaries), group by group")
+    scores.add_argument("--in-scores", default=None,
+                        help="scores of the held-in canaries, higher = member: one number a line, or .npy")
+    scores.add_argument("--out-scores", default=None,
+                        help="scores of the held-out canaries: one number a line, or .npy")
+    scores.add_argument("--significance", type=probability, default=0.05,
+                        help="significance level of the one-run lower bounds (default 0.05)")
     return parser
 
 
@@ -102,7 +102,7 @@ def command_of(args):
         raise UsageError("--spread", f"must be > 0, got {args.spread}")
     return audit_simulation.Command(run=args.run, models_dir=args.models_dir, data_root=args.data_root,
                                     points=None if args.points is None else tuple(args.points), spread=args.spread,
-                                    stages=sensitivity_cli.parse_stages(args.stage), rule=args.rule,
+                                    stages=sensitivity.parse_stages(args.stage), rule=args.rule,
                                     trials=args.trials, delta=args.delta, statistic=args.statistic,
                                     upper_batches=args.upper_batches, mc_seed=args.mc_seed, out=args.out,
                                     figure=args.figure, device=args.device)
@@ -110,8 +110,8 @@ def command_of(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if one_run_cli.requested(args):
-        return one_run_cli.main(args)
+    if one_run.requested(args):
+        return one_run.main(args)
     command = command_of(args)
     run = runs.open_run(command.run, command.models_dir, command.data_root)
     config = run.config

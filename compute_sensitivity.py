@@ -16,7 +16,7 @@ an interrupted run resumes, and another --mc-seed adds an independent set of row
     torchrun --nproc-per-node 4 compute_sensitivity.py --points all --stage all --res-name x ...
 
 splits the checkpoints × chunks of --part-points points over the processes; each writes its own
-part files and the last to finish merges them into the result file (perinstance/accountants/sharded.py).
+part files and the last to finish merges them into the result file (perinstance/measure/sharded.py).
 """
 
 import sys
@@ -24,13 +24,13 @@ import time
 
 import pandas as pd
 
-from perinstance.accountants import sensitivity_cli, sharded
+from perinstance.cli import sensitivity
+from perinstance.cli.options import HELP_FORMAT, Parser
 from perinstance.errors import run_main
 from perinstance.files import results
 from perinstance.files.result_file import ResultFile
-from perinstance.measure import measurement
+from perinstance.measure import measurement, sharded
 from perinstance.train import distributed, planned_run, runs
-from perinstance.train.options import HELP_FORMAT, Parser
 from perinstance.train.points import parse_points
 
 # The result file is rewritten whole on each write, so rows are written at most this often (and at the end or
@@ -40,23 +40,23 @@ WRITE_EVERY_SECONDS = 60
 
 
 def build_parser():
-    return sensitivity_cli.add_measurement_args(Parser(description=__doc__, formatter_class=HELP_FORMAT))
+    return sensitivity.add_measurement_args(Parser(description=__doc__, formatter_class=HELP_FORMAT))
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = vars(build_parser().parse_args(argv))
-    given = sensitivity_cli.given_flags(argv)
+    given = sensitivity.given_flags(argv)
 
     # Every flag is checked before anything is trained, measured or written.
-    command = sensitivity_cli.parse_command(flags, given)
-    run = sensitivity_cli.find_run(command.run, command.training, given)
+    command = sensitivity.parse_command(flags, given)
+    run = sensitivity.find_run(command.run, command.training, given)
     request = command.request.for_run(run.config, estimator_given="estimator" in given)
     points = parse_points(command.points, run.universe, run.config.seed)
     result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
                                   automatic=request.automatic_format)
     if command.no_train:
-        sensitivity_cli.require_finished(run)
+        sensitivity.require_finished(run)
     world = distributed.World.from_env()
     distributed.make_deterministic(command.device)
     if world.launched:

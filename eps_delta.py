@@ -15,10 +15,10 @@ the reported δ includes delta_fail (§3.4).
 
 from dataclasses import dataclass
 
-from perinstance.accountants import accountants, mean_rule, report, sum_rule
+from perinstance.analysis import mean_rule, reading, report, sum_rule
+from perinstance.cli.options import HELP_FORMAT, Parser
 from perinstance.errors import UsageError, run_main
 from perinstance.files import results
-from perinstance.train.options import HELP_FORMAT, Parser
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
            "k_min", "samples", "method"]
@@ -27,7 +27,7 @@ KEYS = ["point", "step"]
 
 @dataclass(frozen=True)
 class Request:
-    source: accountants.Source
+    source: reading.Source
     delta: float
     method: str
     holder_p: str
@@ -37,8 +37,8 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    accountants.add_input_arguments(parser)
-    accountants.add_delta_argument(parser)
+    reading.add_input_arguments(parser)
+    reading.add_delta_argument(parser)
     parser.add_argument("--method", choices=["exact", "holder"], default="exact",
                         help="exact: the hockey-stick of §3.3 by convexity (default); holder: GLA's Hölder formula "
                              "(sum rule only, for reproducing the paper; never tighter)")
@@ -47,24 +47,24 @@ def build_parser():
     parser.add_argument("--gaussian", choices=["analytic", "classic"], default=None,
                         help="--method holder only: the Gaussian mechanism's ε, exact (Balle & Wang 2018, default) "
                              "or the classic formula")
-    accountants.add_failure_argument(parser)
+    reading.add_failure_argument(parser)
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    accountants.check_delta(args.delta)
+    reading.check_delta(args.delta)
     for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
         if value is not None and args.method != "holder":
             raise UsageError(flag, "belongs to GLA's Hölder formula: add --method holder (the exact method has no "
                                    "such parameter)")
-    return Request(source=accountants.Source.from_flags(vars(args)), delta=args.delta, method=args.method,
+    return Request(source=reading.Source.from_flags(vars(args)), delta=args.delta, method=args.method,
                    holder_p=args.holder_p or "1e4", gaussian=args.gaussian or "analytic", failure=args.failure)
 
 
 def main(argv=None):
     request = parse_args(argv)
-    loaded = accountants.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=True,
+    loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=True,
                               integer_columns={"sample": 0})
     output = report.output_path(request.source, "eps_delta")
     if loaded.mechanism.rule == "sum":

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from perinstance.accountants import sensitivity_cli
 from perinstance.audit import membership
+from perinstance.cli import sensitivity
+from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
 from perinstance.errors import UsageError, run_main
 from perinstance.files import fileio
 from perinstance.plots import audit_plots
 from perinstance.train import runs
-from perinstance.train.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
 
 COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accuracy", "attack_advantage",
            "accuracy_std", "test_accuracy", "mean_eps", "splits", "step", "run"]
@@ -37,7 +37,7 @@ class Request:
     eps_csv: str
     models_dir: str
     data_root: str
-    stage: str | float  # a stage name or a fraction (sensitivity_cli.parse_stages)
+    stage: str | float  # a stage name or a fraction (sensitivity.parse_stages)
     splits: int
     mc_seed: int | None
     out: str | None
@@ -71,7 +71,7 @@ def parse_args(argv):
     args = build_parser().parse_args(argv)
     if args.splits <= 0:
         raise UsageError("--splits", f"must be > 0, got {args.splits}")
-    stages = sensitivity_cli.parse_stages(args.stage)
+    stages = sensitivity.parse_stages(args.stage)
     if len(stages) != 1 or stages == ["all"]:
         raise UsageError("--stage", "give one checkpoint: a fraction, initial, middle or final (not all)")
     if not os.path.isfile(args.eps_csv):

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance.accountants import accountants, gla_statistic, mean_rule, report
+from perinstance.analysis import gla_statistic, mean_rule, reading, report
+from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument
 from perinstance.errors import run_main
 from perinstance.files import results
-from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
            "k_star_at_k_min", "delta_fail", "estimator"]
@@ -28,7 +28,7 @@ KEYS = ["point", "step", "alpha"]
 
 @dataclass(frozen=True)
 class Request:
-    source: accountants.Source
+    source: reading.Source
     orders: np.ndarray
     estimator: str
     aggregate: str
@@ -37,30 +37,30 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    accountants.add_input_arguments(parser)
+    reading.add_input_arguments(parser)
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
     parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=list(gla_statistic.AGGREGATE_LABEL), default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
-    accountants.add_failure_argument(parser)
+    reading.add_failure_argument(parser)
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    return Request(source=accountants.Source.from_flags(vars(args)), orders=accountants.check_orders(args.alpha),
+    return Request(source=reading.Source.from_flags(vars(args)), orders=reading.check_orders(args.alpha),
                    estimator=args.estimator, aggregate=args.aggregate, failure=args.failure)
 
 
 def main(argv=None):
     request = parse_args(argv)
     if request.estimator == "jensen":
-        loaded = accountants.load(request.source, ["renyi_statistic"], one_run=True,
+        loaded = reading.load(request.source, ["renyi_statistic"], one_run=True,
                                   integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
         result, description = gla_statistic.gla_statistic_rdp(loaded, request.orders, request.aggregate)
     else:
-        loaded = accountants.load(request.source, results.COUPLING_QUANTITIES, one_run=True,
+        loaded = reading.load(request.source, results.COUPLING_QUANTITIES, one_run=True,
                                   integer_columns={"sample": 0})
         result, description = mean_rule.per_step_rdp(loaded, request.orders, request.failure)
     output = report.output_path(request.source, "renyi_per_instance_mean")

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from perinstance.accountants import accountants, report, sum_rule
+from perinstance.analysis import reading, report, sum_rule
+from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument
 from perinstance.errors import run_main
-from perinstance.train.options import HELP_FORMAT, Parser, add_alpha_argument
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp"]
 KEYS = ["point", "step", "alpha"]
@@ -21,25 +21,25 @@ KEYS = ["point", "step", "alpha"]
 
 @dataclass(frozen=True)
 class Request:
-    source: accountants.Source
+    source: reading.Source
     orders: np.ndarray
 
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    accountants.add_input_arguments(parser)
+    reading.add_input_arguments(parser)
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1, fractional allowed (default 8)")
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    return Request(source=accountants.Source.from_flags(vars(args)), orders=accountants.check_orders(args.alpha))
+    return Request(source=reading.Source.from_flags(vars(args)), orders=reading.check_orders(args.alpha))
 
 
 def main(argv=None):
     request = parse_args(argv)
-    loaded = accountants.load(request.source, ["grad_norm"], one_run=True)
+    loaded = reading.load(request.source, ["grad_norm"], one_run=True)
     output = report.output_path(request.source, "renyi_per_instance_sum")
     result, description = sum_rule.per_step_rdp(loaded, request.orders)
     print(description)

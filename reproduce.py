@@ -18,6 +18,7 @@ import re
 import sys
 import time
 
+from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
 from perinstance.errors import UsageError, run_main
 from perinstance.experiments import (
     audits,
@@ -42,7 +43,6 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
-from perinstance.train.options import HELP_FORMAT, Parser, add_device_argument
 
 
 def check_out_dir(out_dir):

@@ -14,11 +14,11 @@ of --seeds / --less-points resumes on its own).
 import dataclasses
 import time
 
+from perinstance.cli.options import HELP_FORMAT, Parser, add_training_args, parse_seeds, training_flags
 from perinstance.errors import UsageError, run_main
 from perinstance.files import checkpoints
 from perinstance.train import distributed, training
 from perinstance.train.data import load_dataset
-from perinstance.train.options import HELP_FORMAT, Parser, add_training_args, parse_seeds, training_flags
 from perinstance.train.points import parse_points
 
 # Runs named in a rank's summary line before it says "and N more".

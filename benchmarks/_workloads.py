@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 from _smoke import synthetic_lenet_dataset
 
+from perinstance.cli.options import add_device_argument
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
-from perinstance.train.options import add_device_argument
 
 CIFAR_SHAPE = (3, 32, 32)
 CIFAR_CLASSES = 10

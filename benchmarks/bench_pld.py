@@ -31,10 +31,10 @@ import pandas as pd
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from perinstance.accountants import mean_rule
 from perinstance.accounting import batch_sizes, pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis import mean_rule
 
 TARGET_EPS, DELTA = 10.0, 1e-5
 ORDERS = np.array(rdp_composition.COMPOSITION_ORDERS)

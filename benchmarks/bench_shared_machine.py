@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _workloads import workloads  # noqa: E402
 
 from perinstance import openmp_settings  # noqa: E402
+from perinstance.cli import options  # noqa: E402
 from perinstance.measure import gradient_rows  # noqa: E402
-from perinstance.train import options, run_plan, training  # noqa: E402
+from perinstance.train import run_plan, training  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
 
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "points": 64, "repeats": 1}

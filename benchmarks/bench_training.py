@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _workloads import add_timing_arguments, device_name, require_device, same_round_ratios, timer, workloads  # noqa: E402
 
-from perinstance.train import options, run_plan, sampling, training
+from perinstance.cli import options
+from perinstance.train import run_plan, sampling, training
 
 warnings.filterwarnings("ignore")
 SMOKE_SIZES = {"steps": 2, "batch_size": 32, "resnet_steps": 1, "resnet_batch_size": 8, "repeats": 1, "threads": 1}

@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from perinstance.accounting import exact_eps_delta
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.cli import options
 from perinstance.measure import gradient_rows
-from perinstance.train import clipping, options, training
+from perinstance.train import clipping, training
 from perinstance.train.data import load_dataset
 from perinstance.train.points import parse_points
 

@@ -27,11 +27,11 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from perinstance import IndividualAccountant, sensitivities  # noqa: E402
+from perinstance.cli.options import HELP_FORMAT, Parser, non_negative_int, positive_float, probability  # noqa: E402
 from perinstance.console import progress_bar  # noqa: E402
 from perinstance.errors import UsageError, run_main  # noqa: E402
 from perinstance.files.fileio import write_json  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
-from perinstance.train.options import HELP_FORMAT, Parser, non_negative_int, positive_float, probability  # noqa: E402
 
 DATASETS = {"mnist": "mnist-embedded", "synthetic": "synthetic"}
 SMOKE = dict(data="synthetic", train_size=128, epochs=2, batch_size=32, every=2, max_grad_norm=20.0)

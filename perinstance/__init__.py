@@ -5,12 +5,13 @@ The package is layered; imports flow one way, lowest layer first (tests/test_lay
     accounting/   pure math (numpy/scipy, no torch): imports no other subpackage
     files/        file formats, atomic writes, result files, checkpoints
     persample/    the per-sample gradient engine: per-sample norms and clipped sums of any model
-    train/        datasets, models, DP-SGD training, runs, the shared flags, torchrun ranks
-    measure/      per-sample gradient rows, Poisson batches, coupling, the measurement
-    accountants/  the accountants' command side, the report, compute_sensitivity's command
+    train/        datasets, models, DP-SGD training, runs, torchrun ranks
+    measure/      per-sample gradient rows, Poisson batches, coupling, the measurement (sharded too)
+    analysis/     the accountants on result files: per-step guarantees, composition, the report
     audit/        the simulated audit and the membership attack
     plots/        figures
     experiments/  reproduce.py's experiments, presets and report
+    cli/          the command line: one module per command, their shared flags
 
 errors.py, console.py, openmp_settings.py and malloc_settings.py stay here at the package top: the base every layer may
 import. api.py is the public Python API on top of every layer; it is imported on first use (PEP

@@ -18,8 +18,8 @@ from opacus.accountants import RDPAccountant
 from opacus.grad_sample import AbstractGradSampleModule
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from perinstance.accountants import composition
 from perinstance.accounting import pld, pld_grid, rdp_composition
+from perinstance.analysis import composition
 from perinstance.measure.gradient_rows import transformed_norms
 from perinstance.train import user_code
 from perinstance.train.clipping import CLIPPING_CHOICES, Transform

@@ -13,8 +13,9 @@ from conftest import assert_usage_error, run_in_process, snapshot
 
 from perinstance.accounting import one_run_audit
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.audit import one_run_cli
-from perinstance.train import canaries, options, run_plan, runs
+from perinstance.audit import one_run
+from perinstance.cli import options
+from perinstance.train import canaries, run_plan, runs
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "2",
        "--sigma", "0.8", "--save-freq", "8", "--canaries", "60", "--canary-norms", "0.5,1", "--save-name", "tiny"]
@@ -82,7 +83,7 @@ def test_a_canary_adds_c_times_gamma_along_its_unit_direction():
 def test_upper_bounds_are_the_accountants_at_the_scaled_noise(models):
     # RDP at sensitivity c·Γ is the baseline of σ/c (Opacus's RDP, accounting.md §3.1).
     config = runs.load_run(models / "tiny")
-    rdp, pld_eps = one_run_cli.upper_bounds(config, np.array([0.5, 1.0]), 1e-5)
+    rdp, pld_eps = one_run.upper_bounds(config, np.array([0.5, 1.0]), 1e-5)
     for norm, eps in zip((0.5, 1.0), rdp, strict=True):
         scaled = dataclasses.replace(Mechanism.of_run(config, "sum"), noise_multiplier=config.noise_multiplier / norm)
         assert eps == pytest.approx(scaled.baseline_eps(1e-5)[0], rel=1e-3)

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import ROOT, assert_usage_error, run_in_process
 
+from perinstance.cli.options import parse_seeds
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints
 from perinstance.train import distributed, runs
-from perinstance.train.options import parse_seeds
 
 RUN = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--epochs", "1",
        "--save-freq", "8", "--clipping", "psac", "--sigma", "1.0"]  # --sigma: no calibration, fast

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from perinstance.cli.options import Parser, Switch, add_training_args  # noqa: E402
 from perinstance.errors import UsageError  # noqa: E402
-from perinstance.train.options import Parser, Switch, add_training_args  # noqa: E402
 
 SCRIPTS = ["train_dpsgd.py", "compute_sensitivity.py", "eps_delta.py", "renyi_per_instance_sum.py",
            "renyi_per_instance_mean.py", "renyi_per_instance_sum_compo.py", "reproduce.py", "audit.py",
@@ -53,7 +53,7 @@ NONE = ("NoneType",)
 LIST = ("list",)
 
 MEANINGS = {
-    # --- the training run (perinstance/train/options.py add_training_args) -------------------------
+    # --- the training run (perinstance/cli/options.py add_training_args) -------------------------
     "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
                          "scatternet:DATASET (fixed ScatterNet features of its images), first:N:DATASET (its first N "
                          "training points), or your own PATH.py:NAME or package.module:NAME (a function returning "
@@ -164,7 +164,7 @@ MEANINGS = {
     "--direction": Meaning("jensen: D(P‖Q) (remove), D(Q‖P) (add) or both", "direction", "D(P||Q)", closed=True),
     "--no-train": Meaning("fail instead of training a run that has no checkpoints", "no_train", "instead of training",
                           nargs=0, action="store_true", defaults=("bool",)),
-    # --- the accountants (perinstance/accountants/accountants.py and the four scripts) -----------------------
+    # --- the accountants (perinstance/analysis/reading.py and the four scripts) -----------------------
     "--res-file": Meaning("the sensitivity CSV read, by path (instead of --res-name)", "res_file", "sensitivity CSV",
                           defaults=NONE),
     "--out": Meaning("the output CSV", "out", "output CSV", defaults=NONE),
@@ -543,16 +543,16 @@ def test_device_accepts_cuda_n_without_a_gpu_check_at_parse_time():
 
 @pytest.mark.parametrize("orders, expected", [(["4"], 4), (["2", "4"], None), (["2.5"], None)])
 def test_jensen_measures_at_one_integer_order(parsers, orders, expected):
-    from perinstance.accountants import sensitivity_cli
+    from perinstance.cli import sensitivity
 
     argv = ["--exp", "renyi", "--estimator", "jensen", "--points", "0", "--res-name", "x", "--alpha", *orders]
     args = parsers["compute_sensitivity.py"].parse_args(argv)
     if expected is None:
         with pytest.raises(UsageError) as error:
-            sensitivity_cli.parse_request(vars(args), sensitivity_cli.given_flags(argv))
+            sensitivity.parse_request(vars(args), sensitivity.given_flags(argv))
         assert error.value.flag == "--alpha"
     else:
-        assert sensitivity_cli.parse_request(vars(args), sensitivity_cli.given_flags(argv)).alpha == expected
+        assert sensitivity.parse_request(vars(args), sensitivity.given_flags(argv)).alpha == expected
 
 
 if __name__ == "__main__":

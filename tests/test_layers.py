@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "perinstance"
 # Lowest first: each layer may import the ones before it.
 # api is the public Python API (perinstance/api.py) on top of every layer.
-LAYERS = ("accounting", "files", "persample", "train", "measure", "accountants", "audit", "plots", "experiments", "api")
+LAYERS = ("accounting", "files", "persample", "train", "measure", "analysis", "audit", "plots", "experiments", "api", "cli")
 BASE = ("errors", "console", "openmp_settings", "malloc_settings")
 # The package top may import the API, and only it: its lazy export of IndividualAccountant and sensitivities.
 TOP_EXPORT = "perinstance.api"

@@ -524,8 +524,9 @@ def test_certified_event_holds_on_a_real_checkpoint(tmp_path):
     """||m(B) − μ_X|| > r_k for uniform k-subsets of a trained model's transformed gradients happens
     at a rate ≤ β (binomial margin), for §3.2's radius and §7.2's; a radius without the concentration
     term is exceeded often, so the check has the power to see a wrong r_k."""
+    from perinstance.cli import options
     from perinstance.measure.gradient_rows import HeldRows
-    from perinstance.train import options, training
+    from perinstance.train import training
     from perinstance.train.clipping import Transform
     from perinstance.train.data import load_dataset
 

@@ -14,8 +14,9 @@ from scipy.stats import binom
 
 from perinstance.accounting import exact_eps_delta, rdp_composition
 from perinstance.accounting.mechanism import Mechanism, rule_noise_std
+from perinstance.cli import options
 from perinstance.errors import UsageError
-from perinstance.train import options, run_plan, runs
+from perinstance.train import run_plan, runs
 from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants import RDPAccountant
 
+from perinstance.cli import options
 from perinstance.files import checkpoints
-from perinstance.train import options, run_plan, runs, sampling, training
+from perinstance.train import run_plan, runs, sampling, training
 from perinstance.train.data import load_dataset
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5"]

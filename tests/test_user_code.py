@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants.analysis.rdp import _compute_rdp
 
+from perinstance.cli import options
 from perinstance.measure.gradient_rows import transformed_gradient_chunks
 from perinstance.persample import fallback_norms, gradients
-from perinstance.train import options, run_plan, user_code
+from perinstance.train import run_plan, user_code
 from perinstance.train.clipping import Transform
 
 TRANSFORMER = '''

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants import composition
 from perinstance.accounting import rdp_composition
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis import composition
 from perinstance.experiments.commands import FIGURES
 from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B

@@ -13,10 +13,10 @@ import os
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants import accountants, composition
 from perinstance.accounting import intervals, rdp_composition, renyi_step
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis import composition, reading
 from perinstance.experiments.commands import RES_DIR, Commands, account, result_file
 from perinstance.experiments.config import DATA_ROOT, ReproduceConfig, training_flags
 from perinstance.files import results, storage
@@ -130,7 +130,7 @@ def fixed_checkpoint_design(commands: Commands, config: ReproduceConfig, main_na
             # β of the certified event is the run at q's δ/(10·T_q), like δ_size (k_min = 0 leaves δ_size at 0).
             rows = account(commands, "renyi_per_instance_mean.py", res_name,
                            ["--alpha", f"{config.renyi_order:g}", "--failure", f"{size_delta!r}"], "renyi")
-            loaded = accountants.load(accountants.Source(res_name=res_name, res_file=None, res_dir=RES_DIR),
+            loaded = reading.load(reading.Source(res_name=res_name, res_file=None, res_dir=RES_DIR),
                                       list(results.COUPLING_QUANTITIES), one_run=True,
                                       integer_columns={"sample": 0})
             with commands.timed(f"composition.mean_rule_repeated {res_name}"):

@@ -9,12 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from perinstance.accounting.guarantees import Direction
-from perinstance.errors import UsageError
-from perinstance.files import results, storage
-from perinstance.measure import poisson_batches
-from perinstance.measure.measurement import COUPLING, DEFAULT_NUM_BATCHES, JENSEN, MIN_GRID_SIZES, Measurement
-from perinstance.train import planned_run, run_plan, runs
-from perinstance.train.options import (
+from perinstance.cli.options import (
     Parser,
     add_alpha_argument,
     add_training_args,
@@ -25,6 +20,11 @@ from perinstance.train.options import (
     training_flag,
     training_flags,
 )
+from perinstance.errors import UsageError
+from perinstance.files import results, storage
+from perinstance.measure import poisson_batches
+from perinstance.measure.measurement import COUPLING, DEFAULT_NUM_BATCHES, JENSEN, MIN_GRID_SIZES, Measurement
+from perinstance.train import planned_run, run_plan, runs
 
 # --- flags ---------------------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ def add_measurement_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--no-train", action="store_true", help="fail instead of training a run that has no checkpoints")
     group.add_argument("--part-points", type=int, default=None,
                        help="under torchrun: points per unit of work and part file (default 1024 for the sum rule, "
-                            "all points of a checkpoint for the mean rule; perinstance/accountants/sharded.py)")
+                            "all points of a checkpoint for the mean rule; perinstance/measure/sharded.py)")
     # --reduction (the rule analysed; without --run also the one the run is trained with),
     # --seed (the run's seed) and --overwrite (of the result file here) come with the training flags.
     add_training_args(parser)

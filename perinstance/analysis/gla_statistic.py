@@ -1,6 +1,6 @@
 """GLA's statistic S per point, step and order (renyi_per_instance_mean.py --estimator jensen;
 docs/accounting.md §3.2), kept to reproduce the paper: not the mean rule's guarantee (that is
-perinstance/accountants/mean_rule.py).
+perinstance/analysis/mean_rule.py).
 """
 
 import math
@@ -8,9 +8,9 @@ import math
 import pandas as pd
 from numpy.typing import ArrayLike
 
-from perinstance.accountants.accountants import Loaded, check_unique, check_values
 from perinstance.accounting import renyi_step
 from perinstance.accounting.guarantees import Direction, Kind
+from perinstance.analysis.reading import Loaded, check_unique, check_values
 from perinstance.console import warn
 from perinstance.errors import UsageError
 

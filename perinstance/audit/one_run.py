@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants import composition
 from perinstance.accounting import one_run_audit, pld, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis import composition
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
 from perinstance.train import canaries, runs

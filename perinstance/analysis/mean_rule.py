@@ -6,8 +6,8 @@ samples: not a bound), the certified bound (from the dataset statistics d*, v_X,
 probability 1 − delta_fail) and the mean rule's own data-independent baseline. Each is a mixture
 over batch sizes k ≥ k_min (the size model, §3.4): per-step (ε, δ) by §3.3 (per_step_eps),
 per-step Rényi DP (per_step_rdp) and the per-step ρ per checkpoint that composition adds up
-(checkpoint_rdp, perinstance/accountants/composition.py). GLA's statistic S (--estimator jensen) is in
-perinstance/accountants/gla_statistic.py.
+(checkpoint_rdp, perinstance/analysis/composition.py). GLA's statistic S (--estimator jensen) is in
+perinstance/analysis/gla_statistic.py.
 """
 
 import dataclasses
@@ -18,10 +18,10 @@ import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike
 
-from perinstance.accountants.accountants import Loaded, check_unique, check_values
 from perinstance.accounting import batch_sizes, certified_radius, rdp_composition
 from perinstance.accounting.guarantees import Direction, Kind, direction_rows, eps_by_direction
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis.reading import Loaded, check_unique, check_values
 from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.files.results import STATISTICS

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from perinstance.accountants.accountants import Source, run_key
 from perinstance.accounting.guarantees import Direction, Kind
 from perinstance.accounting.intervals import quantile
+from perinstance.analysis.reading import Source, run_key
 from perinstance.errors import UsageError
 from perinstance.files import fileio, storage
 

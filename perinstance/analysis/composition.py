@@ -2,7 +2,7 @@
 
 The composition itself works on arrays, so that another accountant can take the same inputs:
 compose_sum_rule takes Δ*/Γ per run, checkpoint and point; compose_mean_rule the per-step ρ
-per checkpoint and point (perinstance/accountants/mean_rule.py checkpoint_rdp); perinstance/accounting/pld.py composes the
+per checkpoint and point (perinstance/analysis/mean_rule.py checkpoint_rdp); perinstance/accounting/pld.py composes the
 same per-step pairs by privacy loss distributions (§8). sum_rule, mean_rule_composed, sum_rule_pld and
 mean_rule_pld turn the rows of a result file into those inputs and the composed ε into the output rows
 of renyi_per_instance_sum_compo.py.
@@ -15,11 +15,11 @@ import pandas as pd
 from numpy.typing import ArrayLike
 from scipy.special import logsumexp
 
-from perinstance.accountants import mean_rule
-from perinstance.accountants.accountants import Loaded, check_unique, checkpoint_ratios, parse_holder, run_key
 from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.analysis import mean_rule
+from perinstance.analysis.reading import Loaded, check_unique, checkpoint_ratios, parse_holder, run_key
 from perinstance.console import warn
 from perinstance.errors import UsageError
 

@@ -1,6 +1,6 @@
 """The sum rule's per-step accountants (docs/accounting.md §3.1, §3.3): from the `grad_norm` rows (Δ* per
 point and checkpoint) to per-step (ε, δ) and per-step Rényi DP, certified, next to the
-data-independent baseline. Composition over a run is perinstance/accountants/composition.py.
+data-independent baseline. Composition over a run is perinstance/analysis/composition.py.
 """
 
 import math
@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike
 
-from perinstance.accountants.accountants import Loaded, check_unique, parse_holder
 from perinstance.accounting import exact_eps_delta, renyi_step
 from perinstance.accounting.guarantees import Direction, Kind, direction_rows, eps_by_direction
+from perinstance.analysis.reading import Loaded, check_unique, parse_holder
 
 KEYS = ["point", "step"]
 

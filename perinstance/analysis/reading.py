@@ -3,7 +3,7 @@ sensitivity CSV (perinstance/files/results.py) read, filtered and checked.
 
 A script turns its flags into a frozen request at the top (`Source` for the input and the
 output it names); the result rows come back as `Loaded`, with the mechanism they describe.
-The output side is perinstance/accountants/report.py; the mathematics perinstance/accounting/.
+The output side is perinstance/analysis/report.py; the mathematics perinstance/accounting/.
 """
 
 import argparse
@@ -16,10 +16,10 @@ from numpy.typing import ArrayLike
 
 from perinstance.accounting import rdp_composition
 from perinstance.accounting.mechanism import Mechanism, rule_noise_std
+from perinstance.cli.options import add_overwrite_argument, probability
 from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.files.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, STATISTICS, read_results, results_path
-from perinstance.train.options import add_overwrite_argument, probability
 from perinstance.train.points import parse_points
 
 NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
