@@ -16,6 +16,7 @@ the reported δ includes delta_fail (§3.4).
 from dataclasses import dataclass
 
 from perinstance.analysis import mean_rule, reading, report, sum_rule
+from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser
 from perinstance.errors import UsageError, run_main
 from perinstance.files import results
@@ -37,8 +38,8 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    reading.add_input_arguments(parser)
-    reading.add_delta_argument(parser)
+    options.add_input_arguments(parser)
+    options.add_delta_argument(parser)
     parser.add_argument("--method", choices=["exact", "holder"], default="exact",
                         help="exact: the hockey-stick of §3.3 by convexity (default); holder: GLA's Hölder formula "
                              "(sum rule only, for reproducing the paper; never tighter)")
@@ -47,18 +48,18 @@ def build_parser():
     parser.add_argument("--gaussian", choices=["analytic", "classic"], default=None,
                         help="--method holder only: the Gaussian mechanism's ε, exact (Balle & Wang 2018, default) "
                              "or the classic formula")
-    reading.add_failure_argument(parser)
+    options.add_failure_argument(parser)
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    reading.check_delta(args.delta)
+    options.check_delta(args.delta)
     for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
         if value is not None and args.method != "holder":
             raise UsageError(flag, "belongs to GLA's Hölder formula: add --method holder (the exact method has no "
                                    "such parameter)")
-    return Request(source=reading.Source.from_flags(vars(args)), delta=args.delta, method=args.method,
+    return Request(source=options.source_of(vars(args)), delta=args.delta, method=args.method,
                    holder_p=args.holder_p or "1e4", gaussian=args.gaussian or "analytic", failure=args.failure)
 
 

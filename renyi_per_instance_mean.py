@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perinstance.analysis import gla_statistic, mean_rule, reading, report
+from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument
 from perinstance.errors import run_main
 from perinstance.files import results
@@ -37,19 +38,19 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    reading.add_input_arguments(parser)
+    options.add_input_arguments(parser)
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
     parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
                         help="coupling: estimate, certified and baseline of §3.2 (default); jensen: GLA's statistic")
     parser.add_argument("--aggregate", choices=list(gla_statistic.AGGREGATE_LABEL), default="joint",
                         help="jensen only: joint Monte-Carlo mean (default) or GLA's per-target average, NOT a bound")
-    reading.add_failure_argument(parser)
+    options.add_failure_argument(parser)
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    return Request(source=reading.Source.from_flags(vars(args)), orders=reading.check_orders(args.alpha),
+    return Request(source=options.source_of(vars(args)), orders=options.check_orders(args.alpha),
                    estimator=args.estimator, aggregate=args.aggregate, failure=args.failure)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from perinstance.analysis import reading, report, sum_rule
+from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument
 from perinstance.errors import run_main
 
@@ -27,14 +28,14 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    reading.add_input_arguments(parser)
+    options.add_input_arguments(parser)
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1, fractional allowed (default 8)")
     return parser
 
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    return Request(source=reading.Source.from_flags(vars(args)), orders=reading.check_orders(args.alpha))
+    return Request(source=options.source_of(vars(args)), orders=options.check_orders(args.alpha))
 
 
 def main(argv=None):

@@ -23,6 +23,7 @@ import numpy as np
 from perinstance.accounting import pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.analysis import composition, reading, report
+from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
 from perinstance.errors import UsageError, run_main
 from perinstance.files import results
@@ -43,8 +44,8 @@ class Request:
 
 def build_parser():
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
-    reading.add_input_arguments(parser)
-    reading.add_delta_argument(parser)
+    options.add_input_arguments(parser)
+    options.add_delta_argument(parser)
     add_alpha_argument(parser, rdp_composition.COMPOSITION_ORDERS,
                        "Rényi orders α > 1 to convert from (default 1.25..256, 47 orders)")
     parser.add_argument("--holder-b", default=None,
@@ -55,7 +56,7 @@ def build_parser():
                              f"(default {composition.SUM_RULE_ROUNDING:g}; 0: exact)")
     parser.add_argument("--kind", choices=[Kind.CERTIFIED.value, Kind.ESTIMATE.value], default=Kind.CERTIFIED.value,
                         help="mean rule: compose the certified per-step bound (default) or the Monte-Carlo estimate")
-    reading.add_failure_argument(parser)
+    options.add_failure_argument(parser)
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
                         help="compose by Rényi DP (§4, default) or by privacy loss distributions (§8: dp_accounting, "
                              "pessimistic, both directions, b = inf)")
@@ -67,11 +68,11 @@ def build_parser():
 
 def parse_args(argv):
     args = build_parser().parse_args(argv)
-    reading.check_delta(args.delta)
-    orders = reading.check_orders(args.alpha)
+    options.check_delta(args.delta)
+    orders = options.check_orders(args.alpha)
     if not 0 <= args.rounding <= 1:
         raise UsageError("--rounding", f"must be in [0, 1] (a fraction of the clip bound), not {args.rounding:g}")
-    return Request(source=reading.Source.from_flags(vars(args)), delta=args.delta, orders=orders,
+    return Request(source=options.source_of(vars(args)), delta=args.delta, orders=orders,
                    holder_b=args.holder_b, rounding=args.rounding, kind=Kind(args.kind), failure=args.failure,
                    accountant=args.accountant, pld_interval=args.pld_interval)
 

@@ -164,7 +164,7 @@ MEANINGS = {
     "--direction": Meaning("jensen: D(P‖Q) (remove), D(Q‖P) (add) or both", "direction", "D(P||Q)", closed=True),
     "--no-train": Meaning("fail instead of training a run that has no checkpoints", "no_train", "instead of training",
                           nargs=0, action="store_true", defaults=("bool",)),
-    # --- the accountants (perinstance/analysis/reading.py and the four scripts) -----------------------
+    # --- the accountants (perinstance/cli/options.py and the four scripts) ------------------------------
     "--res-file": Meaning("the sensitivity CSV read, by path (instead of --res-name)", "res_file", "sensitivity CSV",
                           defaults=NONE),
     "--out": Meaning("the output CSV", "out", "output CSV", defaults=NONE),

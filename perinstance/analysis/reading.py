@@ -1,13 +1,11 @@
-"""The input side of the four accountant scripts (docs/accountants.md): their shared flags, and the
-sensitivity CSV (perinstance/files/results.py) read, filtered and checked.
+"""The input side of the four accountants (docs/accountants.md): the sensitivity CSV
+(perinstance/files/results.py) read, filtered and checked.
 
-A script turns its flags into a frozen request at the top (`Source` for the input and the
-output it names); the result rows come back as `Loaded`, with the mechanism they describe.
+A command turns its flags (perinstance/cli/options.py) into a frozen request at the top (`Source` for the
+input and the output it names); the result rows come back as `Loaded`, with the mechanism they describe.
 The output side is perinstance/analysis/report.py; the mathematics perinstance/accounting/.
 """
 
-import argparse
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +14,6 @@ from numpy.typing import ArrayLike
 
 from perinstance.accounting import rdp_composition
 from perinstance.accounting.mechanism import Mechanism, rule_noise_std
-from perinstance.cli.options import add_overwrite_argument, probability
 from perinstance.console import warn
 from perinstance.errors import UsageError
 from perinstance.files.results import COLUMNS, CONFIG_COLUMNS, QUANTITIES, STATISTICS, read_results, results_path
@@ -39,14 +36,6 @@ class Source:
     points: tuple | None = None
     overwrite: bool = False
 
-    @classmethod
-    def from_flags(cls, flags: Mapping) -> "Source":
-        """The source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
-        return cls(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"],
-                   out=flags["out"], filters=tuple(flags["filter"]),
-                   points=None if flags["points"] is None else tuple(flags["points"]),
-                   overwrite=bool(flags["overwrite"]))
-
     @property
     def path(self) -> tuple[str, str]:
         """The result file read, and the flag that names it."""
@@ -63,45 +52,7 @@ class Loaded:
     flag: str
 
 
-# --- flags ----------------------------------------------------------------------------------
-
-def add_input_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv, or .parquet, whichever exists (written "
-                                           "by compute_sensitivity.py); an extension names one")
-    source.add_argument("--res-file", help="read this sensitivity CSV (or Parquet file, by its extension)")
-    parser.add_argument("--res-dir", default="res", help="folder of the result files (default res)")
-    parser.add_argument("--out", help="output CSV (default: <res-dir>/<res-name>_<script>.csv, next to --res-file)")
-    parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
-                        help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
-    parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
-    add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
-
-
-def add_delta_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
-
-
-def add_failure_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--failure", type=probability, default=None,
-                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
-                             "k_min = 0)")
-
-
-def check_delta(delta: float) -> None:
-    """--delta: a probability strictly between 0 and 1 (NaN is not)."""
-    if not 0 < delta < 1:
-        raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
-
-
-def check_orders(orders: ArrayLike) -> np.ndarray:
-    """--alpha: finite orders > 1; returned sorted and without repeats."""
-    orders = np.asarray(orders, dtype=float)
-    bad = orders[~(orders > 1) | ~np.isfinite(orders)]
-    if bad.size:
-        raise UsageError("--alpha", f"Rényi orders must be finite and > 1, not {bad[0]:g}")
-    return np.unique(orders)
-
+# --- Hölder exponents -------------------------------------------------------------------------
 
 def parse_holder(text: str | float, total_steps: int, flag: str = "--holder-p") -> float:
     """--holder-p (p, per step) or --holder-b (b, composition): a number, `inf`, or a multiple of the

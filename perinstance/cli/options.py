@@ -6,8 +6,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 import perinstance
+from perinstance.analysis.reading import Source
 from perinstance.errors import UsageError
 
 # Keeps the example commands at the top of each script's docstring as written in --help.
@@ -245,3 +247,50 @@ def parse_training_flags(argv: Iterable[str] = ()) -> "perinstance.train.run_pla
     parser = Parser()
     add_training_args(parser)
     return training_flags(vars(parser.parse_args(list(argv))))
+
+
+# --- the accountants' input and output (eps_delta.py, renyi_per_instance_*.py) -----------------------------
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--res-name", help="read <res-dir>/<res-name>.csv, or .parquet, whichever exists (written "
+                                           "by compute_sensitivity.py); an extension names one")
+    source.add_argument("--res-file", help="read this sensitivity CSV (or Parquet file, by its extension)")
+    parser.add_argument("--res-dir", default="res", help="folder of the result files (default res)")
+    parser.add_argument("--out", help="output CSV (default: <res-dir>/<res-name>_<script>.csv, next to --res-file)")
+    parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
+                        help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
+    parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+    add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
+
+
+def add_delta_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
+
+
+def add_failure_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--failure", type=probability, default=None,
+                        help="mean rule: β of the certified event (default δ_size, or the training δ/(10·T) when "
+                             "k_min = 0)")
+
+
+def check_delta(delta: float) -> None:
+    """--delta: a probability strictly between 0 and 1 (NaN is not)."""
+    if not 0 < delta < 1:
+        raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
+
+
+def check_orders(orders: ArrayLike) -> np.ndarray:
+    """--alpha: finite orders > 1; returned sorted and without repeats."""
+    orders = np.asarray(orders, dtype=float)
+    bad = orders[~(orders > 1) | ~np.isfinite(orders)]
+    if bad.size:
+        raise UsageError("--alpha", f"Rényi orders must be finite and > 1, not {bad[0]:g}")
+    return np.unique(orders)
+
+
+def source_of(flags: Mapping) -> Source:
+    """The accountant's Source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
+    return Source(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"], out=flags["out"],
+                  filters=tuple(flags["filter"]), points=None if flags["points"] is None else tuple(flags["points"]),
+                  overwrite=bool(flags["overwrite"]))
