@@ -1,5 +1,6 @@
-"""How glibc's malloc keeps the memory a step frees, set once when the package is imported (a no-op on
-another C library, or where the user has tuned malloc through its environment variables).
+"""How glibc's malloc keeps the memory a step frees: a setting the command line makes once, at its start
+(perinstance.apply_shared_machine_settings; importing the package changes nothing). A no-op on another C
+library, or where the user has tuned malloc through its environment variables.
 
 Why: by default glibc serves each block above its mmap threshold (128 KiB at first, raised to the size of
 any such block freed, at most 32 MiB) with fresh pages, and hands the top of its heap back to the system
@@ -41,6 +42,3 @@ def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     return all(mallopt(parameter, value) == 1 for parameter, value in KEPT_SETTINGS.items())
-
-
-keep_freed_memory()

@@ -1,5 +1,6 @@
-"""How torch's OpenMP threads wait, set before torch is first imported (perinstance/__init__.py imports
-this module first, and every script imports perinstance before torch).
+"""How torch's OpenMP threads wait: a setting for a machine that other processes share, which the command
+line adds to the environment before it first imports torch (perinstance.apply_shared_machine_settings;
+importing the package changes nothing).
 
 Why: torch's OpenMP runtime (libgomp) makes an idle thread spin on its core while it waits for the
 others. When another process holds one of the two cores, each parallel operation waits for a thread
@@ -11,7 +12,7 @@ they must be in the environment before that. Child processes inherit them.
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 # The variables that decide how libgomp waits; a user who sets any of them keeps their choice.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -25,4 +26,9 @@ def settings_to_add(environ: Mapping[str, str]) -> dict[str, str]:
     return dict(SHARED_MACHINE_SETTINGS)
 
 
-os.environ.update(settings_to_add(os.environ))
+
+def add_wait_policy(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Add the shared-machine wait policy to `environ` (settings_to_add); returns what was added."""
+    added = settings_to_add(environ)
+    environ.update(added)
+    return added

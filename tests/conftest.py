@@ -46,7 +46,8 @@ def assert_usage_error(result, flag):
 
 
 def load_script(script):
-    """A top-level script of the project as a module (the scripts are not part of the package)."""
+    """A top-level script of the project as a module (the scripts are not part of the package: each is a shim of
+    its command in perinstance/cli/, and imported, it holds the command's build_parser and main)."""
     spec = importlib.util.spec_from_file_location(f"script_{os.path.splitext(script)[0]}", os.path.join(ROOT, script))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -13,7 +13,7 @@ from conftest import assert_usage_error, run_in_process, run_script, snapshot
 from reference import reference_batch_means, reference_batch_sensitivities, reference_renyi_statistics
 
 from perinstance.accounting import batch_sizes
-from perinstance.cli import sensitivity
+from perinstance.cli import options
 from perinstance.files import results
 from perinstance.measure import coupling, measurement
 from perinstance.measure.gradient_rows import transformed_norms
@@ -229,10 +229,10 @@ def test_no_train_names_the_training_command(tmp_path):
 def test_stages_resolve_to_the_nearest_saved_checkpoint():
     saved = [0, 10, 20, 30, 40]
     resolve = runs.resolve_stages
-    assert resolve(sensitivity.parse_stages(["initial", "final"]), saved, 40) == [0, 40]
-    assert resolve(sensitivity.parse_stages(["middle", "0.26"]), saved, 40) == [10, 20]
-    assert resolve(sensitivity.parse_stages(["0.125"]), saved, 40) == [0]  # 5 is as near 0 as 10: the earlier
-    assert resolve(sensitivity.parse_stages(["all"]), saved, 40) == saved
+    assert resolve(options.parse_stages(["initial", "final"]), saved, 40) == [0, 40]
+    assert resolve(options.parse_stages(["middle", "0.26"]), saved, 40) == [10, 20]
+    assert resolve(options.parse_stages(["0.125"]), saved, 40) == [0]  # 5 is as near 0 as 10: the earlier
+    assert resolve(options.parse_stages(["all"]), saved, 40) == saved
 
 
 BAD_INPUTS = [

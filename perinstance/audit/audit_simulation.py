@@ -261,28 +261,6 @@ AUDIT_COLUMNS = ["point", "step", "rule", "label", "loss", "correct", "sensitivi
 
 
 @dataclass(frozen=True)
-class Command:
-    """audit.py's flags, typed: the run, the points (--points or --spread) and checkpoints, the
-    audit's settings (AuditRequest once the run is open) and where the results go."""
-
-    run: str
-    models_dir: str
-    data_root: str
-    points: tuple | None
-    spread: int | None
-    stages: list
-    rule: str | None
-    trials: int
-    delta: float
-    statistic: str
-    upper_batches: int
-    mc_seed: int | None
-    out: str | None
-    figure: str | None
-    device: str
-
-
-@dataclass(frozen=True)
 class AuditRequest:
     rule: str
     trials: int

@@ -9,10 +9,8 @@ accounting gives a point of sensitivity c·Γ over the same run, by RDP (§4) an
 bound above an upper bound is a violation: the accounting (or the training code) is wrong.
 """
 
-import argparse
 import math
 import os
-import time
 
 import numpy as np
 import pandas as pd
@@ -21,17 +19,12 @@ from perinstance.accounting import one_run_audit, pld, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import composition
 from perinstance.errors import UsageError
-from perinstance.files import checkpoints, fileio
+from perinstance.files import checkpoints
 from perinstance.train import canaries, runs
 
 COLUMNS = ["norm", "canaries", "included", "eps_lower", "eps_lower_fdp", "eps_lower_cp", "eps_upper_rdp",
            "eps_upper_pld", "tightness", "violated", "significance", "delta", "steps", "sample_rate",
            "noise_multiplier"]
-
-
-def requested(args: argparse.Namespace) -> bool:
-    """Whether the parsed audit.py flags ask for a one-run mode."""
-    return args.one_run or args.in_scores is not None or args.out_scores is not None
 
 
 def read_scores(path: str, flag: str) -> np.ndarray:
@@ -132,34 +125,3 @@ def table_lines(config: runs.RunConfig, rows: pd.DataFrame) -> list[str]:
     return lines
 
 
-def main(args: argparse.Namespace) -> int:
-    """audit.py in a one-run mode: the parsed flags `args`."""
-    if args.one_run:
-        if args.run is None:
-            raise UsageError("--one-run", "needs --run NAME (a run trained with --canaries)")
-        if args.in_scores is not None or args.out_scores is not None:
-            raise UsageError("--in-scores", "give either --in-scores/--out-scores or --run with --one-run, not both")
-        started = time.time()
-        config, rows = audit_run(args.run, args.models_dir, significance=args.significance, delta=args.delta)
-        out = args.out or os.path.join("res", f"{config.run}_one_run_audit.csv")
-        fileio.write_csv(out, rows, flag="--out")
-        for line in table_lines(config, rows):
-            print(line)
-        print(f"audited {rows['canaries'].sum()} canaries in {len(rows)} groups in {time.time() - started:.1f}s; "
-              f"wrote {out}")
-        violated = rows[rows["violated"]]
-        if len(violated):
-            print(f"VIOLATION: the canaries prove more than the accounting allows at norm(s) "
-                  f"{', '.join(f'{norm:g}' for norm in violated['norm'])} (eps_lower > eps_upper)")
-        return 1 if len(violated) else 0
-    if args.in_scores is None or args.out_scores is None:
-        missing = "--out-scores" if args.out_scores is None else "--in-scores"
-        raise UsageError(missing, "the scores of the held-out canaries (one number a line, or .npy) are needed too"
-                         if missing == "--out-scores" else "the scores of the held-in canaries are needed too")
-    if args.run is not None:
-        raise UsageError("--run", "scores from files audit no run: drop --run (or use --run NAME --one-run)")
-    bounds = score_bounds(read_scores(args.in_scores, "--in-scores"), read_scores(args.out_scores, "--out-scores"),
-                          significance=args.significance, delta=args.delta)
-    for name, value in bounds.items():
-        print(f"{name}: {value:.6f}")
-    return 0

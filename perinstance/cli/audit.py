@@ -25,14 +25,18 @@ group of a run trained with --canaries against the accountant's upper bound for 
 writes res/<run>_one_run_audit.csv, and exits with status 1 on a violation.
 """
 
+import argparse
+import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.audit import audit_simulation, one_run
-from perinstance.cli import sensitivity
+from perinstance.cli import options
 from perinstance.cli.options import (
     HELP_FORMAT,
     Parser,
@@ -40,15 +44,15 @@ from perinstance.cli.options import (
     non_negative_int,
     probability,
 )
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.files import fileio
 from perinstance.plots import audit_plots
 from perinstance.train import runs
 from perinstance.train.points import parse_points
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     parser.add_argument("--run", help="the run: a name under --models-dir, or a run folder")
     parser.add_argument("--models-dir", default="models", help="folder that holds the run folders")
     parser.add_argument("--data-root", default="./data", help="where torchvision datasets live")
@@ -88,7 +92,29 @@ def build_parser():
     return parser
 
 
-def command_of(args):
+@dataclass(frozen=True)
+class AuditCommand:
+    """audit.py's flags, typed: the run, the points (--points or --spread) and checkpoints, the
+    audit's settings (AuditRequest once the run is open) and where the results go."""
+
+    run: str
+    models_dir: str
+    data_root: str
+    points: tuple | None
+    spread: int | None
+    stages: list
+    rule: str | None
+    trials: int
+    delta: float
+    statistic: str
+    upper_batches: int
+    mc_seed: int | None
+    out: str | None
+    figure: str | None
+    device: str
+
+
+def command_of(args: argparse.Namespace) -> AuditCommand:
     """The per-step audit that the parsed flags ask for."""
     if args.run is None:
         raise UsageError("--run", "required (or --in-scores and --out-scores)")
@@ -100,18 +126,18 @@ def command_of(args):
         raise UsageError("--upper-batches", f"must be > 0, got {args.upper_batches}")
     if args.spread is not None and args.spread <= 0:
         raise UsageError("--spread", f"must be > 0, got {args.spread}")
-    return audit_simulation.Command(run=args.run, models_dir=args.models_dir, data_root=args.data_root,
+    return AuditCommand(run=args.run, models_dir=args.models_dir, data_root=args.data_root,
                                     points=None if args.points is None else tuple(args.points), spread=args.spread,
-                                    stages=sensitivity.parse_stages(args.stage), rule=args.rule,
+                                    stages=options.parse_stages(args.stage), rule=args.rule,
                                     trials=args.trials, delta=args.delta, statistic=args.statistic,
                                     upper_batches=args.upper_batches, mc_seed=args.mc_seed, out=args.out,
                                     figure=args.figure, device=args.device)
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if one_run.requested(args):
-        return one_run.main(args)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    args = build_parser(prog).parse_args(argv)
+    if one_run_requested(args):
+        return one_run_main(args)
     command = command_of(args)
     run = runs.open_run(command.run, command.models_dir, command.data_root)
     config = run.config
@@ -144,5 +170,39 @@ def main(argv=None):
     return 1 if np.any(rows["violated"]) or wrong_baseline else 0
 
 
-if __name__ == "__main__":
-    run_main(main)
+def one_run_requested(args: argparse.Namespace) -> bool:
+    """Whether the parsed audit.py flags ask for a one-run mode."""
+    return args.one_run or args.in_scores is not None or args.out_scores is not None
+
+
+def one_run_main(args: argparse.Namespace) -> int:
+    """audit.py in a one-run mode (perinstance/audit/one_run.py): the parsed flags `args`."""
+    if args.one_run:
+        if args.run is None:
+            raise UsageError("--one-run", "needs --run NAME (a run trained with --canaries)")
+        if args.in_scores is not None or args.out_scores is not None:
+            raise UsageError("--in-scores", "give either --in-scores/--out-scores or --run with --one-run, not both")
+        started = time.time()
+        config, rows = one_run.audit_run(args.run, args.models_dir, significance=args.significance, delta=args.delta)
+        out = args.out or os.path.join("res", f"{config.run}_one_run_audit.csv")
+        fileio.write_csv(out, rows, flag="--out")
+        for line in one_run.table_lines(config, rows):
+            print(line)
+        print(f"audited {rows['canaries'].sum()} canaries in {len(rows)} groups in {time.time() - started:.1f}s; "
+              f"wrote {out}")
+        violated = rows[rows["violated"]]
+        if len(violated):
+            print(f"VIOLATION: the canaries prove more than the accounting allows at norm(s) "
+                  f"{', '.join(f'{norm:g}' for norm in violated['norm'])} (eps_lower > eps_upper)")
+        return 1 if len(violated) else 0
+    if args.in_scores is None or args.out_scores is None:
+        missing = "--out-scores" if args.out_scores is None else "--in-scores"
+        raise UsageError(missing, "the scores of the held-out canaries (one number a line, or .npy) are needed too"
+                         if missing == "--out-scores" else "the scores of the held-in canaries are needed too")
+    if args.run is not None:
+        raise UsageError("--run", "scores from files audit no run: drop --run (or use --run NAME --one-run)")
+    bounds = one_run.score_bounds(one_run.read_scores(args.in_scores, "--in-scores"), one_run.read_scores(args.out_scores, "--out-scores"),
+                          significance=args.significance, delta=args.delta)
+    for name, value in bounds.items():
+        print(f"{name}: {value:.6f}")
+    return 0

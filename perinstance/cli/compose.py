@@ -16,6 +16,7 @@ b = inf, converted at δ − T·delta_fail (§3.4), next to the mean rule's own 
 both directions: eps is the larger of eps_remove and eps_add).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,12 +26,12 @@ from perinstance.accounting.guarantees import Kind
 from perinstance.analysis import composition, reading, report
 from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.files import results
 
 
 @dataclass(frozen=True)
-class Request:
+class CompositionRequest:
     source: reading.Source
     delta: float
     orders: np.ndarray
@@ -42,8 +43,8 @@ class Request:
     pld_interval: float
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     options.add_input_arguments(parser)
     options.add_delta_argument(parser)
     add_alpha_argument(parser, rdp_composition.COMPOSITION_ORDERS,
@@ -66,19 +67,19 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
-    args = build_parser().parse_args(argv)
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> CompositionRequest:
+    args = build_parser(prog).parse_args(argv)
     options.check_delta(args.delta)
     orders = options.check_orders(args.alpha)
     if not 0 <= args.rounding <= 1:
         raise UsageError("--rounding", f"must be in [0, 1] (a fraction of the clip bound), not {args.rounding:g}")
-    return Request(source=options.source_of(vars(args)), delta=args.delta, orders=orders,
+    return CompositionRequest(source=options.source_of(vars(args)), delta=args.delta, orders=orders,
                    holder_b=args.holder_b, rounding=args.rounding, kind=Kind(args.kind), failure=args.failure,
                    accountant=args.accountant, pld_interval=args.pld_interval)
 
 
-def main(argv=None):
-    request = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    request = parse_args(argv, prog)
     loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=False,
                               integer_columns={"sample": 0})
     trained = set(loaded.rows["update_rule"].astype(str))
@@ -105,6 +106,3 @@ def main(argv=None):
     result = result.sort_values(["point", "kind"], kind="mergesort")[composition.COLUMNS]
     report.report(output, result, "eps", ["point"], [], report.correct_at_end(loaded.rows))
 
-
-if __name__ == "__main__":
-    run_main(main)

@@ -13,12 +13,13 @@ from the dataset statistics, and the mean rule's own baseline, each with k_min a
 the reported δ includes delta_fail (§3.4).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from perinstance.analysis import mean_rule, reading, report, sum_rule
 from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.files import results
 
 COLUMNS = ["point", "step", "reduction", "direction", "kind", "eps", "eps_min", "eps_max", "delta", "delta_fail",
@@ -27,7 +28,7 @@ KEYS = ["point", "step"]
 
 
 @dataclass(frozen=True)
-class Request:
+class EpsDeltaRequest:
     source: reading.Source
     delta: float
     method: str
@@ -36,8 +37,8 @@ class Request:
     failure: float | None
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     options.add_input_arguments(parser)
     options.add_delta_argument(parser)
     parser.add_argument("--method", choices=["exact", "holder"], default="exact",
@@ -52,19 +53,19 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
-    args = build_parser().parse_args(argv)
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> EpsDeltaRequest:
+    args = build_parser(prog).parse_args(argv)
     options.check_delta(args.delta)
     for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
         if value is not None and args.method != "holder":
             raise UsageError(flag, "belongs to GLA's Hölder formula: add --method holder (the exact method has no "
                                    "such parameter)")
-    return Request(source=options.source_of(vars(args)), delta=args.delta, method=args.method,
+    return EpsDeltaRequest(source=options.source_of(vars(args)), delta=args.delta, method=args.method,
                    holder_p=args.holder_p or "1e4", gaussian=args.gaussian or "analytic", failure=args.failure)
 
 
-def main(argv=None):
-    request = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    request = parse_args(argv, prog)
     loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=True,
                               integer_columns={"sample": 0})
     output = report.output_path(request.source, "eps_delta")
@@ -80,6 +81,3 @@ def main(argv=None):
     result = result.sort_values(["point", "step", "direction", "kind"], kind="mergesort")[COLUMNS]
     report.report(output, result, "eps", KEYS, ["step"], report.correct_table(loaded.rows, KEYS))
 
-
-if __name__ == "__main__":
-    run_main(main)

@@ -14,14 +14,15 @@ succeeds on more often.
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pandas as pd
 
 from perinstance.audit import membership
-from perinstance.cli import sensitivity
+from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument, non_negative_int
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.files import fileio
 from perinstance.plots import audit_plots
 from perinstance.train import runs
@@ -31,13 +32,13 @@ COLUMNS = ["model", "class", "class_name", "members", "nonmembers", "attack_accu
 
 
 @dataclass(frozen=True)
-class Request:
+class MembershipRequest:
     run: str
     nondp_run: str
     eps_csv: str
     models_dir: str
     data_root: str
-    stage: str | float  # a stage name or a fraction (sensitivity.parse_stages)
+    stage: str | float  # a stage name or a fraction (options.parse_stages)
     splits: int
     mc_seed: int | None
     out: str | None
@@ -45,8 +46,8 @@ class Request:
     device: str
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     parser.add_argument("--run", required=True, help="the DP run: a name under --models-dir, or a run folder")
     parser.add_argument("--nondp-run", required=True,
                         help="the same configuration trained with --no-dp: a name under --models-dir, or a folder")
@@ -67,22 +68,22 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
-    args = build_parser().parse_args(argv)
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> MembershipRequest:
+    args = build_parser(prog).parse_args(argv)
     if args.splits <= 0:
         raise UsageError("--splits", f"must be > 0, got {args.splits}")
-    stages = sensitivity.parse_stages(args.stage)
+    stages = options.parse_stages(args.stage)
     if len(stages) != 1 or stages == ["all"]:
         raise UsageError("--stage", "give one checkpoint: a fraction, initial, middle or final (not all)")
     if not os.path.isfile(args.eps_csv):
         raise UsageError("--eps-csv", f"no file {args.eps_csv} (renyi_per_instance_sum_compo.py writes it)")
-    return Request(run=args.run, nondp_run=args.nondp_run, eps_csv=args.eps_csv, models_dir=args.models_dir,
+    return MembershipRequest(run=args.run, nondp_run=args.nondp_run, eps_csv=args.eps_csv, models_dir=args.models_dir,
                    data_root=args.data_root, stage=stages[0], splits=args.splits, mc_seed=args.mc_seed, out=args.out,
                    figure=args.figure, device=args.device)
 
 
-def main(argv=None):
-    request = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    request = parse_args(argv, prog)
     opened, differing = membership.open_pair(request.run, request.nondp_run, request.models_dir, request.data_root)
     private = opened["DP"]
     labels = private.dataset.train_y.numpy()
@@ -119,6 +120,3 @@ def main(argv=None):
               f"test accuracy {summary['pearson_test']:.3f}")
     print(f"attacked {len(opened)} runs in {time.time() - started:.0f}s; wrote {out} and {figure}")
 
-
-if __name__ == "__main__":
-    run_main(main)

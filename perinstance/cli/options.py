@@ -134,6 +134,26 @@ def add_device_argument(parser: Arguments) -> None:
                              "cuda and auto mean the rank's own GPU cuda:LOCAL_RANK")
 
 
+def parse_stages(tokens: Sequence[str]) -> list[str | float]:
+    """`--stage` tokens as stage names or fractions in [0, 1]."""
+    from perinstance.train.runs import STAGE_NAMES
+
+    stages = []
+    for token in tokens:
+        if token in STAGE_NAMES:
+            stages.append(token)
+            continue
+        try:
+            fraction = float(token)
+        except ValueError:
+            raise UsageError("--stage", f"unknown stage {token!r} (allowed: fractions in [0, 1], "
+                                        f"{', '.join(STAGE_NAMES)})") from None
+        if not 0 <= fraction <= 1:
+            raise UsageError("--stage", f"{token} is outside [0, 1]")
+        stages.append(fraction)
+    return stages
+
+
 # A bound on one --seeds range, so a typo cannot ask for billions of runs.
 MAX_SEEDS = 100_000
 

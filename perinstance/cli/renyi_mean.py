@@ -12,6 +12,7 @@ rule's own data-independent bound). Every row carries k_min, delta_fail and the 
 reproducing the paper only: it is not a measure of the point's influence (§3.2).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,6 @@ import numpy as np
 from perinstance.analysis import gla_statistic, mean_rule, reading, report
 from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument
-from perinstance.errors import run_main
 from perinstance.files import results
 
 COLUMNS = ["point", "step", "alpha", "direction", "kind", "rdp", "rdp_min", "rdp_max", "samples", "k_min", "k_star",
@@ -28,7 +28,7 @@ KEYS = ["point", "step", "alpha"]
 
 
 @dataclass(frozen=True)
-class Request:
+class RenyiMeanRequest:
     source: reading.Source
     orders: np.ndarray
     estimator: str
@@ -36,8 +36,8 @@ class Request:
     failure: float | None
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     options.add_input_arguments(parser)
     add_alpha_argument(parser, [8.0], "Rényi orders α > 1 (default 8; jensen: integer orders it measured)")
     parser.add_argument("--estimator", choices=["coupling", "jensen"], default="coupling",
@@ -48,14 +48,14 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
-    args = build_parser().parse_args(argv)
-    return Request(source=options.source_of(vars(args)), orders=options.check_orders(args.alpha),
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> RenyiMeanRequest:
+    args = build_parser(prog).parse_args(argv)
+    return RenyiMeanRequest(source=options.source_of(vars(args)), orders=options.check_orders(args.alpha),
                    estimator=args.estimator, aggregate=args.aggregate, failure=args.failure)
 
 
-def main(argv=None):
-    request = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    request = parse_args(argv, prog)
     if request.estimator == "jensen":
         loaded = reading.load(request.source, ["renyi_statistic"], one_run=True,
                                   integer_columns={"alpha": 2, "target_batch": 0, "sample": 0})
@@ -69,6 +69,3 @@ def main(argv=None):
     result = result.sort_values(KEYS + ["direction", "kind"], kind="mergesort")[COLUMNS]
     report.report(output, result, "rdp", KEYS, ["step", "alpha"], report.correct_table(loaded.rows, ["point", "step"]))
 
-
-if __name__ == "__main__":
-    run_main(main)

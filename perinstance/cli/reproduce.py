@@ -17,9 +17,11 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 
+from perinstance.cli.main import script_mains
 from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.experiments import (
     audits,
     figures,
@@ -37,6 +39,7 @@ from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
     MEAN_RULE_FIELDS,
     PRESETS,
+    ReproduceConfig,
     apply_overrides,
     check_config,
     check_dataset,
@@ -45,7 +48,7 @@ from perinstance.experiments.config import (
 )
 
 
-def check_out_dir(out_dir):
+def check_out_dir(out_dir: str) -> None:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError("--out-dir", f"{out_dir} is a file, not a folder")
     try:
@@ -56,12 +59,12 @@ def check_out_dir(out_dir):
         raise UsageError("--out-dir", f"{out_dir} is not writable")
 
 
-def slug(text):
+def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     parser.add_argument("--preset", default="quick", choices=list(PRESETS), help="the configuration reproduced")
     parser.add_argument("--dataset", default=None, help="override the preset's dataset (e.g. imagefolder:PATH); "
                                                         "the same as --set dataset=...")
@@ -72,9 +75,9 @@ def build_parser():
     return parser
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> tuple[str, ReproduceConfig, str, str]:
     """(preset name, configuration with every override applied, device, out_dir)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     assignments = ([f"dataset={args.dataset}"] if args.dataset is not None else []) + args.set
     config = apply_overrides(PRESETS[args.preset], assignments)
     check_config(config)
@@ -83,11 +86,11 @@ def parse_args(argv):
     return args.preset, config, args.device, args.out_dir
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    preset, config, device, out_dir = parse_args(argv)
+    preset, config, device, out_dir = parse_args(argv, prog)
     name = f"{preset}-{slug(config.dataset)}"
-    commands = Commands()
+    commands = Commands(script_mains())
     started = time.time()
 
     # 1-3. The main run (sum rule, with the one-run audit's canaries), Δ* of every point at every checkpoint, and
@@ -129,6 +132,3 @@ def main(argv=None):
     for line in findings["headlines"]:
         print(f"  - {line}")
 
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,15 +1,38 @@
-"""compute_sensitivity.py's flags as one typed command, and the run they name. What is measured is a
-perinstance/measure/measurement.py Measurement, the run a perinstance/train/planned_run.py PlannedRun, the
-result file perinstance/files/result_file.py's."""
+"""Measure how much one training point changes a DP-SGD update at saved checkpoints (accounting.md §2).
+
+    python compute_sensitivity.py --run RUN --reduction mean --points 0-9 --stage final --res-name lenet_mean
+    python compute_sensitivity.py --exp eps_delta --reduction sum --points all --stage all --res-name lenet_sum
+
+--reduction sum: Δ* = ||h(g*)|| per point and checkpoint. --reduction mean (coupling, the default
+estimator): the dataset statistics d*, v_X, b_X of each point and --num-batches draws of Δ_B from
+batches of every size k >= k_min, each with its k (accounting.md §3.2, §3.4; --histogram-precision R
+stores them as histograms rounded up by at most 1 + R, an upper bound); --estimator jensen
+--exp renyi: GLA's statistic S. --run names a run (its run.json supplies the training flags);
+without it the training flags name the run, and a run without checkpoints is trained first
+(unless --no-train). Rows go to <res-dir>/<res-name>.csv (.parquet once the file holds more than
+100,000 rows, or as named by an extension); rerunning adds only what is missing, so
+an interrupted run resumes, and another --mc-seed adds an independent set of rows.
+
+    torchrun --nproc-per-node 4 compute_sensitivity.py --points all --stage all --res-name x ...
+
+splits the checkpoints × chunks of --part-points points over the processes; each writes its own
+part files and the last to finish merges them into the result file (perinstance/measure/sharded.py).
+"""
 
 import argparse
 import os
 import shlex
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import pandas as pd
+
 from perinstance.accounting.guarantees import Direction
+from perinstance.cli import options
 from perinstance.cli.options import (
+    HELP_FORMAT,
     Parser,
     add_alpha_argument,
     add_training_args,
@@ -22,9 +45,69 @@ from perinstance.cli.options import (
 )
 from perinstance.errors import UsageError
 from perinstance.files import results, storage
-from perinstance.measure import poisson_batches
+from perinstance.files.result_file import ResultFile
+from perinstance.measure import measurement, poisson_batches, sharded
 from perinstance.measure.measurement import COUPLING, DEFAULT_NUM_BATCHES, JENSEN, MIN_GRID_SIZES, Measurement
-from perinstance.train import planned_run, run_plan, runs
+from perinstance.train import distributed, planned_run, run_plan, runs
+from perinstance.train.points import parse_points
+
+# The result file is rewritten whole on each write, so rows are written at most this often (and at the end or
+# on an interruption): a kill loses at most this much measuring, and many checkpoints do not cost a quadratic
+# number of rewritten rows.
+WRITE_EVERY_SECONDS = 60
+
+
+def build_parser(prog: str | None = None) -> Parser:
+    return add_measurement_args(Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT))
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flags = vars(build_parser(prog).parse_args(argv))
+    given = given_flags(argv)
+
+    # Every flag is checked before anything is trained, measured or written.
+    command = parse_command(flags, given)
+    run = find_run(command.run, command.training, given)
+    request = command.request.for_run(run.config, estimator_given="estimator" in given)
+    points = parse_points(command.points, run.universe, run.config.seed)
+    result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
+                                  automatic=request.automatic_format)
+    if command.no_train:
+        require_finished(run)
+    world = distributed.World.from_env()
+    distributed.make_deterministic(command.device)
+    if world.launched:
+        with distributed.process_group(world, command.device):
+            return sharded.measure(world, request, run, points, result_file, part_points=command.part_points,
+                                   device=command.device)
+
+    started = time.time()
+    config = planned_run.ensure_trained(run)
+    steps = runs.resolve_stages(request.stages, run.saved_steps(), config.total_steps)
+    written, skipped, pending, last_write = 0, 0, [], time.time()
+    try:
+        for step in steps:
+            missing = result_file.missing(config.run, step, points, request)
+            skipped += sum(len(points) - len(todo) for todo in missing.values())
+            needed = sorted(set().union(*missing.values()))
+            if not needed:
+                continue
+            pending.append(measurement.keep_missing(
+                measurement.measure_checkpoint(request, run, step, needed, command.device), missing))
+            written += len(pending[-1])
+            if time.time() - last_write >= WRITE_EVERY_SECONDS:
+                result_file.add(pd.concat(pending, ignore_index=True))
+                pending, last_write = [], time.time()
+    finally:
+        # Checkpoints measured before an interruption or an error are kept: a rerun skips them.
+        if pending:
+            result_file.add(pd.concat(pending, ignore_index=True))
+
+    print(f"{config.run}: {len(points)} points × {len(steps)} stages (steps {', '.join(map(str, steps))}): "
+          f"{written} rows written to {result_file.describe()}, {skipped} (point, stage, experiment) combinations "
+          f"already there skipped; {time.time() - started:.1f}s")
+
 
 # --- flags ---------------------------------------------------------------------------------
 
@@ -97,7 +180,7 @@ def training_defaults() -> dict[str, object]:
 
 
 @dataclass(frozen=True)
-class Command:
+class SensitivityCommand:
     """compute_sensitivity.py's flags, typed: the measurement `request`, the run (--run, or the
     `training` flags), the points, and how to run it."""
 
@@ -110,10 +193,10 @@ class Command:
     device: str
 
 
-def parse_command(flags: Mapping, given: Mapping[str, object]) -> Command:
+def parse_command(flags: Mapping, given: Mapping[str, object]) -> SensitivityCommand:
     """The command that the parsed flags (a mapping of destination to value) and the flags `given`
     (given_flags) make, checked before the run or the dataset is touched."""
-    return Command(request=parse_request(flags, given), run=flags["run"],
+    return SensitivityCommand(request=parse_request(flags, given), run=flags["run"],
                    training=training_flags(flags), points=tuple(flags["points"]),
                    no_train=bool(flags["no_train"]), part_points=flags["part_points"], device=flags["device"])
 
@@ -148,30 +231,12 @@ def parse_request(flags: Mapping, given: Mapping[str, object]) -> Measurement:
     directions = poisson_batches.DIRECTIONS if flags["direction"] == "both" else (Direction(flags["direction"]),)
     # Without --run the training flags name the run, --reduction included.
     reduction = flags["reduction"] if flags["run"] is None or "reduction" in given else None
-    return Measurement(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=parse_stages(flags["stage"]),
+    return Measurement(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=options.parse_stages(flags["stage"]),
                    alpha=int(alpha[0]) if estimator == JENSEN else None, num_batches=num_batches,
                    num_iters=flags["num_iters"], directions=directions, mc_seed=flags["mc_seed"],
                    mc_blocks=flags["mc_blocks"], size_delta=flags["size_delta"], max_sizes=flags["max_sizes"],
                    res_path=results.results_path(res_name, flags["res_dir"]), overwrite=bool(flags["overwrite"]),
                    automatic_format=storage.extension(res_name) is None, histogram_precision=precision)
-
-
-def parse_stages(tokens: Sequence[str]) -> list[str | float]:
-    """`--stage` tokens as stage names or fractions in [0, 1]."""
-    stages = []
-    for token in tokens:
-        if token in runs.STAGE_NAMES:
-            stages.append(token)
-            continue
-        try:
-            fraction = float(token)
-        except ValueError:
-            raise UsageError("--stage", f"unknown stage {token!r} (allowed: fractions in [0, 1], "
-                                        f"{', '.join(runs.STAGE_NAMES)})") from None
-        if not 0 <= fraction <= 1:
-            raise UsageError("--stage", f"{token} is outside [0, 1]")
-        stages.append(fraction)
-    return stages
 
 
 # --- the run --------------------------------------------------------------------------------

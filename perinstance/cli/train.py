@@ -13,11 +13,12 @@ of --seeds / --less-points resumes on its own).
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 from perinstance.cli.options import HELP_FORMAT, Parser, add_training_args, parse_seeds, training_flags
-from perinstance.errors import UsageError, run_main
+from perinstance.errors import UsageError
 from perinstance.files import checkpoints
-from perinstance.train import distributed, training
+from perinstance.train import distributed, run_plan, training
 from perinstance.train.data import load_dataset
 from perinstance.train.points import parse_points
 
@@ -25,8 +26,8 @@ from perinstance.train.points import parse_points
 RUNS_NAMED = 8
 
 
-def build_parser():
-    parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
+def build_parser(prog: str | None = None) -> Parser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=HELP_FORMAT)
     add_training_args(parser)
     several = parser.add_argument_group("several runs (spread over the processes under torchrun)")
     several.add_argument("--seeds", nargs="+", default=None,
@@ -37,8 +38,8 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    args = build_parser(prog).parse_args(argv)
     world = distributed.World.from_env()
     planned = run_list(args.seeds, args.less_points, training_flags(vars(args)))
     distributed.make_deterministic(args.device)
@@ -57,7 +58,8 @@ def main(argv=None):
               f"{len(mine) - trained} already trained; {time.time() - started:.1f}s", flush=True)
 
 
-def run_list(seeds, less_points, flags):
+def run_list(seeds: Sequence[str] | None, less_points: Sequence[str] | None,
+             flags: run_plan.TrainingFlags) -> list[run_plan.TrainingFlags]:
     """The training flags (run_plan.TrainingFlags) of every run asked for: one per (seed, left-out point)
     of --seeds and --less-points, in a fixed order; each is the run `--seed S --less-point I` names."""
     seeds = [flags.seed] if seeds is None else parse_seeds(seeds)
@@ -74,11 +76,11 @@ def run_list(seeds, less_points, flags):
     return planned
 
 
-def run_label(run_args):
+def run_label(run_args: run_plan.TrainingFlags) -> str:
     return f"seed {run_args.seed}" + ("" if run_args.less_point is None else f" without {run_args.less_point}")
 
 
-def summary(outcome):
+def summary(outcome: training.Outcome) -> str:
     """One line per run: what was done, its privacy parameters, accuracy and checkpoints."""
     run = outcome.run
     steps = checkpoints.saved_steps(outcome.run_dir)
@@ -90,6 +92,3 @@ def summary(outcome):
     return (f"{run.run}: {status}; {privacy}; test accuracy {outcome.final_test_accuracy:.4f}; "
             f"{len(steps)} checkpoints in {outcome.run_dir}")
 
-
-if __name__ == "__main__":
-    run_main(main)

@@ -1,5 +1,6 @@
 """The experiments of reproduce.py: presets, the command cache, one module per experiment (each names the
 findings and figures it produces) and the report writer.
 
-The top layer: may import every other layer and the package top.
+May import every layer below it (plots/ and down) and the package top; the commands it runs it imports not:
+perinstance/cli/reproduce.py hands it their mains (commands.Commands).
 """

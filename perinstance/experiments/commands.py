@@ -1,25 +1,24 @@
-"""The commands of a reproduction and the cache of the accountants' outputs: every script runs in this process
-as its command line would (`call_script`), each command is remembered for the report, an accountant's output
-is reused when the same command ran on the same input (`command_key`), and every step is timed for the
-timing table. Also the folders and the figure files a reproduction writes.
+"""The commands of a reproduction and the cache of the accountants' outputs: every command runs in this process
+as its script's command line would (`Commands.call`: the command's main, which perinstance/cli/reproduce.py
+hands over by script name), each command is remembered for the report, an accountant's output is reused when
+the same command ran on the same input (`command_key`), and every step is timed for the timing table. Also the
+folders and the figure files a reproduction writes.
 """
 
 import contextlib
-import importlib.util
+import inspect
 import json
 import os
 import resource
 import shlex
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import pandas as pd
 
 from perinstance.files import fileio, results
 from perinstance.train.memory import release_freed_memory
 
-# The repository: the scripts a reproduction runs live there.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RES_DIR = "res"
 # Every figure the run writes; 7_audit_mean and 9_gap_audit_bounds are drawn by audit.py itself (its own
 # figure of the bounds).
@@ -31,18 +30,10 @@ FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_
 ONE_RUN_FIGURE = FIGURES[11]
 
 
-def call_script(script: str, argv: list[str]) -> None:
-    """Run a top-level script's main(argv) in this process, as its command line would."""
-    print(f"\n$ python {script} {shlex.join(argv)}", flush=True)
-    spec = importlib.util.spec_from_file_location(os.path.splitext(script)[0], os.path.join(ROOT, script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argv)
-
-
-def command_key(script: str, argv: list[str], inputs: list[str]) -> dict:
-    """What an output depends on: the script's code, its full argv, and each input file's size and hash."""
-    return {"script": script, "script_sha256": fileio.sha256_of(os.path.join(ROOT, script)), "argv": list(argv),
+def command_key(script: str, main: Callable[[list[str]], object], argv: list[str], inputs: list[str]) -> dict:
+    """What an output depends on: the script, the code of its command (the file of `main`, its main), its full
+    argv, and each input file's size and hash."""
+    return {"script": script, "code_sha256": fileio.sha256_of(inspect.getsourcefile(main)), "argv": list(argv),
             "inputs": [{"path": path, "size": os.path.getsize(path), "sha256": fileio.sha256_of(path)}
                        for path in inputs]}
 
@@ -64,10 +55,12 @@ def is_cached(out: str, key: dict) -> bool:
 
 
 class Commands:
-    """Runs the scripts of one reproduction and remembers each command, for the report, and what each step of
-    the reproduction cost, for the timing table at its end."""
+    """Runs the commands of one reproduction and remembers each, for the report, and what each step of the
+    reproduction cost, for the timing table at its end. `mains`: every command's main by its script's name
+    (train_dpsgd.py, ...), the names the report's command lines give."""
 
-    def __init__(self) -> None:
+    def __init__(self, mains: Mapping[str, Callable[[list[str]], object]]) -> None:
+        self.mains = mains
         self.lines = []  # (command line, whether a cached output was reused)
         self.timings = []  # (step, wall seconds, CPU seconds, peak resident bytes so far)
 
@@ -87,22 +80,27 @@ class Commands:
         was found on disk and the step did not run."""
         self.lines.append((f"# in-process: {line}", cached))
 
+    def call(self, script: str, argv: list[str]) -> None:
+        """Run the command of `script` in this process, as `python script argv` would."""
+        print(f"\n$ python {script} {shlex.join(argv)}", flush=True)
+        self.mains[script](argv)
+
     def run(self, script: str, argv: list[str]) -> None:
         self.lines.append((f"python {script} {shlex.join(argv)}", False))
         with self.timed(step_label(script, argv)):
-            call_script(script, argv)
+            self.call(script, argv)
 
     def account(self, script: str, argv: list[str], out: str, source: str) -> pd.DataFrame:
         """Run an accountant on `source` into `out` unless `out` holds this very command's output; its rows."""
         argv = [*argv, "--out", out]
-        key = command_key(script, argv, [source])
+        key = command_key(script, self.mains[script], argv, [source])
         cached = is_cached(out, key)
         self.lines.append((f"python {script} {shlex.join(argv)}", cached))
         if cached:
             print(f"\n(skipping {script}: {out} was computed by this command on this input)")
         else:
             with self.timed(step_label(script, argv)):
-                call_script(script, argv)
+                self.call(script, argv)
             fileio.write_json(key_path(out), key)
         return pd.read_csv(out)
 
@@ -136,7 +134,7 @@ def result_file(res_name: str) -> str:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident set size: every step runs in it (call_script), so this is the run's."""
+    """This process's peak resident set size: every step runs in it (Commands.call), so this is the run's."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
 
 

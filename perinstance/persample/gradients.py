@@ -23,7 +23,7 @@ from perinstance.persample.layer_pass import (
 
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
 # time although per-sample gradients of the parameters are exactly what is wanted.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+FULL_BACKWARD_HOOK = "Full backward hook is firing when gradients are computed"
 
 
 def wrap_per_sample(model: nn.Module) -> GradSampleModule:
@@ -41,9 +41,11 @@ def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor,
     params = trainable_parameters(grad_sample_module)
     for param in params:
         param.grad_sample = None
-    logits = grad_sample_module(inputs)
-    losses = F.cross_entropy(logits, labels, reduction="none")
-    losses.sum().backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=FULL_BACKWARD_HOOK)
+        logits = grad_sample_module(inputs)
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        losses.sum().backward()
     grad_samples = [param.grad_sample for param in params]
     for param in params:
         param.grad = None

@@ -10,13 +10,9 @@ privacy guarantees. Every privacy plot carries the data-independent DP-SGD basel
 
 from collections.abc import Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on the training machines; must precede pyplot
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from numpy.typing import ArrayLike  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from numpy.typing import ArrayLike
 
 from perinstance.accounting import intervals
 from perinstance.files.fileio import atomic_path

@@ -1,0 +1,11 @@
+"""Train a model with DP-SGD: `perinstance train`, under the paper repository's script name.
+
+The code is perinstance/cli/train.py; this script runs it after the process is set up (perinstance/cli/main.py).
+"""
+
+from perinstance.cli import main as cli
+
+if __name__ == "__main__":
+    cli.run_script("train")
+else:  # imported: the command's parser and main
+    from perinstance.cli.train import build_parser, main  # noqa: F401
