@@ -131,7 +131,7 @@ def main(argv=None):
                                                    noise_generator=generator)
     clip_bound = args.max_grad_norm
     accountant = IndividualAccountant(size)
-    ratios = sensitivities(model, (train_x, train_y), clip_bound) / clip_bound
+    sensitivity_ratios = sensitivities(model, (train_x, train_y), clip_bound) / clip_bound
     steps = 0
     print(f"{size} {args.data} points, expected batch {args.batch_size}, σ={args.noise_multiplier:g}, "
           f"C={clip_bound:g}, Δ* of every point every {args.every} steps, δ={args.delta:g}, {args.accountant}")
@@ -143,10 +143,11 @@ def main(argv=None):
                 optimizer.step()
                 # The (σ, q) Opacus's own accountant recorded for this step.
                 noise_multiplier, sample_rate, _ = engine.accountant.history[-1]
-                accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, sensitivities=ratios)
+                accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate,
+                                sensitivity_ratios=sensitivity_ratios)
                 steps += 1
                 if steps % args.every == 0:
-                    ratios = sensitivities(model, (train_x, train_y), clip_bound) / clip_bound
+                    sensitivity_ratios = sensitivities(model, (train_x, train_y), clip_bound) / clip_bound
                 bar.update(1)
         eps = accountant.get_epsilon(args.delta, accountant=args.accountant)
         print(f"epoch {epoch}: {steps} steps, test accuracy {accuracy(model, dataset.test_x, dataset.test_y):.3f}, "

@@ -57,9 +57,9 @@ class IndividualAccountant:
     """Per-point privacy of DP-SGD's sum rule (Opacus's update) over the steps taken so far.
 
     num_points: the training points followed (any subset of the training set, in the order that
-    `sensitivities` arrays use). Each `step` records one DP-SGD step: its noise multiplier σ,
+    `sensitivity_ratios` arrays use). Each `step` records one DP-SGD step: its noise multiplier σ,
     Poisson sample rate q and each point's Δ*/Γ (docs/accounting.md §2, at the parameters the step
-    starts from). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivities) with
+    starts from). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivity_ratios) with
     consecutive equal steps merged, as Opacus's RDPAccountant merges (σ, q); len() is its length.
     """
 
@@ -69,48 +69,49 @@ class IndividualAccountant:
         self.num_points = int(num_points)
         self._history: list[tuple[float, float, int, np.ndarray | None]] = []
 
-    def _checked_ratios(self, sensitivities) -> np.ndarray | None:
-        if sensitivities is None:
+    def _checked_sensitivity_ratios(self, sensitivity_ratios) -> np.ndarray | None:
+        if sensitivity_ratios is None:
             return None
-        if isinstance(sensitivities, torch.Tensor):
-            sensitivities = sensitivities.detach().cpu().numpy()
+        if isinstance(sensitivity_ratios, torch.Tensor):
+            sensitivity_ratios = sensitivity_ratios.detach().cpu().numpy()
         try:
-            ratios = np.array(sensitivities, dtype=float)
+            sensitivity_ratio = np.array(sensitivity_ratios, dtype=float)
         except (TypeError, ValueError):
-            raise ValueError(f"sensitivities must be numbers Δ*/Γ, one per point, not {sensitivities!r:.60}") from None
-        if ratios.shape != (self.num_points,):
-            raise ValueError(f"sensitivities must have shape ({self.num_points},) (one Δ*/Γ per point), "
-                             f"not {ratios.shape}")
-        bad = ratios[~((ratios >= 0) & (ratios <= 1 + RATIO_TOLERANCE))]
+            raise ValueError(f"sensitivity_ratios must be numbers Δ*/Γ, one per point, not "
+                             f"{sensitivity_ratios!r:.60}") from None
+        if sensitivity_ratio.shape != (self.num_points,):
+            raise ValueError(f"sensitivity_ratios must have shape ({self.num_points},) (one Δ*/Γ per point), "
+                             f"not {sensitivity_ratio.shape}")
+        bad = sensitivity_ratio[~((sensitivity_ratio >= 0) & (sensitivity_ratio <= 1 + RATIO_TOLERANCE))]
         if bad.size:
-            raise ValueError(f"sensitivities must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
-        ratios = np.minimum(ratios, 1.0)
-        ratios.flags.writeable = False
-        return ratios
+            raise ValueError(f"sensitivity_ratios must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+        sensitivity_ratio = np.minimum(sensitivity_ratio, 1.0)
+        sensitivity_ratio.flags.writeable = False
+        return sensitivity_ratio
 
     def step(self, *, noise_multiplier: float, sample_rate: float,
-             sensitivities: ArrayLike | torch.Tensor | None = None) -> None:
+             sensitivity_ratios: ArrayLike | torch.Tensor | None = None) -> None:
         """Record one step of Poisson rate `sample_rate` and noise multiplier `noise_multiplier`.
 
-        sensitivities: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
+        sensitivity_ratios: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
         [0, 1]); None: every point at the worst case 1.
         """
         self._append(_positive_finite("noise_multiplier", noise_multiplier), _sample_rate(sample_rate), 1,
-                     self._checked_ratios(sensitivities))
+                     self._checked_sensitivity_ratios(sensitivity_ratios))
 
-    def _append(self, noise_multiplier, sample_rate, num_steps, ratios):
+    def _append(self, noise_multiplier, sample_rate, num_steps, sensitivity_ratio):
         if self._history:
-            last_noise, last_rate, last_steps, last_ratios = self._history[-1]
-            same_ratios = (last_ratios is None and ratios is None) or (
-                last_ratios is not None and ratios is not None and np.array_equal(last_ratios, ratios))
-            if last_noise == noise_multiplier and last_rate == sample_rate and same_ratios:
-                self._history[-1] = (last_noise, last_rate, last_steps + num_steps, last_ratios)
+            last_noise, last_rate, last_steps, last_ratio = self._history[-1]
+            same_ratio = (last_ratio is None and sensitivity_ratio is None) or (last_ratio is not None and (
+                sensitivity_ratio is not None and np.array_equal(last_ratio, sensitivity_ratio)))
+            if last_noise == noise_multiplier and last_rate == sample_rate and same_ratio:
+                self._history[-1] = (last_noise, last_rate, last_steps + num_steps, last_ratio)
                 return
-        self._history.append((noise_multiplier, sample_rate, num_steps, ratios))
+        self._history.append((noise_multiplier, sample_rate, num_steps, sensitivity_ratio))
 
     @property
     def history(self) -> list[tuple[float, float, int, np.ndarray | None]]:
-        """(noise_multiplier, sample_rate, num_steps, sensitivities or None) per run of equal steps."""
+        """(noise_multiplier, sample_rate, num_steps, sensitivity_ratios or None) per run of equal steps."""
         return list(self._history)
 
     @property
@@ -126,11 +127,11 @@ class IndividualAccountant:
         Δ*/Γ as (checkpoints, points), T). Under b = ∞ the composed RDP is a sum over steps, so a group's
         steps may be taken together whatever steps of other groups lie between them."""
         groups = {}
-        for noise_multiplier, sample_rate, num_steps, ratios in self._history:
+        for noise_multiplier, sample_rate, num_steps, sensitivity_ratio in self._history:
             group = groups.setdefault((noise_multiplier, sample_rate), ([], [], [0]))
             checkpoints, rows, total = group
             checkpoints.append(total[0])
-            rows.append(np.ones(self.num_points) if ratios is None else ratios)
+            rows.append(np.ones(self.num_points) if sensitivity_ratio is None else sensitivity_ratio)
             total[0] += num_steps
         return [(noise_multiplier, sample_rate, checkpoints, np.array(rows), total[0])
                 for (noise_multiplier, sample_rate), (checkpoints, rows, total) in groups.items()]
@@ -173,8 +174,8 @@ class IndividualAccountant:
             if math.isfinite(holder_b):
                 raise ValueError(f"holder_b must be math.inf with accountant='pld' (§8), not {holder_b:g}")
             pld_interval = _positive_finite("pld_interval", pld_interval)
-            noise_multiplier, sample_rate, checkpoints, ratios, total_steps = mechanisms[0]
-            return pld.sum_rule_eps(ratios.T, checkpoints, total_steps, sample_rate=sample_rate,
+            noise_multiplier, sample_rate, checkpoints, sensitivity_ratio, total_steps = mechanisms[0]
+            return pld.sum_rule_eps(sensitivity_ratio.T, checkpoints, total_steps, sample_rate=sample_rate,
                                     noise_multiplier=noise_multiplier, delta=delta, rounding=rounding,
                                     interval=pld_interval).max
         rdp = sum(self._composed_rdp(mechanism, orders, holder_b, rounding) for mechanism in mechanisms)
@@ -184,21 +185,22 @@ class IndividualAccountant:
     @staticmethod
     def _composed_rdp(mechanism, orders, holder_b, rounding):
         """The composed RDP of one (σ, q) before conversion, for one run (R = 1): composition.sum_rule_rdp."""
-        noise_multiplier, sample_rate, checkpoints, ratios, total_steps = mechanism
+        noise_multiplier, sample_rate, checkpoints, sensitivity_ratio, total_steps = mechanism
         largest = rdp_composition.holder_orders(orders[-1], total_steps, holder_b)[-1]
         if not largest <= composition.LARGEST_ORDER:
             raise ValueError(f"holder_b={holder_b:g} inflates order {orders[-1]:g} to {largest:.3g} over "
                              f"{total_steps} steps; use a larger holder_b such as 3 * num_steps")
-        return composition.sum_rule_rdp(ratios[None], checkpoints, sample_rate, noise_multiplier, orders=orders,
-                                        holder_b=holder_b, rounding=rounding, horizons=[total_steps])[0]
+        return composition.sum_rule_rdp(sensitivity_ratio[None], checkpoints, sample_rate, noise_multiplier,
+                                        orders=orders, holder_b=holder_b, rounding=rounding, horizons=[total_steps])[0]
 
     def state_dict(self) -> dict:
         """Plain data (ints, floats, lists, None): saves with json or torch.save, loads with
         torch.load(weights_only=True)."""
         return {"num_points": self.num_points,
                 "history": [{"noise_multiplier": noise_multiplier, "sample_rate": sample_rate,
-                             "num_steps": num_steps, "sensitivities": None if ratios is None else ratios.tolist()}
-                            for noise_multiplier, sample_rate, num_steps, ratios in self._history]}
+                             "num_steps": num_steps,
+                             "sensitivity_ratios": None if sensitivity_ratio is None else sensitivity_ratio.tolist()}
+                            for noise_multiplier, sample_rate, num_steps, sensitivity_ratio in self._history]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Replace the history by that of `state_dict` (from state_dict() of an accountant of as many points)."""
@@ -210,14 +212,15 @@ class IndividualAccountant:
         history = []
         for entry in state_dict["history"]:
             if not isinstance(entry, dict) or set(entry) != {"noise_multiplier", "sample_rate", "num_steps",
-                                                              "sensitivities"}:
+                                                              "sensitivity_ratios"}:
                 raise ValueError("state_dict history entries must have keys noise_multiplier, sample_rate, "
-                                 "num_steps and sensitivities")
+                                 "num_steps and sensitivity_ratios")
             num_steps = entry["num_steps"]
             if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
                 raise ValueError(f"state_dict num_steps must be an integer >= 1, not {num_steps!r}")
             history.append((_positive_finite("noise_multiplier", entry["noise_multiplier"]),
-                            _sample_rate(entry["sample_rate"]), num_steps, self._checked_ratios(entry["sensitivities"])))
+                            _sample_rate(entry["sample_rate"]), num_steps,
+                            self._checked_sensitivity_ratios(entry["sensitivity_ratios"])))
         self._history = []
         for entry in history:
             self._append(*entry)

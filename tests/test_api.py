@@ -75,7 +75,7 @@ def test_constant_sensitivity_is_the_gaussian_of_a_larger_noise_multiplier():
     ratios = np.array([1.0, 0.37, 0.0])
     accountant = IndividualAccountant(3)
     for _ in range(120):
-        accountant.step(noise_multiplier=1.0, sample_rate=0.02, sensitivities=torch.tensor(ratios))
+        accountant.step(noise_multiplier=1.0, sample_rate=0.02, sensitivity_ratios=torch.tensor(ratios))
     eps = accountant.get_epsilon(DELTA, rounding=0)
     for point in (0, 1):
         rdp = opacus_rdp.compute_rdp(q=0.02, noise_multiplier=1.0 / ratios[point], steps=120, orders=ORDERS)
@@ -95,7 +95,7 @@ def test_sensitivities_change_over_steps_as_checkpoints():
     """A point at Γ for the first half and at 0 after: the ε of the first half's steps alone."""
     accountant, half = IndividualAccountant(2), IndividualAccountant(2)
     for step in range(100):
-        accountant.step(noise_multiplier=1.2, sample_rate=0.03, sensitivities=None if step < 50 else [1.0, 0.0])
+        accountant.step(noise_multiplier=1.2, sample_rate=0.03, sensitivity_ratios=None if step < 50 else [1.0, 0.0])
         if step < 50:
             half.step(noise_multiplier=1.2, sample_rate=0.03)
     eps, reference = accountant.get_epsilon(DELTA), half.get_epsilon(DELTA)
@@ -113,7 +113,7 @@ def test_state_dict_round_trip_through_json_and_torch(tmp_path):
     accountant = IndividualAccountant(3)
     for step in range(30):
         accountant.step(noise_multiplier=1.0 + (step >= 20), sample_rate=0.05,
-                        sensitivities=None if step < 10 else [0.5, 0.25, 1.0])
+                        sensitivity_ratios=None if step < 10 else [0.5, 0.25, 1.0])
     state = accountant.state_dict()
     torch.save(state, tmp_path / "state.pt")
     for loaded in (json.loads(json.dumps(state)), torch.load(tmp_path / "state.pt", weights_only=True)):
@@ -137,9 +137,9 @@ def refused(call, name):
     (dict(noise_multiplier=math.nan, sample_rate=0.1), "noise_multiplier"),
     (dict(noise_multiplier=1.0, sample_rate=1.5), "sample_rate"),
     (dict(noise_multiplier=1.0, sample_rate=0.0), "sample_rate"),
-    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivities=[0.5, 0.5]), "sensitivities"),
-    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivities=[0.5, 1.5, 0.1]), "sensitivities"),
-    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivities=[0.5, math.nan, 0.1]), "sensitivities"),
+    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.5, 0.5]), "sensitivity_ratios"),
+    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.5, 1.5, 0.1]), "sensitivity_ratios"),
+    (dict(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.5, math.nan, 0.1]), "sensitivity_ratios"),
 ])
 def test_bad_step_is_refused(arguments, name):
     accountant = IndividualAccountant(3)
@@ -170,10 +170,10 @@ def test_bad_construction_and_state_are_refused():
     accountant = IndividualAccountant(2)
     refused(lambda: accountant.load_state_dict({"num_points": 3, "history": []}), "num_points")
     refused(lambda: accountant.load_state_dict({"history": []}), "state_dict")
-    entry = {"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": 0, "sensitivities": None}
+    entry = {"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": 0, "sensitivity_ratios": None}
     refused(lambda: accountant.load_state_dict({"num_points": 2, "history": [entry]}), "num_steps")
     refused(lambda: accountant.load_state_dict({"num_points": 2, "history": [
-        dict(entry, num_steps=2, sensitivities=[0.1])]}), "sensitivities")
+        dict(entry, num_steps=2, sensitivity_ratios=[0.1])]}), "sensitivity_ratios")
     assert accountant.num_steps == 0
 
 
@@ -383,7 +383,7 @@ def result_file(path, saved):
     where a new Δ* took effect (the scripts' checkpoints)."""
     rows, step = [], 0
     for entry in saved["accountant"]["history"]:
-        values = np.asarray(entry["sensitivities"]) * saved["clip_bound"]
+        values = np.asarray(entry["sensitivity_ratios"]) * saved["clip_bound"]
         rows.append(pd.DataFrame({"step": step, "point": np.arange(len(values)), "value": values}))
         step += entry["num_steps"]
     frame = pd.concat(rows, ignore_index=True).assign(

@@ -19,7 +19,7 @@ from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import mean_rule
-from perinstance.analysis.reading import Loaded, check_unique, checkpoint_ratios, parse_holder, run_key
+from perinstance.analysis.reading import Loaded, check_unique, checkpoint_sensitivity_ratio, parse_holder, run_key
 from perinstance.console import warn
 from perinstance.errors import UsageError
 
@@ -36,33 +36,35 @@ RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", disc
 SUM_RULE_ROUNDING = 0.01
 
 
-def compose_sum_rule(ratios: np.ndarray, steps: ArrayLike, mechanism: Mechanism, *, orders: ArrayLike, delta: float,
-                     holder_b: float = math.inf, rounding: float = 0.0,
+def compose_sum_rule(sensitivity_ratio: np.ndarray, steps: ArrayLike, mechanism: Mechanism, *, orders: ArrayLike,
+                     delta: float, holder_b: float = math.inf, rounding: float = 0.0,
                      horizons: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray]:
     """§4 for the sum rule: ε after each of `horizons` steps (default: T) at δ, and the order that gives it.
 
-    ratios: Δ*/Γ as an (R, C, P) array over runs, checkpoint `steps` and points (rdp_composition.carry_forward);
+    sensitivity_ratio: Δ*/Γ as an (R, C, P) array over runs, checkpoint `steps` and points
+    (rdp_composition.carry_forward);
     mechanism: its sample_rate, noise_multiplier and total_steps; orders: the Rényi orders converted
     from; holder_b: the Hölder exponent of the composition (inf: plain composition along the
     observed trajectory); rounding: Δ*/Γ rounded up to multiples of it (0: exact). Returns two
     (horizons, P) arrays.
     """
     horizons = [mechanism.total_steps] if horizons is None else list(horizons)
-    composed = sum_rule_rdp(ratios, steps, mechanism.sample_rate, mechanism.noise_multiplier, orders=orders,
-                            holder_b=holder_b, rounding=rounding, horizons=horizons)
+    composed = sum_rule_rdp(sensitivity_ratio, steps, mechanism.sample_rate, mechanism.noise_multiplier,
+                            orders=orders, holder_b=holder_b, rounding=rounding, horizons=horizons)
     converted = [rdp_composition.rdp_to_eps(orders, rdp, delta) for rdp in composed]
     return np.array([eps for eps, _ in converted]), np.array([order for _, order in converted])
 
 
-def sum_rule_rdp(ratios: np.ndarray, steps: ArrayLike, sample_rate: float, noise_multiplier: float, *,
+def sum_rule_rdp(sensitivity_ratio: np.ndarray, steps: ArrayLike, sample_rate: float, noise_multiplier: float, *,
                  orders: ArrayLike, holder_b: float, rounding: float, horizons: list[int]) -> list[np.ndarray]:
     """§4 for the sum rule before the conversion to ε: the composed RDP, (P, orders), after each of `horizons`
-    steps, of the (R, C, P) `ratios` at checkpoint `steps` (compose_sum_rule's arguments). Sums over mechanisms
-    of different (q, σ) add these before one conversion (perinstance.IndividualAccountant)."""
-    levels = rdp_composition.sensitivity_levels(rounding, ratios)
+    steps, of the (R, C, P) `sensitivity_ratio` at checkpoint `steps` (compose_sum_rule's arguments). Sums over
+    mechanisms of different (q, σ) add these before one conversion (perinstance.IndividualAccountant)."""
+    levels = rdp_composition.sensitivity_levels(rounding, sensitivity_ratio)
     table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
                                      rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
-    return [rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b) for horizon in horizons]
+    return [rdp_composition.compose_rdp(table, sensitivity_ratio, steps, horizon, orders, holder_b)
+            for horizon in horizons]
 
 
 def compose_mean_rule(checkpoint_rdp: np.ndarray, checkpoints: ArrayLike, baseline_rdp: np.ndarray,
@@ -102,11 +104,11 @@ def sum_rule(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: float
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
     holder_b = holder_exponent(holder_b or "3T", orders, mechanism.total_steps)
-    ratios, steps, points = checkpoint_ratios(loaded)
-    eps, best_order = (values[0] for values in compose_sum_rule(ratios, steps, mechanism, orders=orders, delta=delta,
-                                                                holder_b=holder_b, rounding=rounding))
+    sensitivity_ratio, steps, points = checkpoint_sensitivity_ratio(loaded)
+    eps, best_order = (values[0] for values in compose_sum_rule(sensitivity_ratio, steps, mechanism, orders=orders,
+                                                                delta=delta, holder_b=holder_b, rounding=rounding))
     baseline_eps, baseline_order = mechanism.baseline_eps(delta, orders=orders)
-    runs = ratios.shape[0]
+    runs = sensitivity_ratio.shape[0]
     if runs == 1 and np.isfinite(holder_b):
         warn("with one run, --holder-b inf (plain composition along the observed trajectory) is never larger than "
              "a finite b")
@@ -192,10 +194,10 @@ def sum_rule_pld(loaded: Loaded, *, delta: float, holder_b: float | None = None,
     _check_pld_holder(holder_b)
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
-    ratios, steps, points = checkpoint_ratios(loaded)
+    sensitivity_ratio, steps, points = checkpoint_sensitivity_ratio(loaded)
     common = dict(sample_rate=mechanism.sample_rate, noise_multiplier=mechanism.noise_multiplier, delta=delta,
                   rounding=rounding, interval=interval)
-    eps = pld.sum_rule_eps(ratios.max(axis=0).T, steps, mechanism.total_steps, **common)
+    eps = pld.sum_rule_eps(sensitivity_ratio.max(axis=0).T, steps, mechanism.total_steps, **common)
     baseline = pld.sum_rule_eps(np.ones((1, len(steps))), steps, mechanism.total_steps, **common)
     common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
     return pd.concat([
@@ -203,7 +205,7 @@ def sum_rule_pld(loaded: Loaded, *, delta: float, holder_b: float | None = None,
         pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval), **common})],
         ignore_index=True), (
         f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
-        f"{ratios.shape[0]} run(s) (the largest Δ* per step), {len(steps)} checkpoints, "
+        f"{sensitivity_ratio.shape[0]} run(s) (the largest Δ* per step), {len(steps)} checkpoints, "
         f"sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, Δ rounded up to {rounding:g}·Γ, "
         f"delta={delta:g}; composed by PLD (dp_accounting, pessimistic, discretisation {interval:g}), "
         "eps = max(remove, add)")

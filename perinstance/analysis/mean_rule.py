@@ -209,9 +209,9 @@ def rdp_table(mechanism: Mechanism, orders: ArrayLike, sensitivities: list[Array
               relative_step: float = LEVEL_STEP) -> rdp_composition.RdpTable:
     """RDP_SGM(q, s_m/Δ, λ) for the mean rule (noise σΓ/B_exp) at the levels that the given
     sensitivities round up to (§5)."""
-    ratios = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound
+    sensitivity_ratio = np.concatenate([np.ravel(np.asarray(values, dtype=float)) / mechanism.clip_bound
                              for values in sensitivities])
-    levels = certified_radius.geometric_levels(ratios, relative_step)
+    levels = certified_radius.geometric_levels(sensitivity_ratio, relative_step)
     return rdp_composition.RdpTable(mechanism.sample_rate, mechanism.noise_multiplier / mechanism.batch_size, orders,
                                     levels)
 

@@ -233,10 +233,10 @@ def _select_points(rows, specs, dataset_size):
     return rows[rows["point"].isin(wanted)]
 
 
-def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def checkpoint_sensitivity_ratio(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Δ*/Γ of the grad_norm rows as an (R, C, P) array over runs, the union of their checkpoint
     steps and points, for rdp_composition.compose_rdp (§4): each run keeps its latest checkpoint,
-    the worst case Γ before its first. Returns (ratios, steps, points)."""
+    the worst case Γ before its first. Returns (sensitivity_ratio, steps, points)."""
     rows = loaded.rows.assign(run_key=run_key(loaded.rows))
     norms = rows.pivot(index=["run_key", "step"], columns="point", values="value")
     missing = norms.isna().stack()
@@ -251,8 +251,8 @@ def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarra
         if first > 0:
             warn(f"run {run} has no checkpoint at step 0: steps 1..{first} use the worst case Γ (accounting.md §4)")
     dense = norms.reindex(pd.MultiIndex.from_product([runs, steps])).to_numpy()
-    ratios = dense.reshape(len(runs), len(steps), -1) / loaded.mechanism.clip_bound
-    return rdp_composition.carry_forward(ratios), steps, norms.columns.to_numpy()
+    sensitivity_ratio = dense.reshape(len(runs), len(steps), -1) / loaded.mechanism.clip_bound
+    return rdp_composition.carry_forward(sensitivity_ratio), steps, norms.columns.to_numpy()
 
 
 def run_key(rows: pd.DataFrame) -> pd.Series:

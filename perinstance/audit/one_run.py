@@ -57,10 +57,10 @@ def upper_bounds(config: runs.RunConfig, norms: np.ndarray, delta: float) -> tup
     """The suite's ε over the whole run for a point of sensitivity c·Γ at every step, each c in
     `norms`: sum-rule RDP composition (§4) and PLD composition (§8.2, the larger direction)."""
     mechanism = Mechanism.of_run(config, "sum")
-    ratios = np.asarray(norms, dtype=float)
-    rdp_eps, _ = composition.compose_sum_rule(ratios[None, None, :], [0], mechanism,
+    sensitivity_ratio = np.asarray(norms, dtype=float)
+    rdp_eps, _ = composition.compose_sum_rule(sensitivity_ratio[None, None, :], [0], mechanism,
                                               orders=rdp_composition.COMPOSITION_ORDERS, delta=delta)
-    pld_eps = pld.sum_rule_eps(ratios[:, None], [0], config.total_steps, sample_rate=config.sample_rate,
+    pld_eps = pld.sum_rule_eps(sensitivity_ratio[:, None], [0], config.total_steps, sample_rate=config.sample_rate,
                                noise_multiplier=config.noise_multiplier, delta=delta)
     return rdp_eps[0], pld_eps.max
 

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     run = find_run(command.run, command.training, given)
     request = command.request.for_run(run.config, estimator_given="estimator" in given)
     points = parse_points(command.points, run.universe, run.config.seed)
-    result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.reduction),
+    result_file = ResultFile.open(request.res_path, request.overwrite, results.run_columns(run.config, request.rule),
                                   automatic=request.automatic_format)
     if command.no_train:
         require_finished(run)
@@ -230,8 +230,8 @@ def parse_request(flags: Mapping, given: Mapping[str, object]) -> Measurement:
         raise UsageError("--res-name", f"{res_name!r} must be a plain file name (rows go to <res-dir>/<res-name>.csv)")
     directions = poisson_batches.DIRECTIONS if flags["direction"] == "both" else (Direction(flags["direction"]),)
     # Without --run the training flags name the run, --reduction included.
-    reduction = flags["reduction"] if flags["run"] is None or "reduction" in given else None
-    return Measurement(exp=flags["exp"], reduction=reduction, estimator=estimator, stages=options.parse_stages(flags["stage"]),
+    rule = flags["reduction"] if flags["run"] is None or "reduction" in given else None
+    return Measurement(exp=flags["exp"], rule=rule, estimator=estimator, stages=options.parse_stages(flags["stage"]),
                    alpha=int(alpha[0]) if estimator == JENSEN else None, num_batches=num_batches,
                    num_iters=flags["num_iters"], directions=directions, mc_seed=flags["mc_seed"],
                    mc_blocks=flags["mc_blocks"], size_delta=flags["size_delta"], max_sizes=flags["max_sizes"],

@@ -148,20 +148,20 @@ def _check_numbers(frame, path, flag, unit):
     raise UsageError(flag, f"{path} {unit} {position} (column {column}): {shown} is not a finite number")
 
 
-def run_columns(run: "perinstance.train.runs.RunConfig", reduction: str) -> dict:
+def run_columns(run: "perinstance.train.runs.RunConfig", rule: str) -> dict:
     """The columns of a result row that come from the training run (a runs.RunConfig), analysed
-    under `reduction`."""
+    under the update rule `rule` (its `reduction` column)."""
     return {
         "run": run.run,
         "seed": run.seed,
         "total_steps": run.total_steps,
-        "reduction": reduction,
+        "reduction": rule,
         "sigma": run.noise_multiplier,
         "clip_bound": run.clip_bound,
         "sample_rate": run.sample_rate,
         "batch_size": run.batch_size,
         "dataset_size": run.dataset_size,
-        "noise_std": Mechanism.of_run(run, reduction).noise_std,
+        "noise_std": Mechanism.of_run(run, rule).noise_std,
         "dataset": run.dataset,
         "model": run.model,
         "clipping": run.clipping,
@@ -171,12 +171,12 @@ def run_columns(run: "perinstance.train.runs.RunConfig", reduction: str) -> dict
     }
 
 
-def result_rows(run: "perinstance.train.runs.RunConfig", reduction: str, step: int, columns: dict) -> pd.DataFrame:
+def result_rows(run: "perinstance.train.runs.RunConfig", rule: str, step: int, columns: dict) -> pd.DataFrame:
     """Long-format rows of one checkpoint: `columns` (per-row arrays, or one value for every row),
     the run's columns, the stage, and NaN in every column that does not apply (a float column
     whatever the run)."""
     frame = pd.DataFrame({"step": step, "stage": step / run.total_steps, **columns})
-    for column, value in run_columns(run, reduction).items():
+    for column, value in run_columns(run, rule).items():
         frame[column] = np.nan if value is None else value
     for column in COLUMNS:
         if column not in frame:

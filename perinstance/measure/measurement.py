@@ -32,12 +32,12 @@ MIN_GRID_SIZES = 32
 
 @dataclass(frozen=True)
 class Measurement:
-    """What compute_sensitivity.py measures and where its rows go, validated. `reduction`, `mc_seed`,
+    """What compute_sensitivity.py measures and where its rows go, validated. `rule`, `mc_seed`,
     `size_delta` and `num_batches` may be None until `for_run` fills them from the run (its trained rule,
     seed, δ and T)."""
 
     exp: str
-    reduction: str | None
+    rule: str | None  # the update rule analysed (--reduction)
     estimator: str
     stages: list
     alpha: int | None
@@ -56,23 +56,23 @@ class Measurement:
     @property
     def family(self) -> str:
         """What the rows measure, their `exp`: norm (sum rule), coupling or jensen (mean rule)."""
-        return NORM if self.reduction == "sum" else self.estimator
+        return NORM if self.rule == "sum" else self.estimator
 
     def for_run(self, config: RunConfig, estimator_given: bool = False) -> "Measurement":
         """The measurement completed from the run: the rule analysed defaults to the rule trained (with
         --run), the Monte-Carlo seed to the run's seed, δ_size to δ/(10·T) (accounting.md §3.4).
         `estimator_given`: --estimator was given (the sum rule has none)."""
-        reduction = self.reduction or config.update_rule
-        if reduction == "sum" and estimator_given:
+        rule = self.rule or config.update_rule
+        if rule == "sum" and estimator_given:
             raise UsageError("--estimator", "the sum rule has no estimator: Δ* is measured exactly "
                                             "(use --reduction mean)")
-        jensen = reduction == "mean" and self.estimator == JENSEN
-        if self.histogram_precision is not None and (reduction == "sum" or jensen):
+        jensen = rule == "mean" and self.estimator == JENSEN
+        if self.histogram_precision is not None and (rule == "sum" or jensen):
             raise UsageError("--histogram-precision", "only the mean rule's Δ_B samples (--reduction mean, coupling "
                                                       "estimator) are stored as histograms")
         return replace(
-            self, reduction=reduction,
-            mc_seed=None if reduction == "sum" else config.seed if self.mc_seed is None else self.mc_seed,
+            self, rule=rule,
+            mc_seed=None if rule == "sum" else config.seed if self.mc_seed is None else self.mc_seed,
             size_delta=self.size_delta or config.delta / (10 * config.total_steps),
             num_batches=DEFAULT_NUM_BATCHES[self.estimator] if self.num_batches is None else self.num_batches,
             alpha=self.alpha if jensen else None, directions=self.directions if jensen else (NO_DIRECTION,))
@@ -101,9 +101,9 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
         if coupling.pass_count(plan, len(points), parameter_count(model), next(model.parameters()).element_size(),
                                blocks) <= 1:
             hold = False
-    with progress_bar(len(points) if request.reduction == "sum" else len(run.train_y),
+    with progress_bar(len(points) if request.rule == "sum" else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
-        if request.reduction == "sum":
+        if request.rule == "sum":
             norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
         elif statistics_only:
             statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
@@ -112,7 +112,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
                                                          point_rows, transform, device, hold=hold, progress=bar)
             predictions = point_gradients.predictions
-    if request.reduction == "sum":
+    if request.rule == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
         if statistics_only:
@@ -129,7 +129,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
                                                           request.num_iters, request.num_batches, request.directions,
                                                           bar)
         columns = jensen_columns(request, statistics)
-    frame = measurement_rows(request.reduction, request.family, request.mc_seed, config, step,
+    frame = measurement_rows(request.rule, request.family, request.mc_seed, config, step,
                              payload["test_accuracy"], points, run.dataset.train_y[points].numpy(), predictions, columns)
     if request.histogram_precision is None:
         return frame
@@ -181,12 +181,12 @@ def jensen_columns(request: Measurement,
     return {**columns, "quantity": "renyi_statistic", "alpha": float(request.alpha)}
 
 
-def measurement_rows(reduction: str, family: str, mc_seed: int | None, config: RunConfig, step: int, accuracy: float,
+def measurement_rows(rule: str, family: str, mc_seed: int | None, config: RunConfig, step: int, accuracy: float,
                      points: np.ndarray, labels: np.ndarray, predictions: Predictions, columns: dict) -> pd.DataFrame:
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
     point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
     position = columns.pop("position")
-    return results.result_rows(config, reduction, step, {
+    return results.result_rows(config, rule, step, {
         "point": points[position],
         "label": labels[position],
         "correct": predictions.correct.astype(int)[position],

@@ -39,7 +39,7 @@ def part_size(part_points: int | None, request: Measurement, points: Sequence[in
         raise UsageError("--part-points", f"must be > 0, got {part_points}")
     if part_points is not None:
         return part_points
-    return DEFAULT_PART_POINTS if request.reduction == "sum" else max(len(points), 1)
+    return DEFAULT_PART_POINTS if request.rule == "sum" else max(len(points), 1)
 
 
 def measure(world: distributed.World, request: Measurement, run: PlannedRun, points: Sequence[int],
