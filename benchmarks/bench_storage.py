@@ -12,7 +12,7 @@ they come from; a histogram's size depends on how much Δ_B varies within a (poi
 so Δ_B here follows the coupling's geometry: (k+1)·Δ_B = ||a + e||, a point's offset a from the
 data mean (||a|| = d* log-uniform in [0.03, 1]) plus the batch mean's deviation e ~ N(0, v_X·(1/k
 − 1/n)/D · I_D), v_X = 0.37, D = 32: the spreads measured on a LeNet-5 checkpoint of embedded
-MNIST (README, storage table). The benchmark measures the file format, not the engine. It also
+MNIST (docs/paper-scale.md, storage table). The benchmark measures the file format, not the engine. It also
 checks that CSV and Parquet read back to the same table (read_results, as every accountant).
 
     python benchmarks/bench_storage.py            # 3 tables of 1,000,000 values

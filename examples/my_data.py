@@ -1,4 +1,4 @@
-"""A dataset of your own for `--dataset examples/my_data.py:token_sequences` (README, "Your own model").
+"""A dataset of your own for `--dataset examples/my_data.py:token_sequences` (docs/commands.md, "Your own model").
 
 Sequences of 12 token ids out of 16; the label is which of the tokens 0-3 occurs most often (ties: the
 smallest). Integer inputs: nothing in the suite assumes float images. The suite calls the function with

@@ -1,4 +1,4 @@
-"""A network of your own for `--model examples/my_model.py:TokenTransformer` (README, "Your own model").
+"""A network of your own for `--model examples/my_model.py:TokenTransformer` (docs/commands.md, "Your own model").
 
 A one-layer Transformer encoder over token embeddings, mean-pooled, then a linear head. The suite passes
 `num_classes` and `input_shape` (here `(12,)`, the sequence length) because the signature names them.

@@ -8,7 +8,7 @@ whenever more than twice that threshold lies free there. A training step or a ch
 allocates and frees tens of megabytes in blocks of a few MiB, so every step faulted the same pages in again.
 A fixed mmap threshold of 32 MiB (glibc's largest) and a trim threshold of 1 GiB keep those pages for the
 next step: ResNet-20 training at B = 128, the trainer alone in its process on 2 CPU cores, measured in
-README "Reliability". (A process that has freed a 32 MiB block, as Opacus's per-sample gradients do, has
+docs/reliability.md. (A process that has freed a 32 MiB block, as Opacus's per-sample gradients do, has
 glibc's largest threshold anyway, so benchmarks/bench_training.py, which runs Opacus beside the trainer,
 shows little of it.) The memory is still returned at each reproduce.py step's end (train/memory.py's
 malloc_trim), and blocks of 32 MiB or more still come from, and go back to, the system directly.

@@ -7,7 +7,7 @@ others. When another process holds one of the two cores, each parallel operation
 that is not running, while its partner spins. Measured on 2 cores, training then ran at 0.09× the
 one-thread speed. With a passive wait policy a waiting thread sleeps instead: 0.92× the one-thread
 speed with a core busy, at a cost of 8-19% on an idle machine (benchmarks/bench_shared_machine.py,
-README "Reliability"). libgomp reads these variables once, when `import torch` loads it, so
+docs/reliability.md). libgomp reads these variables once, when `import torch` loads it, so
 they must be in the environment before that. Child processes inherit them.
 """
 

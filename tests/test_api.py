@@ -450,7 +450,7 @@ def python_block(document, heading):
     return "\n".join(line[indent:] for line in lines)
 
 
-@pytest.mark.parametrize("document, heading", [("README.md", "## Your own model"), ("docs/api.md", "## Example")])
+@pytest.mark.parametrize("document, heading", [("README.md", "## In Python, with Opacus"), ("docs/api.md", "## Example")])
 def test_snippet_runs_as_written(document, heading, capsys):
     exec(compile(python_block(document, heading), document, "exec"), {})
     printed = capsys.readouterr().out

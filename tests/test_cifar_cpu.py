@@ -1,4 +1,4 @@
-"""The CPU-sized CIFAR-10 preset (README "CIFAR-10 on a CPU") on a tiny generated image folder:
+"""The CPU-sized CIFAR-10 preset (docs/paper-scale.md, "CIFAR-10 on a CPU") on a tiny generated image folder:
 ScatterNet features of `scatternet:imagefolder:PATH`, their cache, and the preset's training and
 all-point Δ* measurement run through the scripts."""
 

@@ -370,19 +370,19 @@ def test_changed_file_is_refused_on_resume_and_measurement(run, tmp_path):
     assert run("train_dpsgd.py", *flags).returncode == 0  # the restored files: the run is the same again
 
 
-# --- the README's commands, as written --------------------------------------------------------------
+# --- the documented commands, as written (docs/commands.md, "Your own model") ------------------------------
 
-def readme_commands():
-    """The shell lines of the README's block after "**Flags**"."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def documented_commands():
+    """The shell lines of docs/commands.md's block after "**Flags**"."""
+    text = open(os.path.join(ROOT, "docs", "commands.md"), encoding="utf-8").read()
     after = text[text.index("- **Flags**"):]
     start = after.index("```\n") + len("```\n")
     return [line.strip() for line in after[start:after.index("```", start)].splitlines() if line.strip()]
 
 
-def test_readme_commands_run_as_written(run, tmp_path):
+def test_documented_commands_run_as_written(run, tmp_path):
     shutil.copytree(os.path.join(ROOT, "examples"), tmp_path / "examples")
-    commands = readme_commands()
+    commands = documented_commands()
     assert [command.split()[1] for command in commands] == [
         "train_dpsgd.py", "compute_sensitivity.py", "eps_delta.py", "renyi_per_instance_sum.py",
         "renyi_per_instance_sum_compo.py", "compute_sensitivity.py", "renyi_per_instance_mean.py"]

@@ -28,7 +28,7 @@ from perinstance.accounting import exact_eps_delta, numerics
 
 # Length of one discretisation step of the privacy loss (dp_accounting's
 # value_discretization_interval): the cost grows as 1/interval, the pessimism of the
-# discretisation about linearly with it (README: its effect on ε at the quick run's mechanism).
+# discretisation about linearly with it (docs/performance.md: its effect on ε at the quick run's mechanism).
 DEFAULT_INTERVAL = 1e-3
 DIRECTIONS = ("remove", "add")
 # Mass, as a fraction of δ, that a Chernoff bound allows above (added to +∞) and below (folded

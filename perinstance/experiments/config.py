@@ -77,7 +77,7 @@ PRESETS = {
         track_points="random:64", mean_batch_sizes=(16, 64, 128), mean_points="random:4", num_batches=64,
         fixed_sample_rates=(0.03125, 0.125, 0.5), audit_points=6, audit_trials=5_000, nodp_lr=0.5, gap_points=32,
         gap_lr=0.5, gap_trials=20_000, canaries=300, gap_canaries=8),
-    "quick": ReproduceConfig(  # the README's main command: embedded MNIST, LeNet-5, 2 CPU cores
+    "quick": ReproduceConfig(  # the README's main job: embedded MNIST, LeNet-5, 2 CPU cores
         dataset="mnist-embedded", model="lenet5", batch_size=256, lr=2.0, epochs=4.0, eps=10.0, save_freq=16,
         save_steps="1,2,4,8,12,20,24,40", track_points="random:200", mean_batch_sizes=(64, 256, 1024),
         mean_points="random:100", num_batches=1024),
@@ -91,7 +91,7 @@ PRESETS = {
         num_batches=10_000),
     # CIFAR-10 on 2 CPU cores: a linear head trained with DP-SGD on fixed ScatterNet features (Tramèr &
     # Boneh, "Differentially Private Learning Needs Better Features (or Much More Data)", ICLR 2021).
-    # For the JPEGs: --dataset scatternet:imagefolder:PATH. README: "CIFAR-10 on a CPU".
+    # For the JPEGs: --dataset scatternet:imagefolder:PATH. docs/paper-scale.md: "CIFAR-10 on a CPU".
     "cifar10-cpu": ReproduceConfig(
         dataset="scatternet:CIFAR10", model="linear", batch_size=4096, lr=4.0, epochs=6.0, eps=10.0,
         save_freq=15, track_points="random:200", mean_batch_sizes=(1024, 4096, 16384), mean_points="random:100",

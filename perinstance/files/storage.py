@@ -43,7 +43,7 @@ EXTENSIONS = (CSV, PARQUET)
 DICTIONARY_MAX_DISTINCT = 4096
 PARQUET_INSTALL_HINT = "Parquet result files need pyarrow: pip install pyarrow"
 # A result named without an extension turns Parquet above this many rows: ~22 MB of CSV, which
-# takes seconds to rewrite after every checkpoint (README, storage table: 218-240 bytes per row).
+# takes seconds to rewrite after every checkpoint (docs/paper-scale.md, storage table: 218-240 bytes per row).
 AUTO_PARQUET_ROWS = 100_000
 
 
