@@ -303,6 +303,17 @@ def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return rdp_composition.carry_forward(ratios), steps, norms.columns.to_numpy()
 
 
+def every_step(loaded: Loaded) -> bool:
+    """§4: whether every run's rows give every point a value at every step 0..T−1 (at θ_0 .. θ_{T−1}, the
+    parameters the T steps start from; a row at step T is allowed and charges no step). Then a composition of
+    the rows is a bound along the observed run; otherwise it holds values between measurements: an estimate."""
+    rows, total = loaded.rows, loaded.mechanism.total_steps
+    pairs = rows.groupby(["run", "seed", "point"], sort=False).ngroups
+    # Steps are integers in 0..T (load checks them): T distinct ones below T are all of 0..T−1.
+    steps = rows.loc[rows["step"] < total].groupby(["run", "seed", "point"], sort=False)["step"].nunique()
+    return len(steps) == pairs and bool((steps == total).all())
+
+
 def run_key(rows: pd.DataFrame) -> pd.Series:
     """Runs are told apart by `run` and `seed` (accounting.md §4)."""
     return rows["run"].astype(str) + " seed " + rows["seed"].astype(str)
