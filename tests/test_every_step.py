@@ -1,10 +1,12 @@
 """A composition is a bound only when Δ* was measured at every step (docs/accounting.md §4): the rule that
-decides it (accountants.every_step) and the labels of renyi_per_instance_sum_compo.py's output. Every
-composed number is held against Opacus's RDP of each step, computed here one step at a time."""
+decides it (accountants.every_step), the labels of renyi_per_instance_sum_compo.py's output, and --steps,
+which keeps a run's checkpoints out of every-step rows. Every composed number is held against Opacus's RDP
+of each step, computed here one step at a time."""
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import assert_usage_error
 from opacus.accountants.analysis import rdp as opacus_rdp
 
 from perinstance.accountants import accountants
@@ -112,6 +114,21 @@ def test_checkpoints_hold_delta_between_them_an_estimate_that_can_fall_below_the
         assert held[point] == pytest.approx(opacus_eps(charged), rel=1e-9)
     # Δ* rises between the checkpoints here: every point's estimate is below its bound.
     assert np.all(held < bound)
+    # --steps keeps the checkpoints of the every-step rows: the same estimate, the same label.
+    selected, result = compose(run, tmp_path, "every", "--steps", ",".join(map(str, CHECKPOINTS)))
+    pd.testing.assert_frame_equal(selected, estimate)
+
+
+def test_steps_keeps_the_rows_of_those_steps_and_refuses_steps_without_rows(tmp_path, run):
+    write(tmp_path, "every", rows(norms_at(range(STEPS))))
+    frame, result = compose(run, tmp_path, "every", "--steps", "0-23", f"{STEPS}")
+    assert "1 of the 25 requested steps have no rows" in result.stderr
+    assert set(frame["kind"]) == {"certified", "baseline"}
+    write(tmp_path, "checkpoints", rows(norms_at(CHECKPOINTS)))
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "checkpoints", "--steps", "3", "5"),
+                       "--steps")
+    assert_usage_error(run("renyi_per_instance_sum_compo.py", "--res-name", "checkpoints", "--steps", "99"), "--steps")
+    assert_usage_error(run("eps_delta.py", "--res-name", "checkpoints", "--steps", "x"), "--steps")
 
 
 def test_pld_follows_the_same_rule(tmp_path, run):

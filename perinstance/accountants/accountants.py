@@ -28,7 +28,7 @@ NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound
 @dataclass(frozen=True)
 class Source:
     """Where an accountant reads its rows (--res-name in --res-dir, or --res-file), which rows it
-    keeps (--filter, --points), and the output it was asked for (--out, --overwrite)."""
+    keeps (--filter, --points, --steps), and the output it was asked for (--out, --overwrite)."""
 
     res_name: str | None
     res_file: str | None
@@ -37,6 +37,7 @@ class Source:
     filters: tuple = ()
     points: tuple | None = None
     overwrite: bool = False
+    steps: tuple | None = None
 
     @classmethod
     def from_flags(cls, flags: Mapping) -> "Source":
@@ -44,7 +45,7 @@ class Source:
         return cls(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"],
                    out=flags["out"], filters=tuple(flags["filter"]),
                    points=None if flags["points"] is None else tuple(flags["points"]),
-                   overwrite=bool(flags["overwrite"]))
+                   overwrite=bool(flags["overwrite"]), steps=None if flags["steps"] is None else tuple(flags["steps"]))
 
     @property
     def path(self) -> tuple[str, str]:
@@ -74,6 +75,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
                         help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
     parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+    parser.add_argument("--steps", nargs="+", metavar="STEP",
+                        help="keep only rows at these steps (as --points: 0 16 32, ranges 0-99), e.g. a run's "
+                             "checkpoints out of norms recorded at every step")
     add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
 
 
@@ -136,6 +140,7 @@ def load(source: Source, quantities: list[str], one_run: bool, integer_columns: 
     _check_rows(rows, mechanism, path, flag)
     rows = _check_integers(rows, integer_columns or {}, path, flag)
     rows = _select_points(rows, source.points, mechanism.dataset_size)
+    rows = _select_steps(rows, source.steps, mechanism.total_steps)
     return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
 
 
@@ -279,6 +284,20 @@ def _select_points(rows, specs, dataset_size):
     if not present.all():
         warn(f"{(~present).sum()} of the {len(wanted)} requested points have no rows and are left out")
     return rows[rows["point"].isin(wanted)]
+
+
+def _select_steps(rows, specs, total_steps):
+    """--steps: the rows at these steps (of 0..T); steps without rows are left out with a warning."""
+    if not specs:
+        return rows
+    wanted = parse_points(specs, total_steps + 1, flag="--steps")
+    present = np.isin(wanted, rows["step"].unique())
+    if not present.any():
+        raise UsageError("--steps", f"none of the {len(wanted)} steps has rows (the file has steps "
+                         f"{_distinct(rows['step'])})")
+    if not present.all():
+        warn(f"{(~present).sum()} of the {len(wanted)} requested steps have no rows and are left out")
+    return rows[rows["step"].isin(wanted)]
 
 
 def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
