@@ -239,7 +239,8 @@ def test_track_points_records_every_step(tmp_path, run):
     metadata = outcome.run
     import pandas as pd
     frame = pd.read_csv(os.path.join(outcome.run_dir, "tracked_norms.csv"))
-    assert sorted(frame["step"].unique()) == list(range(metadata.total_steps))
+    # θ_0 .. θ_{T−1}, which the T steps start from, and the final θ_T.
+    assert sorted(frame["step"].unique()) == list(range(metadata.total_steps + 1))
     assert sorted(frame["point"].unique()) == [0, 1, 2, 3, 4]
     # The Γ cap holds exactly (the sensitivity engine's cap, clipping.transformed_norm), no tolerance.
     assert (frame["value"] <= metadata.clip_bound).all() and (frame["value"] > 0).all()
