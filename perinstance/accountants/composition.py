@@ -89,10 +89,14 @@ def sum_rule_rdp(ratios: np.ndarray, steps: ArrayLike, sample_rate: float, noise
                  orders: ArrayLike, holder_b: float, rounding: float, horizons: list[int]) -> list[np.ndarray]:
     """§4 for the sum rule before the conversion to ε: the composed RDP, (P, orders), after each of `horizons`
     steps, of the (R, C, P) `ratios` at checkpoint `steps` (compose_sum_rule's arguments). Sums over mechanisms
-    of different (q, σ) add these before one conversion (perinstance.IndividualAccountant)."""
+    of different (q, σ) add these before one conversion (perinstance.IndividualAccountant). With b = ∞ and several
+    horizons (the curves of figure 4), every horizon comes from one running sum over the steps."""
     levels = rdp_composition.sensitivity_levels(rounding, ratios)
     table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
                                      rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
+    if np.isinf(holder_b) and len(horizons) > 1:
+        running = rdp_composition.running_composition(table, ratios, steps, max(horizons), orders)
+        return [running[horizon - 1] for horizon in horizons]
     return [rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, holder_b) for horizon in horizons]
 
 
