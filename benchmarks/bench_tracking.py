@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _smoke import synthetic_lenet_dataset  # noqa: E402
-from _workloads import add_timing_arguments, device_name, require_device, timer  # noqa: E402
+from _workloads import device_name, parse_timed, timer  # noqa: E402
 
 from perinstance.train import run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
@@ -82,13 +82,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps (after one warm-up step)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the chunk sizes")
-    add_timing_arguments(parser)
-    parser.add_argument("--smoke", action="store_true", help=f"tiny data, {SMOKE_SIZES}, for CI")
-    args = parser.parse_args()
-    require_device(parser, args.device)
-    if args.smoke:
-        vars(args).update(SMOKE_SIZES)
-    torch.set_num_threads(args.threads)
+    args = parse_timed(parser, SMOKE_SIZES)
     clock = timer(args.clock, args.device)
     trainer = trainer_for(args.smoke, args.device)
     run = trainer.run

@@ -4,16 +4,12 @@ Parquet past the storage threshold and the composition reads it either way, torc
 lockstep, and the cost is printed."""
 
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, run_in_process
+from conftest import run_in_process
 from test_distributed import torchrun
 
 from perinstance.files import checkpoints, storage, tracked_rows
@@ -106,28 +102,6 @@ def test_an_interrupted_run_resumes_to_the_same_tracked_values(tmp_path, monkeyp
     # The values live in their own segments, never in a checkpoint.
     assert "tracked_norms" not in checkpoints.load_checkpoint(str(run_dir), step)
     assert not os.path.exists(run_dir / tracked_rows.FOLDER)
-
-
-def test_a_killed_run_resumes_to_the_same_tracked_values(tmp_path):
-    flags = [*SYNTHETIC, "--epochs", "20", "--save-freq", "40", "--track-points", "all"]
-    whole = subprocess.run([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "a"],
-                           cwd=tmp_path, capture_output=True, text=True)
-    assert whole.returncode == 0, whole.stderr
-    run_name = os.listdir(tmp_path / "a")[0]
-    interrupted_dir = tmp_path / "b" / run_name
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "b"],
-                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while len(checkpoints.saved_steps(interrupted_dir)) < 3 and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    saved = checkpoints.saved_steps(interrupted_dir)
-    assert 3 <= len(saved) and saved[-1] < 320, saved  # really interrupted mid-run
-    resumed = subprocess.run([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "b"],
-                             cwd=tmp_path, capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr
-    pd.testing.assert_frame_equal(tracked_table(interrupted_dir), tracked_table(tmp_path / "a" / run_name))
 
 
 def test_a_checkpoint_of_the_earlier_format_resumes(tmp_path):

@@ -139,8 +139,9 @@ def load(source: Source, quantities: list[str], one_run: bool, integer_columns: 
     mechanism = _mechanism(rows, path, flag)
     _check_rows(rows, mechanism, path, flag)
     rows = _check_integers(rows, integer_columns or {}, path, flag)
-    rows = _select_points(rows, source.points, mechanism.dataset_size)
-    rows = _select_steps(rows, source.steps, mechanism.total_steps)
+    rows = rows.astype({"step": int, "point": int})
+    rows = _select(rows, source.points, "point", mechanism.dataset_size, "--points")
+    rows = _select(rows, source.steps, "step", mechanism.total_steps + 1, "--steps")
     return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
 
 
@@ -272,32 +273,19 @@ def check_values(loaded: Loaded, bad: ArrayLike, message: str, rows: pd.DataFram
     _first_bad(rows, np.asarray(bad, dtype=bool), loaded.path, loaded.flag, message)
 
 
-def _select_points(rows, specs, dataset_size):
-    rows = rows.astype({"step": int, "point": int})
+def _select(rows, specs, column, universe, flag):
+    """--points or --steps: the rows whose `column` is among `specs` (as --points, over 0..universe−1); requested
+    values without rows are left out with a warning, none with rows is refused."""
     if not specs:
         return rows
-    wanted = parse_points(specs, dataset_size, flag="--points")
-    present = np.isin(wanted, rows["point"].unique())
+    wanted = parse_points(specs, universe, flag=flag)
+    present = np.isin(wanted, rows[column].unique())
     if not present.any():
-        raise UsageError("--points", f"none of the {len(wanted)} points has rows "
-                         f"(the file has points {_distinct(rows['point'])})")
+        raise UsageError(flag, f"none of the {len(wanted)} {column}s has rows "
+                         f"(the file has {column}s {_distinct(rows[column])})")
     if not present.all():
-        warn(f"{(~present).sum()} of the {len(wanted)} requested points have no rows and are left out")
-    return rows[rows["point"].isin(wanted)]
-
-
-def _select_steps(rows, specs, total_steps):
-    """--steps: the rows at these steps (of 0..T); steps without rows are left out with a warning."""
-    if not specs:
-        return rows
-    wanted = parse_points(specs, total_steps + 1, flag="--steps")
-    present = np.isin(wanted, rows["step"].unique())
-    if not present.any():
-        raise UsageError("--steps", f"none of the {len(wanted)} steps has rows (the file has steps "
-                         f"{_distinct(rows['step'])})")
-    if not present.all():
-        warn(f"{(~present).sum()} of the {len(wanted)} requested steps have no rows and are left out")
-    return rows[rows["step"].isin(wanted)]
+        warn(f"{(~present).sum()} of the {len(wanted)} requested {column}s have no rows and are left out")
+    return rows[rows[column].isin(wanted)]
 
 
 def checkpoint_ratios(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
