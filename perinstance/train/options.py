@@ -265,7 +265,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     add_device_argument(group)
     group.add_argument("--eval-freq", type=int, default=None, help="test accuracy every this many steps (default: at checkpoints)")
     group.add_argument("--track-points", nargs="*", default=None,
-                       help="record ||h(g)|| of these points (as --points) at every step, for exact composition")
+                       help="record Δ* = ||h(g)||, loss and correctness of these points (as --points; all: every "
+                            "point) at every step and at the end, into models/<run>/tracked_norms.csv (.parquet past "
+                            "100,000 rows): composed, a bound along the run (accounting.md §4)")
     group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
                        help="white-box gradient canaries for the one-run audit: M of them, each in the run with "
                             "probability 1/2 (docs/audit.md)")
