@@ -57,7 +57,8 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     # Figure 4: composed ε over training of an easy, a hard and a misclassified tracked point: the bound from Δ* at
     # every step, and the estimate that holds Δ* between checkpoints.
     bound = accounted.bound.set_index("point")
-    chosen = pick_points(bound["eps"], at_end.loc[bound.index, "correct"].astype(bool))
+    chosen = pick_points(bound["eps"], accounted.estimate.set_index("point")["eps"],
+                         at_end.loc[bound.index, "correct"].astype(bool))
     findings["curves"] = plots.plot_composed_over_training(
         composition_curves(run, main.tracked, chosen, config.delta), baseline_curve(run, config.delta),
         path(FIGURES[3]), config.delta, main.checkpoint_steps,
@@ -120,14 +121,21 @@ def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> di
             for design, values in drawn.items()}
 
 
-def pick_points(eps: pd.Series, correct: pd.Series) -> dict[str, int]:
-    """An easy (lowest ε), a hard (highest ε) correctly classified point, and a misclassified one."""
+def pick_points(bound: pd.Series, estimate: pd.Series, correct: pd.Series) -> dict[str, int]:
+    """Points of figure 4 by their composed ε (`bound`, indexed by point; `estimate`, the same points' checkpoint
+    estimate where they have one): the correctly classified point of lowest ε and one at their median, the point
+    whose estimate falls furthest below its bound (where one does), and a misclassified point at their median."""
     chosen = {}
-    right = eps[correct.to_numpy()]
+    right = bound[correct.to_numpy()]
     if len(right):
         chosen[f"easy (point {right.idxmin()})"] = int(right.idxmin())
-        chosen[f"hard (point {right.idxmax()})"] = int(right.idxmax())
-    wrong = eps[~correct.to_numpy()]
+        point = int((right - right.median()).abs().idxmin())
+        chosen[f"median (point {point})"] = point
+    shortfall = ((bound - estimate.reindex(bound.index)) / bound).dropna()
+    if len(shortfall) and shortfall.max() > 0:
+        point = int(shortfall.idxmax())
+        chosen[f"estimate furthest below its bound (point {point})"] = point
+    wrong = bound[~correct.to_numpy()]
     if len(wrong):
         point = int((wrong - wrong.median()).abs().idxmin())
         chosen[f"misclassified (point {point})"] = point

@@ -72,7 +72,11 @@ def estimate_line(estimate: dict) -> str:
             f"{percent_text(estimate['relative_median'])} (95% interval), largest |relative error| "
             f"{100 * largest.estimate:.3g}% [{100 * largest.low:.3g}%, {100 * largest.high:.3g}%] ({side} its bound); "
             f"the estimate is below the bound for {estimate['count_below']} points, {100 * share.estimate:.3g}% "
-            f"[{100 * share.low:.3g}%, {100 * share.high:.3g}%] (a composition over checkpoints is an estimate, not a bound); "
+            f"[{100 * share.low:.3g}%, {100 * share.high:.3g}%]"
+            + ("" if estimate["shortfall_largest"] is None else
+               f", by up to {100 * estimate['shortfall_largest'].estimate:.3g}% "
+               f"[{100 * estimate['shortfall_largest'].low:.3g}%, {100 * estimate['shortfall_largest'].high:.3g}%]")
+            + " (a composition over checkpoints is an estimate, not a bound); "
             f"Pearson r = {r_text(estimate['pearson'], estimate['pearson_interval'])}, mean |error| "
             f"{estimate['mean_abs_error']:.3g}, max |error| {estimate['max_abs_error']:.3g}")
 

@@ -84,6 +84,7 @@ def write_frame(path: str, frame: pd.DataFrame, flag: str | None = None) -> None
     table = as_read_from_csv(frame)
     dictionary, encodings = column_encodings(table)
     arrow_table = pyarrow.Table.from_pandas(table, preserve_index=False)
+    del table  # a million rows (a run's every-step norms): one copy less while the file is written
     with fileio.atomic_path(path, flag) as temp_path:
         parquet.write_table(arrow_table, temp_path, compression="zstd", use_dictionary=dictionary,
                             column_encoding=encodings)

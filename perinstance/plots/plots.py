@@ -23,6 +23,7 @@ from perinstance.files.fileio import atomic_path
 
 DPI = 120
 SINGLE_PANEL = (6.4, 4.4)
+WIDE_PANEL = (11.5, 4.8)
 TWO_PANELS = (12.0, 4.6)
 BASELINE_LABEL = "worst-case baseline (DP-SGD)"
 BASELINE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.5, "label": BASELINE_LABEL}
@@ -220,7 +221,8 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
     final = {}
 
     estimated = {}
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    # Beside the estimates, two lines per point: the legend goes right of the axes.
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL if estimates is None else WIDE_PANEL, layout="constrained")
     for label, (steps, eps) in curves.items():
         steps, eps = _as_1d(f"steps of {label!r}", steps), _as_1d(f"ε of {label!r}", eps)
         _same_length(steps=steps, eps=eps)
@@ -250,7 +252,10 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
     ax.set_title("Per-instance privacy over training")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize="small" if estimates is not None else None)
+    if estimates is None:
+        ax.legend()
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
     return {"final": final, "estimate_final": estimated, "baseline_final": baseline_final}
 
@@ -399,6 +404,7 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
              "relative_median": _median_interval(relative),
              "relative_largest": intervals.maximum_interval(np.abs(relative)) if len(relative) else None,
              "relative_largest_signed": float(relative[largest]) if largest is not None else float("nan"),
+             "shortfall_largest": intervals.maximum_interval(-relative[relative < 0]) if np.any(relative < 0) else None,
              "share_below": intervals.share_interval(below) if len(below) else None,
              "count_below": int(below.sum())}
 
@@ -418,7 +424,9 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
     ax.set_title(f"Checkpoint estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}\n"
                  + ("" if median is None else f"relative error median {median.estimate:+.2%}, largest "
                     f"{found['relative_largest_signed']:+.2%}; ")
-                 + ("" if share is None else f"below the bound: {share.estimate:.1%} of points"), fontsize="medium")
+                 + ("" if share is None else f"below the bound: {share.estimate:.1%} of points")
+                 + ("" if found["shortfall_largest"] is None else
+                    f", by up to {found['shortfall_largest'].estimate:.2%}"), fontsize="medium")
     ax.legend(loc="lower right", fontsize="small")
     _save(fig, path)
     return found
