@@ -14,6 +14,7 @@ import shutil
 import warnings
 
 import numpy as np
+import pandas as pd
 import torch
 
 from perinstance.errors import UsageError
@@ -100,7 +101,7 @@ def table_path(run_dir: str) -> str:
     return results.results_path(TABLE, run_dir, flag=FLAG)
 
 
-def write_table(run_dir: str, frame) -> str:
+def write_table(run_dir: str, frame: pd.DataFrame) -> str:
     """Write the tracked table (CSV up to storage.AUTO_PARQUET_ROWS rows, Parquet beyond), remove the other
     format's file and the segments, and return its path."""
     csv_path, parquet_path = results.format_paths(TABLE, run_dir)
