@@ -73,6 +73,19 @@ def add_timing_arguments(parser):
                              "read after torch.cuda.synchronize()")
 
 
+def parse_timed(parser: argparse.ArgumentParser, smoke_sizes: dict) -> argparse.Namespace:
+    """The arguments of a side-by-side benchmark: its own, add_timing_arguments', and --smoke, which replaces
+    `smoke_sizes` for CI; the device checked and torch's threads set."""
+    add_timing_arguments(parser)
+    parser.add_argument("--smoke", action="store_true", help=f"tiny data, {smoke_sizes}, for CI")
+    args = parser.parse_args()
+    require_device(parser, args.device)
+    if args.smoke:
+        vars(args).update(smoke_sizes)
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def timer(clock: str, device: str) -> Callable[[], float]:
     """The clock a benchmark reads for `--clock` on `device`. On CUDA, wall seconds once the device has
     finished its queued work: kernels run asynchronously, so neither the CPU seconds of this process nor

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _workloads import add_timing_arguments, device_name, require_device, same_round_ratios, timer, workloads  # noqa: E402
+from _workloads import device_name, parse_timed, same_round_ratios, timer, workloads  # noqa: E402
 
 from perinstance.cli import options
 from perinstance.train import run_plan, sampling, training
@@ -144,13 +144,7 @@ def main():
     parser.add_argument("--resnet-steps", type=int, default=8)
     parser.add_argument("--resnet-batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    add_timing_arguments(parser)
-    parser.add_argument("--smoke", action="store_true", help=f"tiny data, {SMOKE_SIZES}, for CI")
-    args = parser.parse_args()
-    require_device(parser, args.device)
-    if args.smoke:
-        vars(args).update(SMOKE_SIZES)
-    torch.set_num_threads(args.threads)
+    args = parse_timed(parser, SMOKE_SIZES)
     resnet_points = max(RESNET_POINTS, RESNET_BATCHES_PER_EPOCH * args.resnet_batch_size)
     lenet, resnet = workloads(args.smoke, SMOKE_RESNET_POINTS if args.smoke else resnet_points)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device_name(args.device)}, load average before: "

@@ -8,6 +8,7 @@ import dp_accounting
 import mpmath
 import numpy as np
 import pytest
+from opacus.accountants.analysis import rdp as opacus_rdp
 from scipy.optimize import brentq
 from scipy.special import logsumexp
 
@@ -427,6 +428,34 @@ def test_composition_matches_step_by_step_formula():
                 total += growth ** -(total_steps - step) * log_mean / holder_b
             exact = total / (alpha - 1)
             assert exact * (1 - 1e-9) <= rdp[point, column] <= exact * 1.01
+
+
+def test_running_composition_is_the_composition_of_every_horizon():
+    # b = ∞, two runs whose checkpoints differ, steps before the first checkpoint at Γ: the running sum after h steps
+    # is compose_rdp's for T = h, and Opacus's RDP of the steps so far, charged step by step.
+    sample_rate, noise_multiplier, total_steps = 0.04, 1.1, 30
+    orders = np.array([2.0, 4.0, 16.0])
+    steps = np.array([3, 10, 22])
+    ratios = np.random.default_rng(9).uniform(0.05, 1.0, size=(2, 3, 4))
+    ratios[0, 1] = np.nan
+    ratios = rdp_composition.carry_forward(ratios)
+    table = rdp_composition.RdpTable(sample_rate, noise_multiplier, orders,
+                                     rdp_composition.sensitivity_levels(0.0, ratios))
+    running = rdp_composition.running_composition(table, ratios, steps, total_steps, orders)
+    assert running.shape == (total_steps, 4, 3)
+    for horizon in (1, 4, 11, 23, total_steps):
+        np.testing.assert_allclose(running[horizon - 1],
+                                   rdp_composition.compose_rdp(table, ratios, steps, horizon, orders, math.inf),
+                                   rtol=1e-12)
+    point, step_rdp = 2, []
+    for step in range(1, total_steps + 1):
+        checkpoint = np.searchsorted(steps, step - 1, side="right") - 1
+        ratio = 1.0 if checkpoint < 0 else ratios[:, checkpoint, point].max()
+        step_rdp.append(opacus_rdp.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier / ratio, steps=1,
+                                               orders=orders))
+    np.testing.assert_allclose(running[:, point], np.cumsum(step_rdp, axis=0), rtol=1e-6)
+    with pytest.raises(ValueError):
+        rdp_composition.running_composition(table, ratios, steps, total_steps, [3.0])
 
 
 def test_composition_leading_worst_case_and_zero_norm():

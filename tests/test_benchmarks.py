@@ -20,6 +20,7 @@ RATIO = re.compile(r"(\d+(?:\.\d+)?|nan|inf)\s?[×x](?!\w)")
 
 def test_every_benchmark_is_found():
     expected = {"bench_accounting.py", "bench_pld.py", "bench_sensitivity.py", "bench_shared_machine.py", "bench_training.py",
+                "bench_tracking.py",
                 "compare_clipping.py"}
     assert expected <= set(BENCHMARKS)
 

@@ -129,6 +129,8 @@ MEANINGS = {
     "--nondp-run": Meaning("the non-private run compared with --run", "nondp_run", "--no-dp", defaults=NONE),
     "--points": Meaning("training points: indices, ranges 0-99, all, random:N", "points", "random:N", nargs="+",
                         defaults=NONE),
+    "--steps": Meaning("the accountants: keep only rows at these steps (as --points)", "steps", "keep only rows at "
+                       "these steps", nargs="+", defaults=NONE),
     "--spread": Meaning("N points spanning the range of Δ*, instead of --points", "spread", "spanning", "int",
                         defaults=NONE),
     "--stage": Meaning("checkpoints: fractions of training in [0, 1], initial, middle, final, all "

@@ -55,6 +55,32 @@ def test_the_ratio_of_two_medians_covers_the_true_ratio():
     assert interval(0).count == 80
 
 
+def test_the_share_interval_agrees_with_the_binomials_normal_interval_and_covers_the_share():
+    holds = np.random.default_rng(11).random(2000) < 0.3
+    interval = intervals.share_interval(holds, resamples=4000, seed=2)
+    share = holds.mean()
+    half_width = 1.96 * math.sqrt(share * (1 - share) / len(holds))
+    assert interval.estimate == share and interval.count == 2000
+    assert interval.low == pytest.approx(share - half_width, abs=0.004)
+    assert interval.high == pytest.approx(share + half_width, abs=0.004)
+
+    def covering(seed):
+        return intervals.share_interval(np.random.default_rng(500 + seed).random(150) < 0.2, resamples=1000, seed=seed)
+
+    assert 0.90 <= coverage(covering, 0.2, 300) <= 0.99
+
+
+def test_the_bootstrap_of_a_maximum_has_the_enumerated_law():
+    # n points: the resampled maximum is at most the k-th smallest with probability (k/n)^n.
+    points = np.array([5.0, 1.0, 3.0, 2.0])
+    ordered = np.sort(points)
+    cumulative = (np.arange(1, 5) / 4) ** 4
+    interval = intervals.maximum_interval(points, resamples=40000, seed=5)
+    assert interval.low == ordered[np.searchsorted(cumulative, 0.025)]
+    assert interval.high == ordered[np.searchsorted(cumulative, 0.975)] == 5.0
+    assert (interval.estimate, interval.count) == (5.0, 4)
+
+
 def test_pearson_interval_agrees_with_fishers_for_a_bivariate_normal_sample():
     generator = np.random.default_rng(7)
     x = generator.normal(size=400)

@@ -224,6 +224,20 @@ def test_composed_over_training_numbers_and_file(tmp_path, panels):
     assert_baseline_in_legend(panels[0][0])
 
 
+def test_composed_over_training_draws_the_bound_and_the_checkpoint_estimate(tmp_path, panels):
+    steps = np.arange(0, 101)
+    curves = {"easy (point 12)": (steps, 0.02 * steps), "hard (point 7)": (steps, 0.05 * steps)}
+    held = {"easy (point 12)": (steps, 0.018 * steps), "hard (point 7)": (steps, 0.05 * steps)}
+    result = draw_checked(tmp_path, lambda path: plots.plot_composed_over_training(
+        curves, (steps, 0.08 * steps), path, 1e-5, checkpoint_steps=(0, 10, 50), estimates=held))
+    assert result["final"] == pytest.approx({"easy (point 12)": 2.0, "hard (point 7)": 5.0})
+    assert result["estimate_final"] == pytest.approx({"easy (point 12)": 1.8, "hard (point 7)": 5.0})
+    legend = panels[0][0]["legend"]
+    assert "easy (point 12), bound (Δ* at every step): final ε = 2" in legend
+    assert "easy (point 12), estimate (Δ* held between checkpoints): final ε = 1.8" in legend
+    assert_baseline_in_legend(panels[0][0])
+
+
 def test_composed_over_training_constant_and_empty_curves(tmp_path):
     steps = np.arange(5)
     curves = {"flat": (steps, np.zeros(5)), "unmeasured": (np.array([]), np.array([]))}
@@ -276,6 +290,16 @@ def test_individual_accounting_by_accountant_panel(tmp_path, rng, panels):
     assert summary["PLD"]["share_below_half"] == pytest.approx(np.mean(tighter <= 6.9 / 2))
     assert summary["RDP"]["worst"] == 7.8 and summary["RDP"]["points"] == len(eps)
     assert len(panels[0]) == 3
+    # An estimate next to the bound: summarised alike, its worst case (the RDP one) drawn once.
+    held = np.minimum(eps * 0.97, 7.8)
+    result = draw_checked(tmp_path / "held", lambda path: plots.plot_individual_accounting(
+        eps, loss, labels, CLASS_NAMES, accuracy, 7.8, path, by_accountant={
+            "RDP": (eps, 7.8), "PLD": (tighter, 6.9), "RDP, Δ* held between checkpoints (estimate)": (held, 7.8)},
+        eps_label="per-instance composed ε (bound: Δ* at every step)"))
+    assert result["accountants"]["RDP, Δ* held between checkpoints (estimate)"]["median"] == pytest.approx(
+        np.median(held))
+    legend = panels[-1][2]["legend"]
+    assert sum("worst case" in text for text in legend) == 2 and any("estimate): median" in text for text in legend)
 
 
 def test_individual_accounting_degenerate_inputs(tmp_path):
@@ -304,6 +328,20 @@ def test_estimate_accuracy_numbers_and_file(tmp_path, rng, panels):
     assert result["mean_abs_error"] == pytest.approx(np.mean(np.abs(estimate - truth)))
     assert result["max_abs_error"] == pytest.approx(np.max(np.abs(estimate - truth)))
     assert_baseline_in_legend(panels[0][0])
+
+
+def test_estimate_accuracy_says_how_far_the_estimate_is_from_the_bound(tmp_path, panels):
+    bound = np.array([2.0, 4.0, 5.0, 8.0, 1.0])
+    estimate = np.array([2.1, 3.0, 5.0, 8.0, 0.9])
+    result = draw_checked(tmp_path, lambda path: plots.plot_estimate_accuracy(estimate, bound, path, 9.0))
+    relative = (estimate - bound) / bound  # +5%, −25%, 0, 0, −10%
+    assert result["relative_median"].estimate == pytest.approx(np.median(relative))
+    assert result["relative_largest"].estimate == pytest.approx(0.25)
+    assert result["relative_largest_signed"] == pytest.approx(-0.25)
+    assert result["share_below"].estimate == pytest.approx(0.4) and result["count_below"] == 2
+    assert result["relative_largest"].high == pytest.approx(0.25)  # a resampled maximum is one of the points
+    legend = panels[0][0]["legend"]
+    assert "2 points: estimate BELOW the bound" in legend and "3 points: estimate at or above the bound" in legend
 
 
 def test_estimate_accuracy_constant_input(tmp_path):

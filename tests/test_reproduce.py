@@ -109,6 +109,10 @@ def test_report_states_findings_with_numbers(image_runs):
     for line in (findings[0], findings[1], *designs, findings[6], findings[7], findings[8], findings[9], findings[13]):
         assert re.search(r"\[-?[\d.e+-]+, -?[\d.e+-]+\]", line), line
     assert "RDP: median" in findings[7] and "PLD: median" in findings[7]
+    # 16 tracked points of 96: every point's composition holds Δ* between checkpoints, the bound covers those 16.
+    assert "an estimate (Δ* held between checkpoints; the bound covers the tracked points only" in findings[6]
+    assert "RDP, Δ* at every step (bound, 16 tracked points): median" in findings[7]
+    assert "against the bound (Δ* at every step), 16 points: relative error" in findings[9]
     assert "audit, sum rule" in findings[10] and "audit, mean rule" in findings[11]
     assert "violated: 0 of" in findings[10] and "violated: 0 of" in findings[11]
     assert "realised-size mean rule" in findings[12] and "membership inference" in findings[13]
@@ -289,6 +293,17 @@ def test_tiny_preset_without_canaries(tmp_path):
     findings = [line.split(". ", 1)[1] for line in report.splitlines() if re.match(r"^\d+\. ", line)]
     # The three lines per canary group and the one on what the audit shows are one line saying it did not run.
     assert findings[14] == "one-run audit of the trained main run: not run (canaries=0)"
+    # Every point tracked at every step: the headline is a bound, the estimate over the checkpoints is compared with
+    # it, and Δ* at the checkpoints is read from the tracked table instead of measured again.
+    assert "a bound along the observed run (Δ* of every point at every step)" in findings[6]
+    assert "RDP, Δ* held between checkpoints (estimate): median" in findings[7]
+    assert "the checkpoint estimate (Δ* held between the 8 checkpoints) against the bound (Δ* at every step), 512 " \
+           "points" in findings[9]
+    commands = report_commands(report)
+    assert not [line for line in commands if line.startswith("python compute_sensitivity.py") and "-sum " in line]
+    composed = [line for line in commands if line.startswith("python renyi_per_instance_sum_compo.py --res-file models/")]
+    assert len(composed) == 3 and all("tracked_norms.csv" in line for line in composed)
+    assert sum("--steps 0,1,2,4,8,16,24,32 " in line for line in composed) == 1
     assert "sum rule's accounting in a trained run" in findings[15] and len(findings) == 16
     assert not (tmp_path / "out" / ONE_RUN_FIGURE).exists() and f"({ONE_RUN_FIGURE})" not in report
     assert "figure 10" not in report and "figure 10" not in result.stdout

@@ -6,6 +6,7 @@ import sys
 import time
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from conftest import ROOT, assert_usage_error, snapshot
 from opacus.accountants import RDPAccountant
 
 from perinstance.cli import options
-from perinstance.files import checkpoints
+from perinstance.files import checkpoints, storage, tracked_rows
 from perinstance.train import run_plan, runs, sampling, training
 from perinstance.train.data import load_dataset
 
@@ -195,7 +196,8 @@ def final_weights(run_dir):
 
 
 def test_resume_after_kill_is_bitwise_identical(tmp_path):
-    flags = [*SYNTHETIC, "--epochs", "30", "--save-freq", "40", "--momentum", "0.5"]
+    # With every point tracked: the values at every step resume too (tests/test_tracking.py for the rest).
+    flags = [*SYNTHETIC, "--epochs", "30", "--save-freq", "40", "--momentum", "0.5", "--track-points", "all"]
     whole = subprocess.run([sys.executable, os.path.join(ROOT, "train_dpsgd.py"), *flags, "--models-dir", "a"],
                            cwd=tmp_path, capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr
@@ -217,6 +219,8 @@ def test_resume_after_kill_is_bitwise_identical(tmp_path):
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
+    tracked = [storage.read_frame(tracked_rows.table_path(str(tmp_path / folder / run_name))) for folder in ("a", "b")]
+    pd.testing.assert_frame_equal(*tracked)
 
 
 def test_rerun_of_finished_run_trains_nothing(tmp_path, run):
@@ -238,9 +242,9 @@ def test_track_points_records_every_step(tmp_path, run):
     args = parse(*SYNTHETIC, "--epochs", "1", "--cn", "1e-6", "--track-points", "0-4", "--models-dir", tmp_path)
     outcome = training.train(args, quiet=True)
     metadata = outcome.run
-    import pandas as pd
     frame = pd.read_csv(os.path.join(outcome.run_dir, "tracked_norms.csv"))
-    assert sorted(frame["step"].unique()) == list(range(metadata.total_steps))
+    # θ_0 .. θ_{T−1}, which the T steps start from, and the final θ_T.
+    assert sorted(frame["step"].unique()) == list(range(metadata.total_steps + 1))
     assert sorted(frame["point"].unique()) == [0, 1, 2, 3, 4]
     # The Γ cap holds exactly (the sensitivity engine's cap, clipping.transformed_norm), no tolerance.
     assert (frame["value"] <= metadata.clip_bound).all() and (frame["value"] > 0).all()

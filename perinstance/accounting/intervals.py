@@ -110,6 +110,24 @@ def median_interval(values: np.ndarray, *, resamples: int = RESAMPLES, seed: int
     return _percentile_interval(np.median(points), replicates, len(points), confidence)
 
 
+def share_interval(holds: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
+                   confidence: float = CONFIDENCE) -> Interval:
+    """§10: the share of the points where `holds` (booleans) is true, with its percentile-bootstrap interval."""
+    points = _as_points(np.asarray(holds, dtype=bool))
+    replicates = bootstrap(_mean, points, paired=False, resamples=resamples, seed=seed)
+    return _percentile_interval(np.mean(points), replicates, len(points), confidence)
+
+
+def maximum_interval(values: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
+                     confidence: float = CONFIDENCE) -> Interval:
+    """§10: the largest of the points with its percentile-bootstrap interval. A resample's maximum is one of the
+    points, never above the largest: the interval says how much the maximum rests on a few points, not where the
+    maximum of a larger population lies."""
+    points = _as_points(values)
+    replicates = bootstrap(lambda rows: np.max(rows, axis=-1), points, paired=False, resamples=resamples, seed=seed)
+    return _percentile_interval(np.max(points), replicates, len(points), confidence)
+
+
 def median_ratio_interval(numerator: np.ndarray, denominator: np.ndarray, *, resamples: int = RESAMPLES,
                           seed: int = 0, confidence: float = CONFIDENCE) -> Interval:
     """§10: median(numerator)/median(denominator) of two independent groups, each resampled on its own;

@@ -234,6 +234,26 @@ def compose_rdp(table: RdpTable, sensitivity_ratio: ArrayLike, checkpoint_steps:
     return total / (orders - 1.0)
 
 
+def running_composition(table: RdpTable, sensitivity_ratio: ArrayLike, checkpoint_steps: ArrayLike, total_steps: int,
+                        orders: ArrayLike) -> np.ndarray:
+    """§4 with b = ∞ after every step: (T, P, O) whose row h − 1 bounds D_λ of the first h steps,
+    Σ_{t≤h} max_r ρ_{r,t}(λ) (compose_rdp's value for total_steps = h), from one running sum over the steps.
+
+    table: RdpTable whose orders include `orders`; sensitivity_ratio: (R, C, P) as for compose_rdp. Holds T·P·O
+    values: for curves over training of a few points."""
+    check_orders(orders)
+    orders = np.asarray(orders, dtype=float)
+    columns = np.searchsorted(table.orders, orders)
+    if np.any(columns >= len(table.orders)) or np.any(table.orders[np.minimum(columns, len(table.orders) - 1)] != orders):
+        raise ValueError("the table's orders must include every order composed")
+    ratio = np.asarray(sensitivity_ratio, dtype=float)
+    per_step = np.empty((total_steps, ratio.shape[2], len(orders)))
+    for first, last, checkpoint in step_segments(checkpoint_steps, total_steps):
+        level = len(table.levels) - 1 if checkpoint is None else table.level_index(ratio[:, checkpoint]).max(axis=0)
+        per_step[first - 1:last] = table.log_moment[level][..., columns]
+    return np.cumsum(per_step, axis=0) / (orders - 1.0)
+
+
 def rdp_to_eps(orders: ArrayLike, rdp: ArrayLike, delta: float) -> tuple[np.ndarray, np.ndarray]:
     """RDP curve(s) → (ε, δ) with Opacus's get_privacy_spent (§4); rdp: (..., O).
 

@@ -19,7 +19,14 @@ from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import mean_rule
-from perinstance.analysis.reading import Loaded, check_unique, checkpoint_sensitivity_ratio, parse_holder, run_key
+from perinstance.analysis.reading import (
+    Loaded,
+    check_unique,
+    checkpoint_sensitivity_ratio,
+    every_step,
+    parse_holder,
+    run_key,
+)
 from perinstance.console import warn
 from perinstance.errors import UsageError
 
@@ -30,6 +37,30 @@ LARGEST_ORDER = 1e6
 COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_min", "reduction", "eps_remove",
            "eps_add", "accountant", "discretization"]
 RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", discretization=math.nan)
+
+# What renyi_per_instance_sum_compo.py's kinds and summary lines say an `estimate` is, by what the composition holds
+# between checkpoints (§4) and whether its per-step values are Monte Carlo (§3.5).
+HELD_NOTES = {"sum": "Δ* held between checkpoints, not a bound",
+              Kind.CERTIFIED: "certified per step, held between checkpoints; not a bound",
+              Kind.ESTIMATE: "Monte Carlo per step, held between checkpoints; not a bound"}
+
+
+def charged(every: bool, checkpoints: int, values: str = "Δ*") -> str:
+    """How a composition charges its steps (§4), as its description says it."""
+    if every:
+        return f"{values} at every step (a bound along the observed run)"
+    return f"{values} at {checkpoints} checkpoints, held between them (an estimate, not a bound; accounting.md §4)"
+
+
+def composed_kind(kind: Kind, every: bool) -> Kind:
+    """§4: a certified per-step value composed over checkpoints only is an estimate."""
+    return Kind.CERTIFIED if kind == Kind.CERTIFIED and every else Kind.ESTIMATE
+
+
+def kind_notes(kind: Kind, every: bool, rule: str) -> dict:
+    """What the printed lines say about the composed kind where report.KIND_LABEL does not say it (§3.5, §4)."""
+    return {} if every else {Kind.ESTIMATE: HELD_NOTES["sum" if rule == "sum" else kind]}
+
 
 # The sum rule's Δ*/Γ is rounded up to multiples of this before the RDP lookup (--rounding's default): an
 # upper bound, ~1% above the exact Δ* at most, and a table of at most ~100 levels.
@@ -59,10 +90,14 @@ def sum_rule_rdp(sensitivity_ratio: np.ndarray, steps: ArrayLike, sample_rate: f
                  orders: ArrayLike, holder_b: float, rounding: float, horizons: list[int]) -> list[np.ndarray]:
     """§4 for the sum rule before the conversion to ε: the composed RDP, (P, orders), after each of `horizons`
     steps, of the (R, C, P) `sensitivity_ratio` at checkpoint `steps` (compose_sum_rule's arguments). Sums over
-    mechanisms of different (q, σ) add these before one conversion (perinstance.IndividualAccountant)."""
+    mechanisms of different (q, σ) add these before one conversion (perinstance.IndividualAccountant). With b = ∞
+    and several horizons (the curves of figure 4), every horizon comes from one running sum over the steps."""
     levels = rdp_composition.sensitivity_levels(rounding, sensitivity_ratio)
     table = rdp_composition.RdpTable(sample_rate, noise_multiplier,
                                      rdp_composition.composition_orders(orders, max(horizons), holder_b), levels)
+    if np.isinf(holder_b) and len(horizons) > 1:
+        running = rdp_composition.running_composition(table, sensitivity_ratio, steps, max(horizons), orders)
+        return [running[horizon - 1] for horizon in horizons]
     return [rdp_composition.compose_rdp(table, sensitivity_ratio, steps, horizon, orders, holder_b)
             for horizon in horizons]
 
@@ -97,16 +132,18 @@ def warn_edge(best_order: ArrayLike, orders: ArrayLike) -> None:
 
 
 def sum_rule(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: float | None = None,
-             rounding: float = SUM_RULE_ROUNDING) -> tuple[pd.DataFrame, str]:
-    """renyi_per_instance_sum_compo.py's sum rule: (rows, description). The per-step Rényi DP of the
-    grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with
-    the Hölder bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline."""
+             rounding: float = SUM_RULE_ROUNDING) -> tuple[pd.DataFrame, str, dict]:
+    """renyi_per_instance_sum_compo.py's sum rule: (rows, description, kind notes). The per-step Rényi DP of
+    the grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with the Hölder
+    bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline; `certified` when the rows
+    hold Δ* at every step, else `estimate` (§4)."""
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
     holder_b = holder_exponent(holder_b or "3T", orders, mechanism.total_steps)
     sensitivity_ratio, steps, points = checkpoint_sensitivity_ratio(loaded)
-    eps, best_order = (values[0] for values in compose_sum_rule(sensitivity_ratio, steps, mechanism, orders=orders,
-                                                                delta=delta, holder_b=holder_b, rounding=rounding))
+    every = every_step(loaded)
+    eps, best_order = (values[0] for values in compose_sum_rule(sensitivity_ratio, steps, mechanism, orders=orders, delta=delta,
+                                                                holder_b=holder_b, rounding=rounding))
     baseline_eps, baseline_order = mechanism.baseline_eps(delta, orders=orders)
     runs = sensitivity_ratio.shape[0]
     if runs == 1 and np.isfinite(holder_b):
@@ -115,13 +152,14 @@ def sum_rule(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: float
     warn_edge(best_order, orders)
     common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum",
                   **RDP_COLUMNS)
-    return pd.concat([pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, "eps": eps, "alpha": best_order,
-                                    **common}),
+    return pd.concat([pd.DataFrame({"point": points, "kind": composed_kind(Kind.CERTIFIED, every).value, "eps": eps,
+                                    "alpha": best_order, **common}),
                       pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
                                     "alpha": float(baseline_order), **common})], ignore_index=True), (
         f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
-        f"{runs} run(s), {len(steps)} checkpoints, sigma={mechanism.noise_multiplier:g}, "
-        f"q={mechanism.sample_rate:.4g}, Hölder b={holder_b:g}, Δ rounded up to {rounding:g}·Γ, delta={delta:g}")
+        f"{runs} run(s), {charged(every, len(steps))}, sigma={mechanism.noise_multiplier:g}, "
+        f"q={mechanism.sample_rate:.4g}, Hölder b={holder_b:g}, Δ rounded up to {rounding:g}·Γ, delta={delta:g}"), \
+        kind_notes(Kind.CERTIFIED, every, "sum")
 
 
 def _mean_rule_sizes(loaded, delta, kind, failure):
@@ -141,10 +179,11 @@ def _mean_rule_sizes(loaded, delta, kind, failure):
 
 
 def mean_rule_composed(loaded: Loaded, *, delta: float, orders: ArrayLike, kind: Kind = Kind.CERTIFIED,
-                       holder_b: float | None = None, failure: float | None = None) -> tuple[pd.DataFrame, str]:
-    """renyi_per_instance_sum_compo.py's mean rule: (rows, description). The per-step ρ of `kind`
+                       holder_b: float | None = None, failure: float | None = None) -> tuple[pd.DataFrame, str, dict]:
+    """renyi_per_instance_sum_compo.py's mean rule: (rows, description, kind notes). The per-step ρ of `kind`
     (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
-    (§3.4), next to the mean rule's own composed baseline."""
+    (§3.4), next to the mean rule's own composed baseline; certified per-step values held between
+    checkpoints compose to an `estimate` (§4)."""
     mechanism = loaded.mechanism
     total_steps = mechanism.total_steps
     if holder_exponent(holder_b or "inf", orders, total_steps) != math.inf:
@@ -152,6 +191,7 @@ def mean_rule_composed(loaded: Loaded, *, delta: float, orders: ArrayLike, kind:
     sizes, fail = _mean_rule_sizes(loaded, delta, kind, failure)
     budget = delta - total_steps * fail
     checkpoints, points, checkpoint_rdp, baseline_step = mean_rule.checkpoint_rdp(loaded, orders, kind, sizes)
+    every = every_step(loaded)
     total = compose_mean_rule(checkpoint_rdp, checkpoints, baseline_step, total_steps)
     if checkpoints[0] > 0:
         warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
@@ -162,13 +202,14 @@ def mean_rule_composed(loaded: Loaded, *, delta: float, orders: ArrayLike, kind:
     warn_edge(best_order, orders)
     common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean", **RDP_COLUMNS)
     return pd.concat([
-        pd.DataFrame({"point": points, "kind": Kind(kind).value, "eps": eps, "alpha": best_order, "delta_fail": fail,
-                      **common}),
+        pd.DataFrame({"point": points, "kind": composed_kind(kind, every).value, "eps": eps, "alpha": best_order,
+                      "delta_fail": fail, **common}),
         pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, "eps": float(baseline_eps),
                       "alpha": float(baseline_order), "delta_fail": baseline_fail, **common})], ignore_index=True), (
         f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
-        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
-        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = {budget:.4g}")
+        f"{charged(every, len(checkpoints), 'per-step values')}, sigma={mechanism.noise_multiplier:g}, "
+        f"q={mechanism.sample_rate:.4g}, k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at "
+        f"delta - T·delta_fail = {budget:.4g}"), kind_notes(kind, every, "mean")
 
 
 # --- the same compositions by privacy loss distributions (§8) --------------------------------------
@@ -188,35 +229,39 @@ def _check_pld_holder(holder_b):
 
 
 def sum_rule_pld(loaded: Loaded, *, delta: float, holder_b: float | None = None, rounding: float = SUM_RULE_ROUNDING,
-                 interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str]:
-    """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description). Every point's composition
-    along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf)."""
+                 interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str, dict]:
+    """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description, kind notes). Every point's
+    composition along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf);
+    `certified` when the rows hold Δ* at every step, else `estimate` (§4)."""
     _check_pld_holder(holder_b)
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
     sensitivity_ratio, steps, points = checkpoint_sensitivity_ratio(loaded)
+    every = every_step(loaded)
     common = dict(sample_rate=mechanism.sample_rate, noise_multiplier=mechanism.noise_multiplier, delta=delta,
                   rounding=rounding, interval=interval)
     eps = pld.sum_rule_eps(sensitivity_ratio.max(axis=0).T, steps, mechanism.total_steps, **common)
     baseline = pld.sum_rule_eps(np.ones((1, len(steps))), steps, mechanism.total_steps, **common)
     common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
     return pd.concat([
-        pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, **_pld_columns(eps, interval), **common}),
+        pd.DataFrame({"point": points, "kind": composed_kind(Kind.CERTIFIED, every).value, **_pld_columns(eps, interval),
+                      **common}),
         pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval), **common})],
         ignore_index=True), (
         f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
-        f"{sensitivity_ratio.shape[0]} run(s) (the largest Δ* per step), {len(steps)} checkpoints, "
+        f"{sensitivity_ratio.shape[0]} run(s) (the largest Δ* per step), {charged(every, len(steps))}, "
         f"sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, Δ rounded up to {rounding:g}·Γ, "
         f"delta={delta:g}; composed by PLD (dp_accounting, pessimistic, discretisation {interval:g}), "
-        "eps = max(remove, add)")
+        "eps = max(remove, add)"), kind_notes(Kind.CERTIFIED, every, "sum")
 
 
 def mean_rule_pld(loaded: Loaded, *, delta: float, kind: Kind = Kind.CERTIFIED, holder_b: float | None = None,
                   failure: float | None = None,
-                  interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str]:
-    """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description). Every point's
+                  interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str, dict]:
+    """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description, kind notes). Every point's
     composition of the per-step revealed-size mixture of `kind` (certified or estimate), next to the
-    baseline's, converted at δ − T·delta_fail."""
+    baseline's, converted at δ − T·delta_fail; certified per-step values held between checkpoints compose to
+    an `estimate` (§4)."""
     _check_pld_holder(holder_b)
     mechanism = loaded.mechanism
     total_steps = mechanism.total_steps
@@ -235,6 +280,7 @@ def mean_rule_pld(loaded: Loaded, *, delta: float, kind: Kind = Kind.CERTIFIED, 
         log_mass = float(logsumexp(sample_weights))
     points = index.get_level_values("point").unique().to_numpy()
     checkpoints = index.get_level_values("step").unique().sort_values().to_numpy()
+    every = every_step(loaded)
     if len(index) != len(points) * len(checkpoints):
         raise UsageError(loaded.flag, f"{loaded.path}: every point needs a value at every checkpoint (steps "
                          f"{', '.join(map(str, checkpoints))})")
@@ -254,15 +300,15 @@ def mean_rule_pld(loaded: Loaded, *, delta: float, kind: Kind = Kind.CERTIFIED, 
         warn(f"no checkpoint at step 0: steps 1..{checkpoints[0]} use the mean rule's baseline (§4)")
     common = dict(delta=delta, steps=total_steps, k_min=sizes.k_min, reduction="mean")
     return pd.concat([
-        pd.DataFrame({"point": points, "kind": Kind(kind).value, **_pld_columns(eps, interval), "delta_fail": fail,
-                      **common}),
+        pd.DataFrame({"point": points, "kind": composed_kind(kind, every).value, **_pld_columns(eps, interval),
+                      "delta_fail": fail, **common}),
         pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **_pld_columns(baseline, interval),
                       "delta_fail": baseline_fail, **common})], ignore_index=True), (
         f"per-instance (eps, delta) of {len(points)} points over T={total_steps} steps, mean rule ({kind}), "
-        f"{len(checkpoints)} checkpoints, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, "
-        f"k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at delta - T·delta_fail = "
-        f"{delta - total_steps * fail:.4g}; composed by PLD (dp_accounting, pessimistic, discretisation "
-        f"{interval:g}), eps = max(remove, add)")
+        f"{charged(every, len(checkpoints), 'per-step values')}, sigma={mechanism.noise_multiplier:g}, "
+        f"q={mechanism.sample_rate:.4g}, k_min={sizes.k_min}, delta_fail={fail:.3g} per step, converted at "
+        f"delta - T·delta_fail = {delta - total_steps * fail:.4g}; composed by PLD (dp_accounting, pessimistic, "
+        f"discretisation {interval:g}), eps = max(remove, add)"), kind_notes(kind, every, "mean")
 
 
 def repeated_step_eps(per_step_rdp: ArrayLike, steps: int, orders: ArrayLike, delta: float,

@@ -26,7 +26,7 @@ NUMERIC_COLUMNS = ["step", "point", "value", "total_steps", "sigma", "clip_bound
 @dataclass(frozen=True)
 class Source:
     """Where an accountant reads its rows (--res-name in --res-dir, or --res-file), which rows it
-    keeps (--filter, --points), and the output it was asked for (--out, --overwrite)."""
+    keeps (--filter, --points, --steps), and the output it was asked for (--out, --overwrite)."""
 
     res_name: str | None
     res_file: str | None
@@ -35,6 +35,7 @@ class Source:
     filters: tuple = ()
     points: tuple | None = None
     overwrite: bool = False
+    steps: tuple | None = None
 
     @property
     def path(self) -> tuple[str, str]:
@@ -87,7 +88,9 @@ def load(source: Source, quantities: list[str], one_run: bool, integer_columns: 
     mechanism = _mechanism(rows, path, flag)
     _check_rows(rows, mechanism, path, flag)
     rows = _check_integers(rows, integer_columns or {}, path, flag)
-    rows = _select_points(rows, source.points, mechanism.dataset_size)
+    rows = rows.astype({"step": int, "point": int})
+    rows = _select(rows, source.points, "point", mechanism.dataset_size, "--points")
+    rows = _select(rows, source.steps, "step", mechanism.total_steps + 1, "--steps")
     return Loaded(rows=rows, mechanism=mechanism, path=path, flag=flag)
 
 
@@ -219,18 +222,19 @@ def check_values(loaded: Loaded, bad: ArrayLike, message: str, rows: pd.DataFram
     _first_bad(rows, np.asarray(bad, dtype=bool), loaded.path, loaded.flag, message)
 
 
-def _select_points(rows, specs, dataset_size):
-    rows = rows.astype({"step": int, "point": int})
+def _select(rows, specs, column, universe, flag):
+    """--points or --steps: the rows whose `column` is among `specs` (as --points, over 0..universe−1); requested
+    values without rows are left out with a warning, none with rows is refused."""
     if not specs:
         return rows
-    wanted = parse_points(specs, dataset_size, flag="--points")
-    present = np.isin(wanted, rows["point"].unique())
+    wanted = parse_points(specs, universe, flag=flag)
+    present = np.isin(wanted, rows[column].unique())
     if not present.any():
-        raise UsageError("--points", f"none of the {len(wanted)} points has rows "
-                         f"(the file has points {_distinct(rows['point'])})")
+        raise UsageError(flag, f"none of the {len(wanted)} {column}s has rows "
+                         f"(the file has {column}s {_distinct(rows[column])})")
     if not present.all():
-        warn(f"{(~present).sum()} of the {len(wanted)} requested points have no rows and are left out")
-    return rows[rows["point"].isin(wanted)]
+        warn(f"{(~present).sum()} of the {len(wanted)} requested {column}s have no rows and are left out")
+    return rows[rows[column].isin(wanted)]
 
 
 def checkpoint_sensitivity_ratio(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -253,6 +257,17 @@ def checkpoint_sensitivity_ratio(loaded: Loaded) -> tuple[np.ndarray, np.ndarray
     dense = norms.reindex(pd.MultiIndex.from_product([runs, steps])).to_numpy()
     sensitivity_ratio = dense.reshape(len(runs), len(steps), -1) / loaded.mechanism.clip_bound
     return rdp_composition.carry_forward(sensitivity_ratio), steps, norms.columns.to_numpy()
+
+
+def every_step(loaded: Loaded) -> bool:
+    """§4: whether every run's rows give every point a value at every step 0..T−1 (at θ_0 .. θ_{T−1}, the
+    parameters the T steps start from; a row at step T is allowed and charges no step). Then a composition of
+    the rows is a bound along the observed run; otherwise it holds values between measurements: an estimate."""
+    rows, total = loaded.rows, loaded.mechanism.total_steps
+    pairs = rows.groupby(["run", "seed", "point"], sort=False).ngroups
+    # Steps are integers in 0..T (load checks them): T distinct ones below T are all of 0..T−1.
+    steps = rows.loc[rows["step"] < total].groupby(["run", "seed", "point"], sort=False)["step"].nunique()
+    return len(steps) == pairs and bool((steps == total).all())
 
 
 def run_key(rows: pd.DataFrame) -> pd.Series:

@@ -119,9 +119,13 @@ def write_output(output: Output, frame: pd.DataFrame) -> None:
 # --- the printed table and summary (§3.5) -------------------------------------------------------
 
 def report(output: Output, result: pd.DataFrame, value: str, keys: list[str], groups: list[str],
-           correct: pd.DataFrame | None = None) -> None:
+           correct: pd.DataFrame | None = None, notes: dict | None = None) -> None:
     """Print the guarantee (direction max) with its kinds side by side and a summary, then write
-    `result` (long format: one row per key and kind) to `output` (an Output)."""
+    `result` (long format: one row per key and kind) to `output` (an Output). `notes`: {Kind: words} where a
+    kind means more than KIND_LABEL says (a composition's estimate that holds values between checkpoints),
+    said in the kinds line and the summary line."""
+    notes = notes or {}
+    labels = {kind: f"{kind} ({notes[kind]})" if kind in notes else label for kind, label in KIND_LABEL.items()}
     # The max over directions where there is one; a file that measured one direction shows that one.
     has_max = "direction" in result and (result["direction"] == Direction.MAX).any()
     shown = result[result["direction"] == Direction.MAX] if has_max else result
@@ -133,7 +137,7 @@ def report(output: Output, result: pd.DataFrame, value: str, keys: list[str], gr
     print(wide.head(TABLE_ROWS).to_string(index=False, float_format=lambda number: f"{number:.4g}"))
     if len(wide) > TABLE_ROWS:
         print(f"... {len(wide) - TABLE_ROWS} more rows in {output.path}")
-    print("kinds: " + "; ".join(f"{kind} = {KIND_LABEL[kind]}" for kind in kinds))
+    print("kinds: " + "; ".join(f"{kind} = {labels[kind]}" for kind in kinds))
     if correct is not None:
         correct = wide[keys].merge(correct, on=[key for key in keys if key in correct.columns], how="left")["correct"]
     frame = wide.assign(subset="all")
@@ -142,7 +146,8 @@ def report(output: Output, result: pd.DataFrame, value: str, keys: list[str], gr
         frame = pd.concat([frame, labelled], ignore_index=True)
     summary = frame.groupby(groups + ["subset"], sort=True).apply(_summarise_kinds, kinds, main,
                                                                   include_groups=False).reset_index()
-    print(f"\nsummary of {value} ({main}; medians; '2x below': share of points with {main} <= baseline/2)")
+    named = f"{main}: {notes[main]}" if main in notes else main
+    print(f"\nsummary of {value} ({named}; medians; '2x below': share of points with {main} <= baseline/2)")
     print(summary.to_string(index=False, float_format=lambda number: f"{number:.4g}"))
     write_output(output, result)
     print(f"wrote {output.path}")

@@ -14,6 +14,10 @@ the per-step coupling ρ of §3.2 (certified by default, or the Monte-Carlo esti
 b = inf, converted at δ − T·delta_fail (§3.4), next to the mean rule's own composed baseline.
 --accountant pld composes the same per-step pairs by privacy loss distributions instead (§8, b = inf,
 both directions: eps is the larger of eps_remove and eps_add).
+
+A composition is `certified` (a bound along the observed run) only when the rows give every point a
+value at every step 0..T-1, as train_dpsgd.py --track-points records them; from checkpoints it holds
+each value until the next one and is an `estimate` ("Δ* held between checkpoints", accounting.md §4).
 """
 
 from collections.abc import Sequence
@@ -89,20 +93,20 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
                          "was trained with (per-step analyses may differ)")
     output = report.output_path(request.source, "renyi_per_instance_sum_compo")
     if loaded.mechanism.rule == "sum" and request.accountant == "pld":
-        result, description = composition.sum_rule_pld(loaded, delta=request.delta, holder_b=request.holder_b,
+        result, description, notes = composition.sum_rule_pld(loaded, delta=request.delta, holder_b=request.holder_b,
                                                         rounding=request.rounding, interval=request.pld_interval)
     elif loaded.mechanism.rule == "sum":
-        result, description = composition.sum_rule(loaded, delta=request.delta, orders=request.orders,
+        result, description, notes = composition.sum_rule(loaded, delta=request.delta, orders=request.orders,
                                                     holder_b=request.holder_b, rounding=request.rounding)
     elif request.accountant == "pld":
-        result, description = composition.mean_rule_pld(loaded, delta=request.delta, kind=request.kind,
+        result, description, notes = composition.mean_rule_pld(loaded, delta=request.delta, kind=request.kind,
                                                          holder_b=request.holder_b, failure=request.failure,
                                                          interval=request.pld_interval)
     else:
-        result, description = composition.mean_rule_composed(loaded, delta=request.delta, orders=request.orders,
+        result, description, notes = composition.mean_rule_composed(loaded, delta=request.delta, orders=request.orders,
                                                              kind=request.kind, holder_b=request.holder_b,
                                                              failure=request.failure)
     print(description)
     result = result.sort_values(["point", "kind"], kind="mergesort")[composition.COLUMNS]
-    report.report(output, result, "eps", ["point"], [], report.correct_at_end(loaded.rows))
+    report.report(output, result, "eps", ["point"], [], report.correct_at_end(loaded.rows), notes)
 

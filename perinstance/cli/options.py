@@ -246,7 +246,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     add_device_argument(group)
     group.add_argument("--eval-freq", type=int, default=None, help="test accuracy every this many steps (default: at checkpoints)")
     group.add_argument("--track-points", nargs="*", default=None,
-                       help="record ||h(g)|| of these points (as --points) at every step, for exact composition")
+                       help="record Δ* = ||h(g)||, loss and correctness of these points (as --points; all: every "
+                            "point) at every step and at the end, into models/<run>/tracked_norms.csv (.parquet past "
+                            "100,000 rows): composed, a bound along the run (accounting.md §4)")
     group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
                        help="white-box gradient canaries for the one-run audit: M of them, each in the run with "
                             "probability 1/2 (docs/audit.md)")
@@ -281,6 +283,9 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter", action="append", default=[], metavar="COLUMN=VALUE",
                         help="keep only rows with this value (repeatable), e.g. --filter sigma=1.0")
     parser.add_argument("--points", nargs="+", help="points to keep: indices, ranges 0-99, all, random:N")
+    parser.add_argument("--steps", nargs="+", metavar="STEP",
+                        help="keep only rows at these steps (as --points: 0 16 32, ranges 0-99), e.g. a run's "
+                             "checkpoints out of norms recorded at every step")
     add_overwrite_argument(parser, "an existing --out even if it is not this script's earlier output for this input")
 
 
@@ -313,4 +318,4 @@ def source_of(flags: Mapping) -> Source:
     """The accountant's Source from the parsed flags of add_input_arguments (a mapping of destination to value)."""
     return Source(res_name=flags["res_name"], res_file=flags["res_file"], res_dir=flags["res_dir"], out=flags["out"],
                   filters=tuple(flags["filter"]), points=None if flags["points"] is None else tuple(flags["points"]),
-                  overwrite=bool(flags["overwrite"]))
+                  overwrite=bool(flags["overwrite"]), steps=None if flags["steps"] is None else tuple(flags["steps"]))

@@ -93,15 +93,16 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     commands = Commands(script_mains())
     started = time.time()
 
-    # 1-3. The main run (sum rule, with the one-run audit's canaries), Δ* of every point at every checkpoint, and
-    # the accountants on it.
-    main_name, run_dir, run, sensitivities = main_run.train_and_measure(commands, config, preset, name, device)
-    accounted = main_run.account_main_run(commands, config, main_name, run_dir, run.total_steps)
+    # 1-3. The main run (sum rule, with the one-run audit's canaries and Δ* of its tracked points at every step), Δ*
+    # of every point at every checkpoint, and the accountants on it.
+    main = main_run.train_and_measure(commands, config, preset, name, device)
+    main_name, run = main.name, main.run
+    accounted = main_run.account_main_run(commands, config, main)
 
     # 4. The mean update rule at several sampling rates, in two controlled designs (figure 3).
     mean_name = f"{name}{variant_tag(config, preset, MAIN_RUN_FIELDS + MEAN_RULE_FIELDS)}-mean"
     mean_results = {"fixed": sampling_rates.fixed_checkpoint_design(commands, config, main_name, mean_name, run,
-                                                                    sensitivities, device),
+                                                                    main.sensitivities, device),
                     "matched": sampling_rates.matched_steps_design(commands, config, mean_name, run, device)}
 
     # 5. The bounds held against attacks: the per-instance audits, the realised-size mean rule's gap to the sum
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
 
     # 7. Figures and report.
     with commands.timed("figures 1-6 and their numbers"):
-        findings = figures.draw_figures(out_dir, config, run, run_dir, sensitivities, *accounted, mean_results, device)
+        findings = figures.draw_figures(out_dir, config, main, accounted, mean_results, device)
     findings.update(attack_findings)
     findings["headlines"] = report.finding_lines(config, findings)
     written = report.write_report(out_dir, preset, config, argv, commands, run, findings, time.time() - started)

@@ -4,11 +4,16 @@
     python train_dpsgd.py --sigma 1.0 --reduction mean --batch-size 512
     python train_dpsgd.py --seeds 0-15         # 16 runs, one folder each (composition over runs, §4)
     torchrun --nproc-per-node 4 train_dpsgd.py --seeds 0-15 --device auto   # the 16 runs over 4 processes
+    torchrun --nproc-per-node 4 train_dpsgd.py --track-points all   # one run, its tracked points over 4 processes
 
 The mechanism is accounting.md §1: Poisson sampling with q = batch_size/N, per-sample
 transform h (flat clipping, psac or psasc) bounded by Γ, Gaussian noise of std σΓ,
 sum or mean update rule. Rerunning the same command resumes an interrupted run (every run
-of --seeds / --less-points resumes on its own).
+of --seeds / --less-points resumes on its own). --track-points records Δ* = ||h(g)||, the loss and
+the correctness of those points at the parameters every step starts from, and at the final ones
+(models/<run>/tracked_norms.csv, .parquet past 100,000 rows): composed, a bound along the run
+(accounting.md §4). Under torchrun with fewer runs than processes, every process follows each
+run in lockstep and measures its share of the tracked points.
 """
 
 import dataclasses
@@ -45,6 +50,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     distributed.make_deterministic(args.device)
 
     started = time.time()
+    if in_lockstep(world, planned):
+        with distributed.process_group(world, args.device):
+            for run_args in planned:
+                outcome = training.train(run_args, quiet=world.rank > 0, world=world)
+                print(summary(outcome) if world.rank == 0 else
+                      f"{world.label}: {outcome.run.run}: measured {len(world.share(outcome.run.tracked_points))} of "
+                      f"{len(outcome.run.tracked_points)} tracked points at every step in {outcome.tracking_seconds:.1f}s "
+                      "(rank 0 trains and writes)", flush=True)
+        print(f"{world.label}: {len(planned)} run(s) in lockstep, the tracked points shared over {world.size} "
+              f"processes; {time.time() - started:.1f}s", flush=True)
+        return
     mine = world.share(planned)
     trained = 0
     for run_args in mine:
@@ -56,6 +72,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
         more = f" and {len(mine) - RUNS_NAMED} more" if len(mine) > RUNS_NAMED else ""
         print(f"{world.label}: {len(mine)} of {len(planned)} runs ({names or 'none'}{more}): {trained} trained, "
               f"{len(mine) - trained} already trained; {time.time() - started:.1f}s", flush=True)
+
+
+def in_lockstep(world: distributed.World, planned: Sequence[run_plan.TrainingFlags]) -> bool:
+    """Whether every process goes through every run together, each measuring its share of the tracked points: under
+    torchrun with fewer runs than processes (with as many, each process trains its own runs whole)."""
+    return world.size > 1 and len(planned) < world.size and planned[0].track_points is not None
 
 
 def run_list(seeds: Sequence[str] | None, less_points: Sequence[str] | None,
@@ -89,6 +111,12 @@ def summary(outcome: training.Outcome) -> str:
                + (f" (target eps={run.target_eps:g})" if run.target_eps else ""))
     status = f"trained steps {outcome.resumed_from + 1}-{run.total_steps} in {outcome.train_seconds:.1f}s" \
         if outcome.trained else "already trained"
+    tracked = ""
+    if run.tracked_points is not None and outcome.trained:
+        # What the every-step norms cost against the steps themselves (benchmarks/bench_tracking.py measures it).
+        tracked = (f"; tracked {len(run.tracked_points)} points at every step in {outcome.tracking_seconds:.1f}s, "
+                   f"{outcome.tracking_seconds / max(outcome.steps_seconds, 1e-9):.2f}× the "
+                   f"{outcome.steps_seconds:.1f}s of the training steps")
     return (f"{run.run}: {status}; {privacy}; test accuracy {outcome.final_test_accuracy:.4f}; "
-            f"{len(steps)} checkpoints in {outcome.run_dir}")
+            f"{len(steps)} checkpoints in {outcome.run_dir}{tracked}")
 

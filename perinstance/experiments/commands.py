@@ -93,6 +93,7 @@ class Commands:
     def account(self, script: str, argv: list[str], out: str, source: str) -> pd.DataFrame:
         """Run an accountant on `source` into `out` unless `out` holds this very command's output; its rows."""
         argv = [*argv, "--out", out]
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)  # a reproduction writes its outputs under res/
         key = command_key(script, self.mains[script], argv, [source])
         cached = is_cached(out, key)
         self.lines.append((f"python {script} {shlex.join(argv)}", cached))
@@ -119,10 +120,12 @@ def step_label(script: str, argv: list[str]) -> str:
     """A short name of a command for the timing table: the script and its main arguments."""
     words = [script]
     for flag in ("--run", "--save-name", "--res-name", "--res-file", "--reduction", "--points", "--stage",
-                 "--num-batches", "--rule", "--kind", "--accountant"):
+                 "--num-batches", "--rule", "--kind", "--accountant", "--steps"):
         if flag in argv:
             value = argv[argv.index(flag) + 1]
-            words.append(f"{flag.lstrip('-')}={os.path.basename(value)}")
+            # A list of steps is long: its count says which command it is.
+            shown = f"{len(value.split(','))} of them" if flag == "--steps" else os.path.basename(value)
+            words.append(f"{flag.lstrip('-')}={shown}")
     return " ".join(words)
 
 

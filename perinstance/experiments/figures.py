@@ -12,7 +12,7 @@ from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import composition
 from perinstance.experiments.commands import FIGURES
 from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
-from perinstance.experiments.main_run import COMPOSITION_HOLDER_B
+from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, Accounted, MainRun
 from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED, design_verdicts
 from perinstance.files import checkpoints
 from perinstance.plots import plots, sampling_rate_plots
@@ -20,23 +20,27 @@ from perinstance.train import training
 from perinstance.train.data import load_dataset
 from perinstance.train.runs import RunConfig
 
+# What the headline composition is (findings 7 and 8, figure 5), by whether every point was tracked (§4).
+HEADLINE_LABEL = {True: "bound: Δ* at every step", False: "estimate: Δ* held between checkpoints"}
+ESTIMATE_LABEL = "RDP, Δ* held between checkpoints (estimate)"
+
 
 def final_rows(frame: pd.DataFrame, step: int) -> pd.DataFrame:
     return frame[frame["step"] == step]
 
 
-def draw_figures(out_dir: str, config: ReproduceConfig, main_run: RunConfig, run_dir: str, sensitivities: pd.DataFrame,
-                 per_step: pd.DataFrame, composed: pd.DataFrame, composed_pld: pd.DataFrame, tracked: pd.DataFrame,
-                 mean_results: dict, device: str) -> dict:
-    final_step = max(checkpoints.saved_steps(run_dir))
-    at_end = final_rows(sensitivities, final_step).set_index("point")
+def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted: Accounted, mean_results: dict,
+                 device: str) -> dict:
+    run = main.run
+    final_step = max(checkpoints.saved_steps(main.run_dir))
+    at_end = final_rows(main.sensitivities, final_step).set_index("point")
     findings = {}
 
     def path(name):
         return os.path.join(out_dir, name)
 
     # Figure 1: per-step ε of every point at the final checkpoint.
-    step_eps = final_rows(per_step, final_step).set_index("point")
+    step_eps = final_rows(accounted.per_step, final_step).set_index("point")
     baseline_step = float(step_eps["baseline_eps"].iloc[0])
     findings["histogram"] = plots.plot_per_step_histogram(
         step_eps["eps"].to_numpy(), baseline_step, path(FIGURES[0]),
@@ -50,37 +54,46 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main_run: RunConfig, run
     # Figure 3: mean rule at several sampling rates.
     findings["rates"] = draw_mean_rule(mean_results, config, path(FIGURES[2]))
 
-    # Figure 4: composed ε over training for an easy, a hard and a misclassified point.
-    composed = composed.set_index("point")
-    chosen = pick_points(composed["eps"], at_end.loc[composed.index, "correct"].astype(bool))
-    curves, baseline_curve, checkpoint_steps = composition_curves(main_run, sensitivities, chosen, config.delta)
-    findings["curves"] = plots.plot_composed_over_training(curves, baseline_curve, path(FIGURES[3]), config.delta,
-                                                           checkpoint_steps)
+    # Figure 4: composed ε over training of an easy, a hard and a misclassified tracked point: the bound from Δ* at
+    # every step, and the estimate that holds Δ* between checkpoints.
+    bound = accounted.bound.set_index("point")
+    chosen = pick_points(bound["eps"], accounted.estimate.set_index("point")["eps"],
+                         at_end.loc[bound.index, "correct"].astype(bool))
+    findings["curves"] = plots.plot_composed_over_training(
+        composition_curves(run, main.tracked, chosen, config.delta), baseline_curve(run, config.delta),
+        path(FIGURES[3]), config.delta, main.checkpoint_steps,
+        estimates=composition_curves(run, main.sensitivities, chosen, config.delta))
 
-    # Figure 5: individual accounting of every point vs its final loss; classes.
-    model, payload = training.load_model(main_run, run_dir, final_step, device)
+    # Figure 5: individual accounting of every point vs its final loss; classes; the accountants.
+    model, payload = training.load_model(run, main.run_dir, final_step, device)
     findings["test_accuracy"] = payload["test_accuracy"]
-    dataset = load_dataset(main_run.dataset, DATA_ROOT, main_run.less_point)
+    dataset = load_dataset(run.dataset, DATA_ROOT, run.less_point)
     class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
-    composed_pld = composed_pld.set_index("point").loc[composed.index]
-    by_accountant = {"RDP": (composed["eps"].to_numpy(), float(composed["baseline_eps"].iloc[0])),
-                     "PLD": (composed_pld["eps"].to_numpy(), float(composed_pld["baseline_eps"].iloc[0]))}
+    composed = accounted.composed.set_index("point")
+    composed_pld = accounted.composed_pld.set_index("point").loc[composed.index]
+    worst = float(composed["baseline_eps"].iloc[0])
+    other, other_label = (accounted.estimate, ESTIMATE_LABEL) if main.every_point else \
+        (accounted.bound, f"RDP, Δ* at every step (bound, {len(bound)} tracked points)")
+    by_accountant = {"RDP": (composed["eps"].to_numpy(), worst),
+                     "PLD": (composed_pld["eps"].to_numpy(), float(composed_pld["baseline_eps"].iloc[0])),
+                     other_label: (other["eps"].to_numpy(), worst)}
     findings["individual"] = plots.plot_individual_accounting(
         composed["eps"].to_numpy(), at_end.loc[composed.index, "loss"].to_numpy(),
-        at_end.loc[composed.index, "label"].to_numpy(), dataset.class_names, class_accuracy,
-        float(composed["baseline_eps"].iloc[0]), path(FIGURES[4]), by_accountant)
+        at_end.loc[composed.index, "label"].to_numpy(), dataset.class_names, class_accuracy, worst, path(FIGURES[4]),
+        by_accountant, eps_label=f"per-instance composed ε ({HEADLINE_LABEL[main.every_point]})")
     findings["individual"]["lowest_class"] = int(np.argmin(class_accuracy))
     findings["individual"]["highest_class"] = int(np.argmax(class_accuracy))
 
-    # Figure 6: ε from norms at checkpoints only vs from norms at every step.
-    exact = tracked.set_index("point")["eps"]
-    findings["estimate"] = plots.plot_estimate_accuracy(
-        composed.loc[exact.index, "eps"].to_numpy(), exact.to_numpy(), path(FIGURES[5]),
-        float(composed["baseline_eps"].iloc[0]))
-    findings["estimate"]["points"] = len(exact)
+    # Figure 6: the checkpoint estimate against the bound, on the points both cover.
+    estimate = accounted.estimate.set_index("point")["eps"]
+    points = bound.index.intersection(estimate.index)
+    findings["estimate"] = plots.plot_estimate_accuracy(estimate.loc[points].to_numpy(),
+                                                        bound.loc[points, "eps"].to_numpy(), path(FIGURES[5]), worst)
+    findings["estimate"].update(points=len(points), checkpoints=len(main.checkpoint_steps))
     findings["composed_median"] = findings["individual"]["accountants"]["RDP"]["median_interval"]  # one bootstrap
-    findings["composed_baseline"] = float(composed["baseline_eps"].iloc[0])
-    findings["total_steps"] = main_run.total_steps
+    findings["composed_baseline"] = worst
+    findings["composed_bound"] = main.every_point
+    findings["total_steps"] = run.total_steps
     return findings
 
 
@@ -108,36 +121,47 @@ def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> di
             for design, values in drawn.items()}
 
 
-def pick_points(eps: pd.Series, correct: pd.Series) -> dict[str, int]:
-    """An easy (lowest ε), a hard (highest ε) correctly classified point, and a misclassified one."""
+def pick_points(bound: pd.Series, estimate: pd.Series, correct: pd.Series) -> dict[str, int]:
+    """Points of figure 4 by their composed ε (`bound`, indexed by point; `estimate`, the same points' checkpoint
+    estimate where they have one): the correctly classified point of lowest ε and one at their median, the point
+    whose estimate falls furthest below its bound (where one does), and a misclassified point at their median."""
     chosen = {}
-    right = eps[correct.to_numpy()]
+    right = bound[correct.to_numpy()]
     if len(right):
         chosen[f"easy (point {right.idxmin()})"] = int(right.idxmin())
-        chosen[f"hard (point {right.idxmax()})"] = int(right.idxmax())
-    wrong = eps[~correct.to_numpy()]
+        point = int((right - right.median()).abs().idxmin())
+        chosen[f"median (point {point})"] = point
+    shortfall = ((bound - estimate.reindex(bound.index)) / bound).dropna()
+    if len(shortfall) and shortfall.max() > 0:
+        point = int(shortfall.idxmax())
+        chosen[f"estimate furthest below its bound (point {point})"] = point
+    wrong = bound[~correct.to_numpy()]
     if len(wrong):
         point = int((wrong - wrong.median()).abs().idxmin())
         chosen[f"misclassified (point {point})"] = point
     return chosen
 
 
-def composition_curves(run: RunConfig, sensitivities: pd.DataFrame, chosen: dict[str, int],
-                       delta: float) -> tuple[dict, tuple[np.ndarray, np.ndarray], np.ndarray]:
-    """Composed ε after every step t = 0..T (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞) for the chosen
-    points, by the accountant's own composition (composition.compose_sum_rule, its default rounding), and
-    the worst case; also the checkpoint steps whose Δ* charge the steps after them."""
-    rows = sensitivities[sensitivities["point"].isin(list(chosen.values()))]
+def composition_curves(run: RunConfig, rows: pd.DataFrame, chosen: dict[str, int], delta: float) -> dict:
+    """Composed ε after every step t = 0..T (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞) of the chosen points, by
+    the accountant's own composition (composition.compose_sum_rule, its default rounding) of their Δ* in `rows`: at
+    every step (a bound) or at the checkpoints, held between them (an estimate)."""
+    rows = rows[rows["point"].isin(list(chosen.values()))]
     table_of = rows.pivot_table(index="step", columns="point", values="value", aggfunc="first")
-    steps = table_of.index.to_numpy()
     ratio = (table_of[list(chosen.values())].to_numpy() / run.clip_bound)[None]
-    mechanism = Mechanism.of_run(run, "sum")
     # Every horizon from step 0 (no privacy spent) to T: the early steps, where every point is often still
     # clipped at Γ, are where the curves rise fastest.
     horizon = np.arange(run.total_steps + 1)
-    eps, _ = composition.compose_sum_rule(ratio, steps, mechanism, orders=rdp_composition.COMPOSITION_ORDERS, delta=delta,
+    eps, _ = composition.compose_sum_rule(ratio, table_of.index.to_numpy(), Mechanism.of_run(run, "sum"),
+                                          orders=rdp_composition.COMPOSITION_ORDERS, delta=delta,
                                           holder_b=COMPOSITION_HOLDER_B, rounding=composition.SUM_RULE_ROUNDING,
                                           horizons=horizon[1:])
-    curves = {label: (horizon, np.concatenate([[0.0], eps[:, index]])) for index, label in enumerate(chosen)}
-    baseline = [0.0] + [mechanism.baseline_eps(delta, end, rdp_composition.COMPOSITION_ORDERS)[0] for end in horizon[1:]]
-    return curves, (horizon, np.asarray(baseline)), steps
+    return {label: (horizon, np.concatenate([[0.0], eps[:, index]])) for index, label in enumerate(chosen)}
+
+
+def baseline_curve(run: RunConfig, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """The worst case's composed ε after every step t = 0..T."""
+    mechanism = Mechanism.of_run(run, "sum")
+    horizon = np.arange(run.total_steps + 1)
+    return horizon, np.asarray([0.0] + [mechanism.baseline_eps(delta, end, rdp_composition.COMPOSITION_ORDERS)[0]
+                                        for end in horizon[1:]])

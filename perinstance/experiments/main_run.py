@@ -1,14 +1,20 @@
-"""The main run (sum rule): training with tracked points and the one-run audit's canaries (one_run.py), Δ* of
-every point at every checkpoint, and the accountants on it (per-step (ε, δ) at the final checkpoint, composition
-along the run by RDP and by PLD, composition from the tracked points' every-step norms).
+"""The main run (sum rule): training with Δ* of the tracked points at every step and the one-run audit's canaries
+(one_run.py), Δ* of every point at every checkpoint, and the accountants on it (per-step (ε, δ) at the final
+checkpoint, composition along the run by RDP and by PLD).
+
+When every training point is tracked (the quick preset), the composition from the every-step norms is the headline:
+a bound along the observed run (accounting.md §4). Δ* at the checkpoints is then read from the same table, and the
+composition that holds it between checkpoints (an estimate) is computed from it for comparison. Otherwise Δ* of every
+point is measured at the checkpoints (compute_sensitivity.py): the all-points composition is that estimate, and the
+bound covers the tracked points.
 
 Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
-the loss and the classes, checkpoints-only against every-step norms); figures 1, 2, 4, 5 and 6, drawn by
-figures.py.
+the loss and the classes, the checkpoint estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
 """
 
 import math
 import os
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -20,26 +26,66 @@ from perinstance.experiments.config import (
     training_flags,
     variant_tag,
 )
-from perinstance.files import storage
+from perinstance.files import storage, tracked_rows
 from perinstance.train import runs
 from perinstance.train.runs import RunConfig
 
 # Composition along the run uses Hölder b = ∞: plain composition along the one observed trajectory
 # (accounting.md §4), in the accountant and in the curves of figure 4 alike.
 COMPOSITION_HOLDER_B = math.inf
+# The columns of the tracked table the figures and the sampling-rate design read.
+TRACKED_COLUMNS = ["step", "point", "label", "correct", "loss", "value"]
 
 
-def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, name: str,
-                      device: str) -> tuple[str, str, RunConfig, pd.DataFrame]:
-    """The main run (sum rule) with per-step norms of the tracked points (figure 6), then Δ* of every training point
-    at every checkpoint: (run name, run folder, RunConfig, sensitivity rows)."""
+@dataclass(frozen=True)
+class MainRun:
+    """The trained main run and its Δ*: `sensitivities`, every point at every checkpoint; `tracked`, the tracked
+    points at every step (θ_0 .. θ_T) from the table at `tracked_path`; `every_point`, whether that is every
+    training point (then the headline composition is a bound)."""
+
+    name: str
+    run_dir: str
+    run: RunConfig
+    sensitivities: pd.DataFrame
+    tracked: pd.DataFrame
+    tracked_path: str
+    every_point: bool
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        return sorted(int(step) for step in self.sensitivities["step"].unique())
+
+
+@dataclass(frozen=True)
+class Accounted:
+    """The accountants' outputs on the main run, one row per point (guarantees()): the per-step (ε, δ) at the final
+    checkpoint; the headline composition of every point by RDP and by PLD; the composition from every-step Δ*
+    (`bound`, the tracked points) and the one holding Δ* between checkpoints (`estimate`, every point)."""
+
+    per_step: pd.DataFrame
+    composed: pd.DataFrame
+    composed_pld: pd.DataFrame
+    bound: pd.DataFrame
+    estimate: pd.DataFrame
+
+
+def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, name: str, device: str) -> MainRun:
+    """The main run (sum rule) with Δ* of its tracked points at every step; Δ* of every training point at every
+    checkpoint, from the tracked table when it holds every point, else measured by compute_sensitivity.py."""
     main_name, main_flags = main_run_flags(config, preset, name, device)
     commands.run("train_dpsgd.py", main_flags)
     run_dir = os.path.join("models", main_name)
     main_run = runs.load_run(run_dir)
-    commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points", "all",
-                                            "--stage", "all", "--res-name", main_name, "--no-train"])
-    return main_name, run_dir, main_run, storage.read_frame(result_file(main_name))
+    tracked_path = tracked_rows.table_path(run_dir)
+    tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
+    every_point = tracked["point"].nunique() == main_run.dataset_size
+    if every_point:
+        sensitivities = tracked[tracked["step"].isin(main_run.checkpoint_steps)].reset_index(drop=True)
+    else:
+        commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points",
+                                                "all", "--stage", "all", "--res-name", main_name, "--no-train"])
+        sensitivities = storage.read_frame(result_file(main_name))
+    return MainRun(main_name, run_dir, main_run, sensitivities, tracked, tracked_path, every_point)
 
 
 def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str) -> tuple[str, list[str]]:
@@ -51,36 +97,48 @@ def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str)
                        config.track_points, *canaries]
 
 
-def account_main_run(commands: Commands, config: ReproduceConfig, main_name: str, run_dir: str,
-                     total_steps: int) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(per-step (ε, δ) at the final checkpoint, composed ε from checkpoints by RDP and by PLD, composed ε from the
-    tracked points' every-step norms)."""
-    source = result_file(main_name)
+def account_main_run(commands: Commands, config: ReproduceConfig, main: MainRun) -> Accounted:
+    """The accountants on the main run. Every-step source: the tracked table; checkpoint source: the same table at
+    the checkpoint steps (--steps) when it holds every point, else compute_sensitivity.py's result file."""
+    total_steps = main.run.total_steps
+    every_step = (main.tracked_path, ["--res-file", main.tracked_path])
+    if main.every_point:
+        checkpoints = (main.tracked_path, ["--res-file", main.tracked_path, "--steps",
+                                           ",".join(map(str, main.checkpoint_steps))])
+    else:
+        checkpoints = (result_file(main.name), ["--res-name", main.name])
+    source, flags = every_step if main.every_point else checkpoints
     delta = ["--delta", str(config.delta)]
-    per_step = commands.account("eps_delta.py", ["--res-name", main_name, *delta, "--method", config.per_step_method,
-                                                 "--filter", f"step={total_steps}"],
-                                os.path.join(RES_DIR, f"{main_name}_eps_delta.csv"), source)
     compose = ["--holder-b", holder_text(COMPOSITION_HOLDER_B).replace("∞", "inf"), *delta]
-    composed = commands.account("renyi_per_instance_sum_compo.py", ["--res-name", main_name, *compose],
-                                os.path.join(RES_DIR, f"{main_name}_compo.csv"), source)
-    composed_pld = commands.account("renyi_per_instance_sum_compo.py", ["--res-name", main_name, *compose,
-                                                                        "--accountant", "pld"],
-                                    os.path.join(RES_DIR, f"{main_name}_compo_pld.csv"), source)
-    tracked_source = os.path.join(run_dir, "tracked_norms.csv")
-    tracked = commands.account("renyi_per_instance_sum_compo.py", ["--res-file", tracked_source, *compose],
-                               os.path.join(RES_DIR, f"{main_name}-tracked_compo.csv"), tracked_source)
-    return (guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]),
-            guarantees(composed_pld, ["point"]), guarantees(tracked, ["point"]))
+
+    def account(script, argv, suffix, input_path):
+        return commands.account(script, argv, os.path.join(RES_DIR, f"{main.name}{suffix}.csv"), input_path)
+
+    per_step = account("eps_delta.py", [*flags, *delta, "--method", config.per_step_method, "--filter",
+                                        f"step={total_steps}"], "_eps_delta", source)
+    composed = account("renyi_per_instance_sum_compo.py", [*flags, *compose], "_compo", source)
+    composed_pld = account("renyi_per_instance_sum_compo.py", [*flags, *compose, "--accountant", "pld"], "_compo_pld",
+                           source)
+    if main.every_point:
+        bound, estimate = composed, account("renyi_per_instance_sum_compo.py", [*checkpoints[1], *compose],
+                                            "-checkpoints_compo", checkpoints[0])
+    else:
+        bound, estimate = account("renyi_per_instance_sum_compo.py", [*every_step[1], *compose], "-tracked_compo",
+                                  every_step[0]), composed
+    return Accounted(guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]),
+                     guarantees(composed_pld, ["point"]), guarantees(bound, ["point"]), guarantees(estimate, ["point"]))
 
 
 def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
-    """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the certified
-    guarantee (the max over directions where rows have one), `baseline_eps` the baseline, and `delta`."""
+    """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the point's own value (the
+    max over directions where rows have one), `kind` what it is (certified, or estimate where the composition holds
+    Δ* between checkpoints), `baseline_eps` the baseline, and `delta`."""
     if "direction" in rows:
         rows = rows[rows["direction"] == "max"]
     table = rows.pivot_table(index=index, columns="kind", values="eps", aggfunc="first")
-    table = table.rename(columns={"certified": "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
-    return table.join(rows.groupby(index)["delta"].first()).reset_index()
+    kind = next(kind for kind in ("certified", "estimate") if kind in table.columns)
+    table = table.rename(columns={kind: "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
+    return table.join(rows.groupby(index)["delta"].first()).reset_index().assign(kind=kind)
 
 
 def holder_text(exponent: float) -> str:

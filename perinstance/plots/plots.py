@@ -19,6 +19,7 @@ from perinstance.files.fileio import atomic_path
 
 DPI = 120
 SINGLE_PANEL = (6.4, 4.4)
+WIDE_PANEL = (11.5, 4.8)
 TWO_PANELS = (12.0, 4.6)
 BASELINE_LABEL = "worst-case baseline (DP-SGD)"
 BASELINE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.5, "label": BASELINE_LABEL}
@@ -206,20 +207,29 @@ def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baselin
 
 
 def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: str, delta: float,
-                                checkpoint_steps: tuple = ()) -> dict:
+                                checkpoint_steps: tuple = (), estimates: dict | None = None) -> dict:
     """Yu et al.: composed per-instance ε of a few points as training proceeds, from step 0, with the
-    checkpoints whose Δ* charge the steps after them marked on the step axis."""
+    checkpoints marked on the step axis. `estimates`: the same points' composition that holds Δ* between those
+    checkpoints (accounting.md §4), drawn dashed next to `curves`, then their bound from Δ* at every step."""
     baseline_steps, baseline_eps = (_as_1d(f"baseline_curve[{index}]", array)
                                     for index, array in enumerate(baseline_curve))
     _same_length(baseline_steps=baseline_steps, baseline_eps=baseline_eps)
     final = {}
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    estimated = {}
+    # Beside the estimates, two lines per point: the legend goes right of the axes.
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL if estimates is None else WIDE_PANEL, layout="constrained")
     for label, (steps, eps) in curves.items():
         steps, eps = _as_1d(f"steps of {label!r}", steps), _as_1d(f"ε of {label!r}", eps)
         _same_length(steps=steps, eps=eps)
         final[label] = float(eps[-1]) if len(eps) else float("nan")
-        ax.plot(steps, eps, linewidth=2, label=f"{label}: final ε = {_fmt(final[label])}")
+        kind = "" if estimates is None else ", bound (Δ* at every step)"
+        (line,) = ax.plot(steps, eps, linewidth=2, label=f"{label}{kind}: final ε = {_fmt(final[label])}")
+        if estimates is not None and label in estimates:
+            held_steps, held = (_as_1d(f"estimate of {label!r}", array) for array in estimates[label])
+            estimated[label] = float(held[-1]) if len(held) else float("nan")
+            ax.plot(held_steps, held, linewidth=1.5, linestyle="--", color=line.get_color(),
+                    label=f"{label}, estimate (Δ* held between checkpoints): final ε = {_fmt(estimated[label])}")
     baseline_final = float(baseline_eps[-1]) if len(baseline_eps) else float("nan")
     style = {**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: final ε = {_fmt(baseline_final)}"}
     ax.plot(baseline_steps, baseline_eps, **style)
@@ -229,15 +239,21 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
                 clip_on=False, label="checkpoints")
         # A figure-level label: the constrained layout makes room for it below the axis label.
         fig.supxlabel("Step t is charged at Δ* of the latest checkpoint ≤ t − 1\n(piecewise constant between "
-                      "checkpoints; accounting.md §4).", fontsize="small", color="0.3")
+                      "checkpoints; accounting.md §4)." if estimates is None else
+                      "Solid: Δ* at every step, a bound along the observed run. Dashed: step t charged at Δ* of the "
+                      "latest\ncheckpoint ≤ t − 1, held between the checkpoints marked: an estimate (accounting.md "
+                      "§4).", fontsize="small", color="0.3")
     ax.set_xlabel("training step")
     ax.set_ylabel(f"composed ε at δ = {delta:g}")
     ax.set_title("Per-instance privacy over training")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.legend()
+    if estimates is None:
+        ax.legend()
+    else:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
-    return {"final": final, "baseline_final": baseline_final}
+    return {"final": final, "estimate_final": estimated, "baseline_final": baseline_final}
 
 
 def _class_accuracies(class_names, class_test_accuracy):
@@ -250,7 +266,7 @@ def _class_accuracies(class_names, class_test_accuracy):
     return dict(zip(class_names, accuracies.tolist(), strict=True))
 
 
-def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
+def _draw_loss_panel(ax, eps, log_loss, baseline_eps, eps_label):
     """Left panel of plot_individual_accounting: ε vs final loss with the fit ε ≈ a + b·log(loss)."""
     pearson = _pearson(eps, log_loss)
     pearson_interval = _pearson_interval(eps, log_loss)
@@ -271,7 +287,7 @@ def _draw_loss_panel(ax, eps, log_loss, baseline_eps):
         ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
     ax.set_xlabel(f"final training loss (log scale, clipped at {LOSS_FLOOR:g})")
-    ax.set_ylabel("per-instance composed ε")
+    ax.set_ylabel(eps_label)
     ax.set_title("Privacy vs final training loss")
     ax.legend(loc="lower right", fontsize="small")
     return pearson, pearson_interval, intercept, slope
@@ -298,13 +314,15 @@ def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
 
 
 def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: ArrayLike, class_names: list, class_test_accuracy: ArrayLike,
-                               baseline_eps: float, path: str, by_accountant: dict | None = None) -> dict:
+                               baseline_eps: float, path: str, by_accountant: dict | None = None,
+                               eps_label: str = "per-instance composed ε") -> dict:
     """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
 
     labels are class indices into class_names; class_test_accuracy is either aligned
     with class_names or a mapping from class name to accuracy. by_accountant: {name: (every point's composed ε,
     the worst case by that accountant)}, e.g. RDP and PLD, drawn as a third panel (the share of points at or
-    below each ε) and summarised per accountant (median, 10% and 90% quantiles, share below half the worst case).
+    below each ε) and summarised per accountant (median, 10% and 90% quantiles, share below half the worst case);
+    an entry whose name says "estimate" is drawn dashed. eps_label: the ε axis, saying what the values are.
     """
     eps = _as_1d("eps", eps)
     final_loss = _as_1d("final_loss", final_loss)
@@ -319,7 +337,7 @@ def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: Ar
     panels = 2 if by_accountant is None else 3
     fig, axes = plt.subplots(1, panels, figsize=(TWO_PANELS[0] * panels / 2, TWO_PANELS[1]), layout="constrained")
     pearson_log_loss, pearson_log_loss_interval, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss,
-                                                                                    baseline_eps)
+                                                                                    baseline_eps, eps_label)
     pearson_class, pearson_class_interval = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
     accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant)
     _save(fig, path)
@@ -339,7 +357,7 @@ def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: Ar
 def _draw_accountant_panel(ax, by_accountant):
     """Third panel of plot_individual_accounting: the share of points whose composed ε is at most x, per
     accountant, with each accountant's worst case; returns each one's summary."""
-    summaries = {}
+    summaries, drawn_worst = {}, set()
     for (name, (values, worst)), color in zip(by_accountant.items(), ("tab:blue", "tab:orange", "tab:green")):
         values = np.sort(_as_1d(f"ε by {name}", values))
         worst = float(worst)
@@ -348,8 +366,11 @@ def _draw_accountant_panel(ax, by_accountant):
                            "q90": float(np.quantile(values, 0.9)), "worst": worst,
                            "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
         ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
+                linestyle="--" if "estimate" in name else "-",
                 label=f"{name}: median {interval_text(summaries[name]['median_interval'])} (95%)")
-        ax.axvline(worst, color=color, linestyle="--", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
+        if worst not in drawn_worst:  # an estimate of the same accountant shares its worst case
+            drawn_worst.add(worst)
+            ax.axvline(worst, color=color, linestyle=":", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
     ax.set_xlabel("composed per-instance ε")
     ax.set_ylabel("share of points with at most this ε")
     ax.set_title("Per-instance ε by accountant")
@@ -358,7 +379,10 @@ def _draw_accountant_panel(ax, by_accountant):
 
 
 def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step: ArrayLike, path: str, baseline_eps: float) -> dict:
-    """Yu et al., Fig. 4: ε from checkpoint norms against ε from norms at every step."""
+    """Yu et al., Fig. 4: ε from Δ* held between checkpoints (an estimate) against ε from Δ* at every step (the
+    bound, accounting.md §4), with how far the estimate is from the bound: the relative error (estimate − bound) /
+    bound (over the points with a positive bound), its median and its largest size, and the share of points whose
+    estimate is below their bound, each with its 95% interval (§10); points below the bound drawn in red."""
     estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
     truth = _as_1d("eps_from_every_step", eps_from_every_step)
     _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)
@@ -366,21 +390,39 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
     pearson = _pearson(truth, estimate)
     pearson_interval = _pearson_interval(truth, estimate)
     errors = np.abs(estimate - truth)
-    mean_abs_error = float(errors.mean()) if len(errors) else float("nan")
-    max_abs_error = float(errors.max()) if len(errors) else float("nan")
+    below = estimate < truth
+    positive = truth > 0
+    relative = (estimate[positive] - truth[positive]) / truth[positive]
+    largest = int(np.argmax(np.abs(relative))) if len(relative) else None
+    found = {"pearson": pearson, "pearson_interval": pearson_interval,
+             "mean_abs_error": float(errors.mean()) if len(errors) else float("nan"),
+             "max_abs_error": float(errors.max()) if len(errors) else float("nan"),
+             "relative_median": _median_interval(relative),
+             "relative_largest": intervals.maximum_interval(np.abs(relative)) if len(relative) else None,
+             "relative_largest_signed": float(relative[largest]) if largest is not None else float("nan"),
+             "shortfall_largest": intervals.maximum_interval(-relative[relative < 0]) if np.any(relative < 0) else None,
+             "share_below": intervals.share_interval(below) if len(below) else None,
+             "count_below": int(below.sum())}
 
     fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
-    ax.scatter(truth, estimate, s=10, alpha=0.5, color="tab:blue", label=f"{len(truth)} points")
+    ax.scatter(truth[~below], estimate[~below], s=8, alpha=0.5, color="tab:blue",
+               label=f"{int((~below).sum())} points: estimate at or above the bound")
+    ax.scatter(truth[below], estimate[below], s=8, alpha=0.7, color="tab:red",
+               label=f"{int(below.sum())} points: estimate BELOW the bound")
     plotted = np.concatenate([[0.0, baseline_eps], truth, estimate])
     span = np.array([plotted.min(), plotted.max()])
     ax.plot(span, span, color="tab:gray", linewidth=1, label="y = x")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
     ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
-    ax.set_xlabel("ε from gradient norms at every step (ground truth)")
-    ax.set_ylabel("ε from gradient norms at checkpoints")
-    ax.set_title(f"Estimate accuracy: Pearson r = {_fmt_r(pearson, pearson_interval)} (95%)\n"
-                 f"mean |error| = {_fmt(mean_abs_error)}, max |error| = {_fmt(max_abs_error)}")
-    ax.legend(loc="lower right")
+    ax.set_xlabel("ε from Δ* at every step (the bound along the run)")
+    ax.set_ylabel("ε from Δ* at checkpoints, held between them (estimate)")
+    median, share = found["relative_median"], found["share_below"]
+    ax.set_title(f"Checkpoint estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}\n"
+                 + ("" if median is None else f"relative error median {median.estimate:+.2%}, largest "
+                    f"{found['relative_largest_signed']:+.2%}; ")
+                 + ("" if share is None else f"below the bound: {share.estimate:.1%} of points")
+                 + ("" if found["shortfall_largest"] is None else
+                    f", by up to {found['shortfall_largest'].estimate:.2%}"), fontsize="medium")
+    ax.legend(loc="lower right", fontsize="small")
     _save(fig, path)
-    return {"pearson": pearson, "pearson_interval": pearson_interval, "mean_abs_error": mean_abs_error,
-            "max_abs_error": max_abs_error}
+    return found

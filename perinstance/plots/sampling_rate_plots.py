@@ -19,6 +19,15 @@ MEAN_RULE_SERIES = {
 }
 
 
+# Over a whole run the per-step values are held between checkpoints (one checkpoint for all T steps in the fixed
+# designs): every composed series is an estimate (accounting.md §4), whatever its per-step value is.
+HELD_LABELS = {
+    "certified": "mean rule, certified per step, held between checkpoints: an estimate (median, 95% interval; "
+                 "band 10-90%)",
+    "estimate": "mean rule, Monte Carlo per step, held between checkpoints: an estimate (median, 95% interval)",
+}
+
+
 RATIO_SERIES = {
     "certified": ("certified / mean-rule baseline (median, 95% interval)", {"color": "tab:blue", "marker": "o"}),
     "estimate": ("estimate / mean-rule baseline (median, 95% interval; Monte Carlo)",
@@ -62,10 +71,10 @@ def _draw_ratio_panel(ax, values_by_rate, title):
     return drawn, found
 
 
-def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"):
+def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q", labels=None):
     """One line per series over the sampling rates: medians of per-point arrays with their 95% intervals (and a
     10-90% band for the certified bound) or single values; returns the medians drawn per series and rate, and
-    their intervals."""
+    their intervals. `labels`: {series: legend} where a series means more than MEAN_RULE_SERIES says."""
     rates = sorted(values_by_rate)
     drawn, found = {}, {}
     everything = [np.zeros(0)]
@@ -76,7 +85,7 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"
         # A point without an estimate (NaN: some size unsampled) or without a finite guarantee (inf: δ_fail
         # left nothing to spend) has no place on a log axis; the medians are over the finite values.
         arrays = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float))) for q in present]
-        drawn[key], found[key] = _draw_medians(ax, present, arrays, label, style)
+        drawn[key], found[key] = _draw_medians(ax, present, arrays, (labels or {}).get(key, label), style)
         everything.extend(arrays)
         if key == "certified":
             low = [np.quantile(values, 0.1) if len(values) else np.nan for values in arrays]
@@ -109,7 +118,7 @@ def plot_sampling_rate_designs(designs: dict, alpha: float, delta: float, path: 
         panels = {
             "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
             "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
-                                         f"{title}: whole run"),
+                                         f"{title}: whole run", labels=HELD_LABELS),
             "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
         }
         drawn[title] = {key: medians for key, (medians, _) in panels.items()}

@@ -6,9 +6,11 @@
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK in every process it starts; a plain `python`
 start is rank 0 of a world of 1. Work is split by a fixed rule (`share`: item i goes to rank
 i mod W), so a rank needs no scheduler, and every rank writes only its own files. The process
-group is used for one thing: rank 0 decides what is left to do and sends that list to the
+group is used for two things: rank 0 decides what is left to do and sends that list to the
 others (`from_rank0`), so that all ranks split the same list even while a fast rank is already
-writing its parts.
+writing its parts; and a run whose tracked points the ranks share is gone through in lockstep
+(tracking.py): rank 0 sends its parameters before each step and gathers the values at each
+checkpoint, and before each of these it tells the others to go on or to stop with its error.
 """
 
 import argparse
@@ -149,6 +151,37 @@ def from_rank0(world: World, compute: Callable[[], Shared]) -> Shared:
     if kind == "error":
         raise UsageError(*payload)
     return payload
+
+
+# --- lockstep: ranks that follow rank 0 through one run ------------------------------------------
+
+def rank0_says_go(world: World, error: UsageError | None = None) -> None:
+    """Before each collective of a lockstep, rank 0 tells the others to go on (`error` None) or to stop with its
+    one-line error, which each of them then raises: a rank that waits is never left waiting for rank 0."""
+    import torch.distributed as dist
+
+    message = [None if error is None else (error.flag, error.message)]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None and world.rank:
+        raise UsageError(*message[0])
+
+
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor]) -> None:
+    """Each of `tensors` (the same shapes on every rank) overwritten in place by rank 0's."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
+
+
+def gather_to_rank0(world: World, value: Shared) -> list[Shared] | None:
+    """Every rank's `value`, in rank order, on rank 0; None on the others."""
+    import torch.distributed as dist
+
+    gathered = [None] * world.size if world.rank == 0 else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
 
 
 # --- per-rank parts of one result file, merged once ---------------------------------------------

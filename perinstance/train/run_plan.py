@@ -351,5 +351,5 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
 
 def _foreign_files(run_dir):
     """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
-    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.csv(\.lock)?|canaries\.csv|\.tmp-.*)$")
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.(csv|parquet)(\.lock)?|tracked|canaries\.csv|\.tmp-.*)$")
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))

@@ -7,7 +7,6 @@ same bytes as an uninterrupted run.
 """
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -21,9 +20,9 @@ from tqdm import tqdm
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
-from perinstance.files import checkpoints, fileio, results
+from perinstance.files import checkpoints, tracked_rows
 from perinstance.persample import gradients, layer_pass
-from perinstance.train import canaries, clipping, run_plan, runs, sampling, user_code
+from perinstance.train import canaries, clipping, distributed, run_plan, runs, sampling, tracking, user_code
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.nets import build_model
 
@@ -42,6 +41,8 @@ class Outcome:
     resumed_from: int  # the checkpoint it started from (T: the run was already trained)
     final_test_accuracy: float
     train_seconds: float
+    steps_seconds: float = 0.0  # in the training steps themselves (batches, gradients, noise, update)
+    tracking_seconds: float = 0.0  # measuring the tracked points (tracking.py)
 
     @property
     def trained(self) -> bool:
@@ -118,9 +119,11 @@ def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Ten
 
 
 class Trainer:
-    """One DP-SGD run: the model, its optimizer, and the step function of accounting.md §1."""
+    """One DP-SGD run: the model, its optimizer, and the step function of accounting.md §1; `tracker` measures the
+    tracked points (tracking.py; under torchrun in lockstep with the ranks of `world`)."""
 
-    def __init__(self, run: runs.RunConfig, dataset: Dataset, device: str | torch.device = "cpu") -> None:
+    def __init__(self, run: runs.RunConfig, dataset: Dataset, device: str | torch.device = "cpu",
+                 world: distributed.World | None = None) -> None:
         self.run = run
         self.device = torch.device(device)
         self.train_x = dataset.train_x.to(self.device)
@@ -131,13 +134,13 @@ class Trainer:
         self.params = layer_pass.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
         self.noise_std = Mechanism.of_run(run, "sum").noise_std
-        self.tracked = run.tracked_points
-        self.tracked_rows = []
         self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
         # Examples per pass, from the model's shapes and the device's kind alone: the passes a batch is cut into
         # (gradients.batch_passes, of its size and this), hence the order of its sums and every bit of a step,
         # depend on nothing but the batch drawn.
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
+        self.tracker = None if run.tracked_points is None else \
+            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, world)
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
@@ -145,14 +148,12 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "test_accuracy": accuracy,
-            "tracked_norms": torch.tensor(self.tracked_rows, dtype=torch.float64),
             **({"canary_scores": self.canaries.scores.to("cpu", copy=True)} if self.canaries else {}),
         }
 
     def restore(self, payload: dict) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
-        self.tracked_rows = payload["tracked_norms"].tolist()
         if self.canaries:
             self.canaries.scores = payload["canary_scores"].to(self.device)
 
@@ -220,27 +221,9 @@ class Trainer:
             torch._foreach_add_(summed, noises)
         return summed, losses
 
-    def track(self) -> None:
-        """||h(g)|| of the tracked points at the current parameters (those step t+1 uses): their norms only,
-        no clipped sum (the same norms as per_sample_pass computes)."""
-        run = self.run
-        norms, losses, correct = [], [], []
-        for span in gradients.batch_passes(len(self.tracked), self.chunk):
-            chunk = torch.as_tensor(self.tracked[span], device=self.device)
-            inputs, labels = self._examples(chunk)
-            chunk_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, inputs, labels)
-            norms.append(clipping.transformed_norm(chunk_norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
-                         if run.private else chunk_norms)
-            losses.append(chunk_losses)
-            correct.append(logits.argmax(dim=1) == labels)
-        rows = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct)])
-        self.tracked_rows.append(rows.double().cpu().numpy().ravel().tolist())
-
     def step(self, step: int) -> torch.Tensor | None:
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
         θ_{step−1}) as a tensor on the device, not read back (see train_run), None for an empty batch."""
-        if self.tracked is not None:
-            self.track()
         batch = sampling.poisson_batch(self.run.seed, step, self.run.dataset_size, self.run.sample_rate)
         update, losses = self.privatised_gradient(step, batch)
         if self.canaries:
@@ -265,39 +248,68 @@ def latest_checkpoint(run_dir: str, planned: Collection[int]) -> int | None:
     return steps[-1] if steps else None
 
 
-def train(args: run_plan.TrainingFlags, quiet: bool = False) -> Outcome:
-    """Train (or resume, or find finished) the run that the training flags `args` (run_plan.TrainingFlags) name."""
+def train(args: run_plan.TrainingFlags, quiet: bool = False, world: distributed.World | None = None) -> Outcome:
+    """Train (or resume, or find finished) the run that the training flags `args` (run_plan.TrainingFlags) name.
+    `world`: the ranks of a torchrun launch (its process group started) that go through this run in lockstep, each
+    measuring its share of the tracked points (tracking.py); rank 0 trains and writes."""
     args = run_plan.resolve_training_args(args)
     dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point)
     run = run_plan.plan_run(args, dataset)
     run_dir = run_plan.run_dir_for(args)
-    trainer = Trainer(run, dataset, args.device)  # builds the model: refuses a bad architecture before any write
-    run_plan.prepare_run_dir(args, run_dir, run)
-    return train_run(trainer, run_dir, args.eval_freq, quiet)
+    trainer = Trainer(run, dataset, args.device, world)  # builds the model: refuses a bad architecture before any write
+    if world is None:
+        run_plan.prepare_run_dir(args, run_dir, run)
+        return train_run(trainer, run_dir, args.eval_freq, quiet)
+
+    def prepared() -> int:
+        run_plan.prepare_run_dir(args, run_dir, run)
+        resumed = latest_checkpoint(run_dir, set(run.checkpoint_steps))
+        return 0 if resumed is None else resumed
+
+    if trainer.tracker is None:
+        raise ValueError("a run is trained in lockstep only to share its tracked points (--track-points)")
+    if world.rank:
+        started = time.time()
+        resumed_from = tracking.follow(trainer.tracker, distributed.from_rank0(world, prepared))
+        return Outcome(run=run, run_dir=run_dir, resumed_from=resumed_from, final_test_accuracy=math.nan,
+                       train_seconds=time.time() - started, tracking_seconds=trainer.tracker.seconds)
+    trainer.tracker.following = distributed.from_rank0(world, prepared) < run.total_steps
+    try:
+        return train_run(trainer, run_dir, args.eval_freq, quiet)
+    except UsageError as error:
+        trainer.tracker.stop(error)
+        raise
 
 
 def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quiet: bool = False) -> Outcome:
     """Train the trainer's run (its folder `run_dir` prepared) from its latest checkpoint to
-    step T, saving a checkpoint at every planned step."""
+    step T, saving a checkpoint at every planned step; the tracked points' values at θ_{t−1} before each step t,
+    and at θ_T, are written before the checkpoint that ends their span, and as one table at the end."""
     started = time.time()
-    run, device = trainer.run, trainer.device
+    run, device, tracker = trainer.run, trainer.device, trainer.tracker
     planned = set(run.checkpoint_steps)
     resume_step = latest_checkpoint(run_dir, planned)
     if resume_step is None:
         accuracy = trainer.test_accuracy()
         checkpoints.save_checkpoint(run_dir, 0, trainer.state(0, accuracy))
-        resume_step = 0
+        resume_step, payload = 0, {}
     else:
         payload = checkpoints.load_checkpoint(run_dir, resume_step, device)
         with checkpoints.restoring(run_dir, resume_step):
             trainer.restore(payload)
         accuracy = payload["test_accuracy"]
+    if tracker:
+        tracker.resume(run_dir, resume_step, payload)
     epsilon_spent = epsilon_curve(run)
     progress = tqdm(range(resume_step + 1, run.total_steps + 1), initial=resume_step, total=run.total_steps,
                     desc=f"train {run.run}", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    unread, loss = [], None
+    unread, loss, steps_seconds = [], None, 0.0
     for step in progress:
+        if tracker:
+            tracker.measure(step - 1)
+        step_started = time.perf_counter()
         batch_loss = trainer.step(step)
+        steps_seconds += time.perf_counter() - step_started
         if batch_loss is not None:
             unread.append((step, batch_loss))
         at_checkpoint = step in planned
@@ -316,18 +328,23 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
         if at_checkpoint or (eval_freq and step % eval_freq == 0):
             accuracy = trainer.test_accuracy()
         if at_checkpoint:
+            if tracker:
+                if step == run.total_steps:
+                    tracker.measure(step)
+                tracker.flush(run_dir)
             checkpoints.save_checkpoint(run_dir, step, trainer.state(step, accuracy))
         postfix = {"loss": "-" if loss is None else f"{loss:.3f}", "test_acc": f"{accuracy:.3f}"}
         if epsilon_spent:
             postfix["eps"] = f"{epsilon_spent(step):.2f}"
         progress.set_postfix(postfix, refresh=False)
     progress.close()
-    if trainer.tracked is not None:
-        write_tracked_norms(run_dir, run, trainer.tracked_rows, trainer.train_y.cpu())
+    if tracker and not tracked_rows.has_table(run_dir):
+        tracker.write_table(run_dir, trainer.train_y)
     if trainer.canaries:
         canaries.write_canaries(run_dir, trainer.canaries)
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
-                   train_seconds=time.time() - started)
+                   train_seconds=time.time() - started, steps_seconds=steps_seconds,
+                   tracking_seconds=tracker.seconds if tracker else 0.0)
 
 
 def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -> UsageError:
@@ -339,27 +356,3 @@ def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -
     return UsageError("--lr", f"training diverged: {what} of {run.total_steps} (learning rate "
                               f"{learning_rate(run, step):g}); the checkpoints up to step {latest} in {run_dir} are "
                               "kept; train with a smaller --lr")
-
-
-def write_tracked_norms(run_dir: str, run: runs.RunConfig, tracked_rows: list[list[float]],
-                        labels: torch.Tensor) -> None:
-    """The tracked points' ||h(g)|| at every step as a sensitivity CSV (quantity grad_norm).
-
-    Row step s holds the norm at θ_s, which is what step s+1 uses (accounting.md §4).
-    """
-    points = np.asarray(run.tracked_points)
-    table = np.asarray(tracked_rows).reshape(len(tracked_rows), 3, len(points))
-    steps = np.repeat(np.arange(len(tracked_rows)), len(points))
-    frame = results.result_rows(run, "sum", steps, {
-        "point": np.tile(points, len(tracked_rows)),
-        "label": labels.numpy()[np.tile(points, len(tracked_rows))],
-        "value": table[:, 0, :].ravel(),
-        "loss": table[:, 1, :].ravel(),
-        "correct": table[:, 2, :].ravel().astype(int),
-        "exp": "tracked",
-        "direction": "none",
-        "target_batch": 0,
-        "sample": 0,
-        "quantity": "grad_norm",
-    })
-    fileio.write_csv(os.path.join(run_dir, "tracked_norms.csv"), frame)

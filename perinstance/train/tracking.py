@@ -1,0 +1,162 @@
+"""Δ* of the tracked points at every step of a run (docs/accounting.md §4): ||h(g)||, the loss and correctness of each
+tracked point at θ_0 .. θ_T, the parameters each step t starts from (θ_{t−1}) and the final ones, in eval mode, by
+compute_sensitivity.py's norms pass (gradients.per_sample_norms over chunks of gradients.examples_per_pass examples,
+then the transform's clipping.Transform.norms; norms only: no clipped sum, no weight gradient).
+
+The values of the steps between two checkpoints are written as one segment before the later checkpoint
+(files/tracked_rows.py), so that a resumed run ends with the values of an uninterrupted one and no checkpoint carries
+them; at the end they become models/<run>/tracked_norms.csv (.parquet past the storage threshold), a result table
+the accountants read. Under torchrun with fewer runs than processes, every rank follows rank 0 through the run in
+lockstep: rank 0 trains and sends θ_{t−1} before each step, each rank measures its share of the points (item i to rank
+i mod W), and rank 0 gathers the shares and writes them.
+"""
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from perinstance.errors import UsageError
+from perinstance.files import results, tracked_rows
+from perinstance.persample import gradients
+from perinstance.train import distributed, runs
+from perinstance.train.clipping import Transform
+
+# The values recorded per point and step, in the order of a segment's second axis.
+VALUES = ("value", "loss", "correct")
+
+
+@contextmanager
+def evaluation(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode within the block (as compute_sensitivity.py loads it), its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class Tracker:
+    """The tracked points of one run: measures them at the current parameters, holds the values since the last
+    checkpoint, and writes them. `world`: a torchrun launch whose ranks share the points in lockstep (None: this
+    process measures them all)."""
+
+    def __init__(self, run: runs.RunConfig, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
+                 device: torch.device, world: distributed.World | None = None) -> None:
+        self.run, self.model, self.world = run, model, world
+        self.points = np.asarray(run.tracked_points, dtype=np.int64)
+        mine = self.points if world is None else np.asarray(world.share(self.points), dtype=np.int64)
+        self.indices = torch.as_tensor(mine, device=device)
+        self.train_x, self.train_y = train_x, train_y
+        self.transform = Transform.of_run(run) if run.private else None
+        self.chunk = gradients.examples_per_pass(model, train_x, device)
+        self.held, self.first = [], None
+        self.seconds = 0.0
+        self.following = False  # rank 0: the other ranks are in the lockstep and wait for it
+
+    @property
+    def leads(self) -> bool:
+        """Whether this process writes the values (rank 0, or a process alone)."""
+        return self.world is None or self.world.rank == 0
+
+    def measure(self, step: int) -> None:
+        """Hold the values at the current parameters as those of θ_step (under lockstep, rank 0's parameters)."""
+        started = time.perf_counter()
+        if self.world is not None:
+            distributed.rank0_says_go(self.world)
+            distributed.broadcast_from_rank0(self.model.state_dict().values())
+        with evaluation(self.model):
+            self.held.append(self.values())
+        self.first = step if self.first is None else self.first
+        self.seconds += time.perf_counter() - started
+
+    def values(self) -> np.ndarray:
+        """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness."""
+        if not len(self.indices):  # more ranks than points
+            return np.zeros((len(VALUES), 0), dtype=np.float32)
+        norms, losses, correct = [], [], []
+        for start in range(0, len(self.indices), self.chunk):
+            chunk = self.indices[start:start + self.chunk]
+            inputs, labels = self.train_x.index_select(0, chunk), self.train_y.index_select(0, chunk)
+            grad_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, inputs, labels)
+            norms.append(grad_norms if self.transform is None else self.transform.norms(grad_norms))
+            losses.append(chunk_losses)
+            correct.append(logits.argmax(dim=1) == labels)
+        return torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float()]).cpu().numpy()
+
+    def flush(self, run_dir: str) -> None:
+        """Write the values held as one segment (rank 0 gathers the others' shares first) and let them go."""
+        started = time.perf_counter()
+        values = np.stack(self.held)
+        if self.world is not None:
+            distributed.rank0_says_go(self.world)
+            shares = distributed.gather_to_rank0(self.world, values)
+            if shares is not None:
+                values = np.empty((len(values), len(VALUES), len(self.points)), dtype=np.float32)
+                for rank, share in enumerate(shares):
+                    values[:, :, rank::self.world.size] = share
+        if self.leads:
+            tracked_rows.save_segment(run_dir, self.first, self.points, values)
+        if self.first + len(self.held) > self.run.total_steps:  # θ_T is in: the lockstep is over
+            self.following = False
+        self.held, self.first = [], None
+        self.seconds += time.perf_counter() - started
+
+    def stop(self, error: UsageError) -> None:
+        """Rank 0: tell the ranks still waiting for it to stop with `error`."""
+        if self.following and self.world is not None and self.world.rank == 0:
+            self.following = False
+            distributed.rank0_says_go(self.world, error)
+
+    def resume(self, run_dir: str, step: int, payload: dict) -> None:
+        """Before resuming from checkpoint `step`: drop the segments written after it (their checkpoint was never
+        saved); a checkpoint of an earlier version holds the rows of steps 0..step−1 itself (its
+        "tracked_norms"): they become the first segment."""
+        tracked_rows.drop_segments_from(run_dir, step)
+        legacy = payload.get("tracked_norms")
+        if legacy is not None and step and not tracked_rows.segments(run_dir):
+            rows = legacy.numpy().reshape(step, len(VALUES), len(self.points))
+            tracked_rows.save_segment(run_dir, 0, self.points, rows)
+
+    def write_table(self, run_dir: str, labels: torch.Tensor) -> str:
+        """models/<run>/tracked_norms.csv (or .parquet) from the segments; returns its path."""
+        points, values = tracked_rows.gather(run_dir, self.run.total_steps)
+        return tracked_rows.write_table(run_dir, table(self.run, points, values, labels.cpu().numpy()))
+
+
+def table(run: runs.RunConfig, points: np.ndarray, values: np.ndarray, labels: np.ndarray) -> pd.DataFrame:
+    """The tracked values as result rows (quantity grad_norm, exp "tracked"): row (step s, point) holds the values at
+    θ_s, which step s + 1 uses (accounting.md §4); step T holds the final parameters'."""
+    steps = len(values)
+    frame = results.result_rows(run, "sum", np.repeat(np.arange(steps), len(points)), {
+        "point": np.tile(points, steps),
+        "label": labels[np.tile(points, steps)],
+        "value": values[:, 0, :].astype(np.float64).ravel(),
+        "loss": values[:, 1, :].astype(np.float64).ravel(),
+        "correct": values[:, 2, :].ravel().astype(int),
+        "exp": "tracked",
+        "direction": "none",
+        "target_batch": 0,
+        "sample": 0,
+        "quantity": "grad_norm",
+    })
+    return frame
+
+
+def follow(tracker: Tracker, resumed_from: int) -> int:
+    """A rank other than 0 through one run in lockstep, from the checkpoint rank 0 resumes from: the values of its
+    share at every step, gathered at every checkpoint. Returns that checkpoint."""
+    run = tracker.run
+    planned = set(run.checkpoint_steps)
+    for step in range(resumed_from + 1, run.total_steps + 1):
+        tracker.measure(step - 1)
+        if step in planned:
+            if step == run.total_steps:
+                tracker.measure(step)
+            tracker.flush("")
+    return resumed_from
