@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _smoke import synthetic_lenet_dataset  # noqa: E402
 from _workloads import device_name, parse_timed, timer  # noqa: E402
 
+from perinstance.cli import options  # noqa: E402
 from perinstance.train import run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
 
@@ -42,7 +43,7 @@ def trainer_for(smoke, device):
     flags = [*QUICK, "--track-points", "all", "--device", device, "--models-dir", "unused"]
     if smoke:
         flags += ["--batch-size", str(SMOKE_BATCH)]
-    args = run_plan.resolve_training_args(run_plan.TrainingFlags.parse(flags))
+    args = run_plan.resolve_training_args(options.parse_training_flags(flags))
     run = run_plan.plan_run(args, dataset)
     return training.Trainer(run, dataset, args.device)
 
