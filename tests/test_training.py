@@ -117,6 +117,19 @@ def test_one_step_equals_hand_computation(tmp_path, rule, transform):
     assert any(not torch.allclose(a, b) for a, b in zip(untransformed, expected))
 
 
+def test_steps_take_per_sample_gradients_in_eval_mode_from_the_first(tmp_path):
+    """Δ* is measured in eval mode (compute_sensitivity.py, the tracking), so every step clips the norms of eval mode
+    too, from a fresh trainer's first step on, not only after the first evaluation (a resumed run evaluates only at
+    its next checkpoint)."""
+    args = run_plan.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1", "--models-dir", tmp_path))
+    dataset = load_dataset(args.dataset, args.data_root)
+    trainer = training.Trainer(run_plan.plan_run(args, dataset), dataset)
+    modes = []
+    trainer.model.register_forward_pre_hook(lambda module, inputs: modes.append(module.training))
+    trainer.step(1)
+    assert modes and not any(modes)
+
+
 def test_noise_has_the_recorded_std(tmp_path):
     # At σ = 1000 the clipped gradients (norm ≤ 1) are negligible next to the noise.
     args = run_plan.resolve_training_args(parse(*SYNTHETIC, "--sigma", "1000", "--cn", "1", "--lr", "1",

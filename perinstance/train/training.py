@@ -131,6 +131,11 @@ class Trainer:
         self.test_x, self.test_y = dataset.test_x, dataset.test_y
         torch.manual_seed(sampling.init_seed(run.seed))
         self.model = model_for_run(run).to(self.device)
+        # Every step takes its per-sample gradients in eval mode (dropout off, docs/flags.md), the mode in which
+        # compute_sensitivity.py and the tracking measure Δ*, so that the norms a step clips are the ones measured.
+        # Set here rather than left to the first evaluation: a resumed run, which does not evaluate before its first
+        # step, then steps in the same mode as an uninterrupted one.
+        self.model.eval()
         self.params = layer_pass.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
         self.noise_std = Mechanism.of_run(run, "sum").noise_std
