@@ -271,4 +271,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "probability 1/2 (docs/audit.md)")
     group.add_argument("--canary-norms", default=None, metavar="C1,C2,...",
                        help="the canaries' norms as multiples of the bound Γ, one equal group each (default 1)")
+    group.add_argument("--input-canaries", type=non_negative_int, default=None, metavar="M",
+                       help="crafted input canaries for the one-run audit's implementation check: M examples that go "
+                            "through the sampler, per-sample gradients and clipping, each in the run with "
+                            "probability 1/2 (docs/audit.md)")
     return group
