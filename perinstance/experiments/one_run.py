@@ -52,7 +52,7 @@ def main_run_audit(commands: Commands, config: ReproduceConfig, main_name: str, 
             rows["norm"].to_numpy(), rows["lower_bound"].to_numpy(), rows["lower_bound_summed"].to_numpy(),
             rows["ideal_lower_bound"].to_numpy(), rows["upper_rdp"].to_numpy(), rows["upper_pld"].to_numpy(),
             rows["fdp_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE),
-            title=f"One-run audit of {main_name}: {config.canaries} gradient canaries, significance "
+            title=f"One-run audit of {main_name}\n{config.canaries} gradient canaries, significance "
                   f"{config.audit_significance:g} over {len(rows)} groups, δ={config.delta:g}")
     return {"run": main_name, "rows": rows.to_dict("records")}
 

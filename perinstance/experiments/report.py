@@ -267,8 +267,8 @@ def gap_canary_lines(config: ReproduceConfig, findings: dict) -> list[str]:
         return ["the realised-size mean rule against the sum rule's accounting in a trained run: not run "
                 "(gap_canaries=0); docs/audit.md §1c has measured numbers"]
     level = f"significance {config.audit_significance:g}, δ={config.delta:g}"
-    needed = ("no number of canaries" if gap["canaries_needed"] is None
-              else f"at least {gap['canaries_needed']:,} canaries")
+    needed = ("with any number of canaries" if gap["canaries_needed"] is None
+              else f"with fewer than {gap['canaries_needed']:,} canaries")
     return [
         f"the realised-size mean rule against the sum rule's accounting in a trained run (run {gap['run']}: "
         f"{gap['canaries']} canaries of norm Γ, {gap['included']} in, B_exp={gap['batch_size']}, "
@@ -277,12 +277,14 @@ def gap_canary_lines(config: ReproduceConfig, findings: dict) -> list[str]:
         f"{gap['upper_pld']:.4g}) — "
         + ("the sum rule's accounting does NOT cover the realised-size mean rule: the trained run leaks more"
            if gap["violated"] else
-           f"not seen: these canaries cannot show more than {gap['fdp_cap']:.3g} (the f-DP test's cap); the (ε, δ) "
-           f"test's cap passes {gap['eps_upper']:.4g} only from {needed} (docs/accounting.md §11.6; necessary, not "
-           f"sufficient). More canaries of this kind do not help (measured up to 1,024 in docs/audit.md §1c): the "
+           f"not seen: these canaries cannot show more than {gap['fdp_cap']:.3g} (the f-DP test's cap), and no "
+           f"(ε, δ) test of docs/accounting.md §11.2 passes {gap['eps_upper']:.4g} {needed} (its cap with the "
+           f"frontier's thresholds, §11.6; necessary, not sufficient). More canaries of this kind "
+           f"do not help (measured up to 1,024 in docs/audit.md §1c): the "
            f"{gap['included']} in already add {gap['canaries_per_step']:.2g} per step to a batch of "
-           f"{gap['batch_size']} expected points, and a canary's summed projection carries on average "
-           f"{gap['signal_ratio']:.3g}× the sum rule's signal (docs/audit.md §1c), less as canaries are added; the "
+           f"{gap['batch_size']} expected points, and a canary drawn into a batch moves the update on average by "
+           f"{gap['signal_ratio']:.3g}× what it moves it by under the sum rule (docs/audit.md §1c), less as canaries "
+           "are added; the "
            "gap lives in the rare steps whose realised batch is tiny, which the per-step audit (above) tests")]
 
 
