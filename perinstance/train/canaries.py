@@ -207,9 +207,11 @@ class CanaryRecord:
 
     def scores(self, run: RunConfig) -> pd.DataFrame:
         """canaries.csv: per canary, `score` Σ_t x_t (last-iterate) and `lr_score` the likelihood ratio (§11.10)."""
-        ratio = np.array([likelihood_ratio_scores(row, norm=norm, noise_multiplier=run.noise_multiplier,
-                                                  sample_rate=run.sample_rate)
-                          for row, norm in zip(self.projections, self.norms, strict=True)])
+        ratio = np.empty(len(self.norms))
+        for norm in np.unique(self.norms):
+            group = self.norms == norm
+            ratio[group] = likelihood_ratio_scores(self.projections[group], norm=norm,
+                                                   noise_multiplier=run.noise_multiplier, sample_rate=run.sample_rate)
         return pd.DataFrame({"canary": np.arange(len(self.kinds)), "kind": self.kinds, "norm": self.norms,
                              "included": self.included.astype(int), "score": summed_scores(self.projections),
                              "lr_score": ratio})
