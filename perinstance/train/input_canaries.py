@@ -14,6 +14,8 @@ canaries' gradient norms and one forward-mode pass over them per step. Its bound
 accounting of a point whose clipped gradient has norm Γ at every step, whatever the trajectory.
 """
 
+import math
+
 import numpy as np
 import torch
 
@@ -24,15 +26,21 @@ from perinstance.train.runs import RunConfig
 MIN_CONSTANT_FEATURES = 16
 INPUT_SCALE = 4.0
 INCLUSION_KEY, DESIGN_KEY = 2, 3
+ROWS_PER_PASS = 4096
 
 
 def crafted_inputs(seed: int, count: int, train_x: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs shaped like the training inputs, labels): the canaries' crafted examples, from the run's seed alone."""
     rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, DESIGN_KEY)
-    flat = train_x.reshape(len(train_x), -1).double()
-    constant = torch.nonzero((flat == flat[0]).all(dim=0)).ravel().numpy()
+    flat = train_x.reshape(len(train_x), -1)
+    constant, squares = torch.ones(flat.shape[1], dtype=torch.bool), 0.0
+    for start in range(0, len(flat), ROWS_PER_PASS):  # in row blocks: a large training set is never copied whole
+        rows = flat[start:start + ROWS_PER_PASS]
+        constant &= (rows == flat[0]).all(dim=0)
+        squares += float(rows.double().square().sum())
+    constant = torch.nonzero(constant).ravel().numpy()
     support = constant if constant.size >= MIN_CONSTANT_FEATURES else np.arange(flat.shape[1])
-    amplitude = INPUT_SCALE * float(flat.square().mean().sqrt())
+    amplitude = INPUT_SCALE * math.sqrt(squares / flat.numel())
     balanced = np.resize([1.0, -1.0], support.size)
     if support.size % 2:
         balanced[-1] = 0.0
