@@ -160,11 +160,24 @@ def test_a_canary_adds_c_times_gamma_along_its_unit_direction():
     np.testing.assert_allclose(canary_set.project(summed).numpy(), dense @ flat * 8 / 2.0, atol=1e-5)
 
 
+def dense_directions(coordinates, weights, dimension):
+    dense = np.zeros((len(coordinates), dimension))
+    for row, (where, values) in enumerate(zip(coordinates, weights)):
+        dense[row, where] = values
+    return dense
+
+
+@pytest.mark.parametrize("count, dimension, support", [(5, 1000, 64), (300, 1000, 64), (1000, 1000, 8), (997, 1000, 8)])
+def test_as_many_canaries_as_coordinates_are_orthogonal_on_as_many_coordinates_as_fit(count, dimension, support):
+    coordinates, weights = canaries.canary_directions(0, count, dimension)
+    assert coordinates.shape == (count, support)
+    dense = dense_directions(coordinates, weights, dimension)
+    np.testing.assert_allclose(dense @ dense.T, np.eye(count), atol=1e-12)
+
+
 def test_more_canaries_than_coordinates_take_random_supports():
     coordinates, weights = canaries.canary_directions(0, 30, 20)
     assert coordinates.shape == (30, 20) and np.allclose((weights ** 2).sum(axis=1), 1.0)
-    coordinates, _ = canaries.canary_directions(0, 5, 1000)
-    assert coordinates.shape == (5, canaries.CANARY_SUPPORT) and len(set(coordinates.ravel())) == coordinates.size
 
 
 def test_upper_bounds_are_the_accountants_at_the_scaled_noise(models):

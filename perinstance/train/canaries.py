@@ -16,9 +16,9 @@ projections of the steps since the last checkpoint are saved with it, so a resum
 at the end they are written to canary_projections.npy (canaries × steps) and the per-canary scores to
 canaries.csv.
 
-u_j is supported on k coordinates with random signs, 1/√k each (canary_directions: disjoint supports, so that the
-canaries' directions are orthogonal, whenever M <= d): a random unit direction that costs M·k numbers instead of
-M·d, whose overlap with a gradient is as small as a dense one's on average.
+u_j is supported on k <= CANARY_SUPPORT coordinates, ±1/√k each (canary_directions: orthogonal directions, Hadamard
+rows on disjoint blocks of random coordinates, whenever M <= d): a random unit direction that costs M·k numbers
+instead of M·d, whose overlap with a gradient is as small as a dense one's on average.
 """
 
 import io
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from scipy.linalg import hadamard
 
 from perinstance.accounting.one_run_ideal import likelihood_ratio_scores, summed_scores
 from perinstance.errors import UsageError
@@ -93,19 +94,27 @@ def canary_inclusions(seed: int, count: int, key: int = 0) -> np.ndarray:
 def canary_directions(seed: int, count: int, dimension: int) -> tuple[np.ndarray, np.ndarray]:
     """(coordinates, weights), each (count, k): u_j = Σ_i weights[j, i]·e_{coordinates[j, i]}, unit norm.
 
-    With count <= dimension the supports are disjoint, k = min(CANARY_SUPPORT, dimension // count) coordinates
-    each: the directions are orthogonal, so a canary's projection holds nothing of the others (which, being in the
-    run at about q of the steps, would add a persistent offset to it). With more canaries than coordinates, each
-    has CANARY_SUPPORT random coordinates."""
+    With count <= dimension the directions are orthogonal, so that a canary's projection holds nothing of the
+    others (which, each in the run at about q of the steps, would add a persistent offset to it): disjoint blocks
+    of k random coordinates (k = CANARY_SUPPORT, or the largest power of two for which the blocks fit), each
+    carrying k canaries as the rows of a k×k Hadamard matrix with a random sign per coordinate, 1/√k each. Each
+    canary then spreads over k coordinates, so what the other points' gradients put on its direction is nearly the
+    same for every canary. With more canaries than coordinates, each takes CANARY_SUPPORT random coordinates."""
     rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, 1)
-    if count <= dimension:
-        support = min(CANARY_SUPPORT, dimension // count)
-        coordinates = rng.permutation(dimension)[:count * support].reshape(count, support)
-    else:
+    if count > dimension:
         support = min(CANARY_SUPPORT, dimension)
         coordinates = np.stack([rng.choice(dimension, support, replace=False) for _ in range(count)])
-    weights = rng.choice([-1.0, 1.0], size=(count, support)) / np.sqrt(support)
-    return coordinates, weights
+        return coordinates, rng.choice([-1.0, 1.0], size=(count, support)) / np.sqrt(support)
+    support = CANARY_SUPPORT
+    while -(-count // support) * support > dimension:
+        support //= 2
+    blocks = -(-count // support)
+    block_coordinates = rng.permutation(dimension)[:blocks * support].reshape(blocks, support)
+    signs = rng.choice([-1.0, 1.0], size=(blocks, support))
+    slot = rng.permutation(blocks * support)[:count]  # (block, Hadamard row) of each canary
+    block, row = slot // support, slot % support
+    rows = hadamard(support).astype(float)[row]
+    return block_coordinates[block], rows * signs[block] / np.sqrt(support)
 
 
 def sum_units(run: RunConfig) -> float:
