@@ -5,8 +5,8 @@ the one-run audit (the gradient canaries of canaries.py skip the last two).
 Canary j is in the run with probability 1/2; an included canary is one more training example (its index after the
 real points'). Its input is a balanced random ±A pattern on the input features that are constant over the
 training set (all features when fewer than MIN_CONSTANT_FEATURES are), 0 elsewhere, with a random label: on those
-features the pattern sums to 0, so its first-layer gradient is orthogonal to every real point's, and two canaries'
-patterns overlap by about 1/√k of k features. A = INPUT_SCALE × the root mean square of the training inputs.
+features the pattern sums to 0, so under a fully connected first layer its gradient there is orthogonal to every
+real point's, and two canaries' patterns overlap by about 1/√k of k features. A = INPUT_SCALE × the root mean square of the training inputs.
 
 At every step the audit's projection of canary j is x_t = ⟨ũ_t, g_j⟩/(Γ·||g_j||), g_j its loss gradient at θ_{t−1}
 (what step t clips): the privatised sum seen along the direction the canary moves it, in units of Γ. It costs the
