@@ -91,6 +91,37 @@ def canary_inclusions(seed: int, count: int, key: int = 0) -> np.ndarray:
     return sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, key).random(count) < 0.5
 
 
+@dataclass(frozen=True)
+class CanaryBlocks:
+    """Orthogonal canary directions (canary_directions, count <= dimension): disjoint blocks of k coordinates
+    (coordinates (B, k)), a random sign per coordinate (signs (B, k)), and canary j the row row[j] of the k×k
+    Hadamard matrix on block block[j]: u_j = Σ_i H[row_j, i]·signs[block_j, i]·e_{coordinates[block_j, i]}/√k."""
+
+    coordinates: np.ndarray
+    signs: np.ndarray
+    block: np.ndarray
+    row: np.ndarray
+
+    @property
+    def support(self) -> int:
+        return self.coordinates.shape[1]
+
+
+def canary_blocks(seed: int, count: int, dimension: int) -> CanaryBlocks | None:
+    """The blocks of canary_directions, or None when there are more canaries than coordinates."""
+    if count > dimension:
+        return None
+    rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, 1)
+    support = CANARY_SUPPORT
+    while -(-count // support) * support > dimension:
+        support //= 2
+    blocks = -(-count // support)
+    coordinates = rng.permutation(dimension)[:blocks * support].reshape(blocks, support)
+    signs = rng.choice([-1.0, 1.0], size=(blocks, support))
+    slot = rng.permutation(blocks * support)[:count]  # (block, Hadamard row) of each canary
+    return CanaryBlocks(coordinates=coordinates, signs=signs, block=slot // support, row=slot % support)
+
+
 def canary_directions(seed: int, count: int, dimension: int) -> tuple[np.ndarray, np.ndarray]:
     """(coordinates, weights), each (count, k): u_j = Σ_i weights[j, i]·e_{coordinates[j, i]}, unit norm.
 
@@ -100,21 +131,14 @@ def canary_directions(seed: int, count: int, dimension: int) -> tuple[np.ndarray
     carrying k canaries as the rows of a k×k Hadamard matrix with a random sign per coordinate, 1/√k each. Each
     canary then spreads over k coordinates, so what the other points' gradients put on its direction is nearly the
     same for every canary. With more canaries than coordinates, each takes CANARY_SUPPORT random coordinates."""
-    rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, 1)
-    if count > dimension:
+    blocks = canary_blocks(seed, count, dimension)
+    if blocks is None:
+        rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, 1)
         support = min(CANARY_SUPPORT, dimension)
         coordinates = np.stack([rng.choice(dimension, support, replace=False) for _ in range(count)])
         return coordinates, rng.choice([-1.0, 1.0], size=(count, support)) / np.sqrt(support)
-    support = CANARY_SUPPORT
-    while -(-count // support) * support > dimension:
-        support //= 2
-    blocks = -(-count // support)
-    block_coordinates = rng.permutation(dimension)[:blocks * support].reshape(blocks, support)
-    signs = rng.choice([-1.0, 1.0], size=(blocks, support))
-    slot = rng.permutation(blocks * support)[:count]  # (block, Hadamard row) of each canary
-    block, row = slot // support, slot % support
-    rows = hadamard(support).astype(float)[row]
-    return block_coordinates[block], rows * signs[block] / np.sqrt(support)
+    rows = hadamard(blocks.support).astype(float)[blocks.row]
+    return blocks.coordinates[blocks.block], rows * blocks.signs[blocks.block] / np.sqrt(blocks.support)
 
 
 def sum_units(run: RunConfig) -> float:
@@ -134,6 +158,14 @@ class Canaries:
         coordinates, weights = canary_directions(run.seed, run.canaries, dimension)
         self.coordinates = torch.as_tensor(coordinates, device=device)
         self.weights = torch.as_tensor(weights, dtype=torch.float32, device=device)
+        # With orthogonal directions the projections are a Hadamard transform of each block's coordinates: k times
+        # fewer values gathered than one gather per canary and coordinate.
+        blocks = canary_blocks(run.seed, run.canaries, dimension)
+        self.blocks = None if blocks is None else (
+            torch.as_tensor(blocks.coordinates, device=device),
+            torch.as_tensor(blocks.signs, dtype=torch.float32, device=device),
+            torch.as_tensor(hadamard(blocks.support) / np.sqrt(blocks.support), dtype=torch.float32, device=device),
+            torch.as_tensor(blocks.block, device=device), torch.as_tensor(blocks.row, device=device))
 
     def members(self, drawn: np.ndarray) -> np.ndarray:
         """The included canaries among those the sampler drew (indices 0..M−1)."""
@@ -153,7 +185,10 @@ class Canaries:
     def project(self, update: list) -> torch.Tensor:
         """x of every canary at this step: ⟨ũ, u_j⟩/Γ from the update in average-gradient units."""
         flat = torch.cat([part.reshape(-1) for part in update])
-        return (flat[self.coordinates] * self.weights).sum(dim=1) * sum_units(self.run)
+        if self.blocks is None:
+            return (flat[self.coordinates] * self.weights).sum(dim=1) * sum_units(self.run)
+        coordinates, signs, transform, block, row = self.blocks
+        return ((flat[coordinates] * signs) @ transform)[block, row] * sum_units(self.run)
 
 
 class ProjectionLog:
