@@ -14,15 +14,22 @@ then exits with status 1. For the mean rule the summary also holds eps_lower aga
 ε of the sum rule's accounting at the same σ and q, and against the mean rule's own baseline
 (above it: status 1 too).
 
-One-run modes (docs/audit.md §1b; perinstance/audit/one_run.py):
+One-run modes (docs/audit.md §1b, §1d; perinstance/audit/one_run.py):
 
     python audit.py --in-scores in.txt --out-scores out.txt --significance 0.05 --delta 1e-6
     python audit.py --run NAME --one-run
+    python audit.py --self-test
 
-The first prints the one-run, f-DP one-run and Clopper–Pearson lower bounds on ε from anyone's
-canary scores (higher = member; one number a line, or .npy). The second audits each canary norm
-group of a run trained with --canaries against the accountant's upper bound for that sensitivity,
-writes res/<run>_one_run_audit.csv, and exits with status 1 on a violation.
+The first prints the one-run (ε, δ), f-DP (Gaussian curves) and Clopper–Pearson lower bounds on ε from
+anyone's canary scores (higher = member; one number a line, or .npy), on a grid of guess counts fixed
+before the scores are seen. The second audits each canary group of a run trained with --canaries
+(insertions into the noisy gradient sum, not examples of the model) or --input-canaries (crafted
+examples, sampled and clipped like real points): the f-DP one-run test of the group's per-step
+likelihood-ratio scores against the trade-off curve the accountant claims for their sensitivity over
+the whole run, the significance split over the groups. It writes res/<run>_one_run_audit.csv and exits
+with status 1 when a curve is rejected. The third trains four small runs, three with a fault planted in
+the trainer (noise ×½, clipping skipped, sampling at 2q), audits each, and exits 0 only if every fault
+is flagged and the correct run is not.
 """
 
 import time
@@ -78,13 +85,18 @@ def build_parser():
     add_device_argument(parser)
     scores = parser.add_argument_group("one-run audit (canary scores)")
     scores.add_argument("--one-run", action="store_true",
-                        help="audit the canaries of --run (trained with --canaries), group by group")
+                        help="audit the canaries of --run (trained with --canaries or --input-canaries), group by group")
     scores.add_argument("--in-scores", default=None,
                         help="scores of the held-in canaries, higher = member: one number a line, or .npy")
     scores.add_argument("--out-scores", default=None,
                         help="scores of the held-out canaries: one number a line, or .npy")
     scores.add_argument("--significance", type=probability, default=0.05,
-                        help="significance level of the one-run lower bounds (default 0.05)")
+                        help="significance level of the one-run lower bounds, split over a run's canary groups "
+                             "(default 0.05)")
+    scores.add_argument("--self-test", action="store_true",
+                        help="positive controls: train four small runs, three with a fault planted in the trainer "
+                             "(noise ×½, clipping skipped, sampling at 2q), audit each as --one-run does, exit 0 only "
+                             "if every fault is flagged and the correct run is not")
     return parser
 
 

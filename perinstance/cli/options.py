@@ -228,10 +228,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--track-points", nargs="*", default=None,
                        help="record ||h(g)|| of these points (as --points) at every step, for exact composition")
     group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
-                       help="white-box gradient canaries for the one-run audit: M of them, each in the run with "
+                       help="white-box gradient canaries for the one-run audit: M insertions into the noisy gradient "
+                            "sum (not examples of the model), drawn by the run's sampler, each in the run with "
                             "probability 1/2 (docs/audit.md)")
     group.add_argument("--canary-norms", default=None, metavar="C1,C2,...",
                        help="the canaries' norms as multiples of the bound Γ, one equal group each (default 1)")
+    group.add_argument("--input-canaries", type=non_negative_int, default=None, metavar="M",
+                       help="crafted input canaries for the one-run audit's implementation check: M examples that go "
+                            "through the sampler, per-sample gradients and clipping, each in the run with "
+                            "probability 1/2 (docs/audit.md)")
     return group
 
 
