@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from perinstance.accounting import pld, pld_grid, rdp_composition
 from perinstance.analysis import composition
+from perinstance.audit.canary_auditor import CanaryScoreAuditor  # noqa: F401 (docs/api.md, the one-run auditor)
 from perinstance.measure.gradient_rows import transformed_norms
 from perinstance.train import user_code
 from perinstance.train.clipping import CLIPPING_CHOICES, Transform

@@ -118,6 +118,9 @@ MEANINGS = {
                           "canaries", "white-box gradient canaries", "non_negative_int", defaults=NONE),
     "--canary-norms": Meaning("the canaries' norms as multiples of Γ, one equal group each", "canary_norms",
                               "multiples of the bound Γ", defaults=NONE),
+    "--input-canaries": Meaning("crafted input canaries of the one-run audit: M examples through the sampler, "
+                                "per-sample gradients and clipping, each in the run with probability 1/2",
+                                "input_canaries", "crafted input canaries", "non_negative_int", defaults=NONE),
     # --- several runs (train_dpsgd.py) ---------------------------------------------------------
     "--seeds": Meaning("one training run per seed, instead of --seed", "seeds", "one run per seed", nargs="+",
                        defaults=NONE),
@@ -214,6 +217,8 @@ MEANINGS = {
                             "held-out canaries", defaults=NONE),
     "--significance": Meaning("significance level of the one-run lower bounds", "significance", "significance level",
                               "probability", defaults=FLOAT),
+    "--self-test": Meaning("train and audit the one-run audit's positive controls (planted faults) and a correct run",
+                           "self_test", "positive controls", nargs=0, action="store_true", defaults=("bool",)),
     "--upper-batches": Meaning("mean rule: batches of Δ_B behind the estimate of eps_upper", "upper_batches",
                                "eps_upper", "int", defaults=INT),
     "--figure": Meaning("the output figure", "figure", "figure (default", defaults=NONE),

@@ -26,10 +26,10 @@ def quantile_scores(shift, n=10_000):
                                                  (4, 4.395568, 9.133752)])
 def test_reproduces_the_ecosystem_vectors(shift, one_run, fdp):
     in_scores, out_scores = quantile_scores(shift)
-    assert one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE,
-                                         delta=DELTA) == pytest.approx(one_run, abs=1e-6)
-    assert one_run_audit.one_run_fdp_epsilon(in_scores, out_scores, significance=SIGNIFICANCE,
-                                             delta=DELTA) == pytest.approx(fdp, abs=1e-6)
+    assert one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=DELTA,
+                                         thresholds="frontier") == pytest.approx(one_run, abs=1e-6)
+    assert one_run_audit.one_run_fdp_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=DELTA,
+                                             thresholds="frontier") == pytest.approx(fdp, abs=1e-6)
 
 
 def exact_tail(guesses, correct, epsilon):
@@ -62,9 +62,11 @@ def test_all_guesses_right_is_capped_by_the_number_of_canaries():
     frontier = one_run_audit.roc_frontier(in_scores, out_scores)
     assert frontier.true_positives.size == 3  # +∞, the lowest member, everything
     cap = logit((SIGNIFICANCE / 3) ** (1 / 500))
-    epsilon = one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=1e-12)
+    epsilon = one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=1e-12,
+                                            thresholds="frontier")
     assert epsilon == pytest.approx(cap, rel=1e-6)
-    assert one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=1e-3) < cap
+    assert one_run_audit.one_run_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=1e-3,
+                                         thresholds="frontier") < cap
     assert 0 < one_run_audit.one_run_fdp_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=DELTA)
     assert 0 < one_run_audit.clopper_pearson_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=DELTA)
 
@@ -139,8 +141,8 @@ def test_clopper_pearson_epsilon_by_hand():
     tpr_low = level ** (1 / 50)  # Clopper–Pearson lower end at 50/50: p^50 = level
     fpr_high = 1 - level ** (1 / 50)  # upper end at 0/50: (1 − p)^50 = level
     expected = math.log((tpr_low - DELTA) / fpr_high)
-    assert one_run_audit.clopper_pearson_epsilon(in_scores, out_scores, significance=SIGNIFICANCE,
-                                                 delta=DELTA) == pytest.approx(expected, rel=1e-9)
+    assert one_run_audit.clopper_pearson_epsilon(in_scores, out_scores, significance=SIGNIFICANCE, delta=DELTA,
+                                                 thresholds="frontier") == pytest.approx(expected, rel=1e-9)
 
 
 def test_cap_is_the_bound_of_perfectly_separated_scores():

@@ -381,18 +381,23 @@ def test_audit_gap_without_points_and_bad_input(tmp_path):
 def test_one_run_audit_numbers_and_file(tmp_path):
     norms = np.array([0.1, 0.3, 1.0])
     lower, rdp, pld = np.array([0.0, 0.5, 9.0]), np.array([0.3, 1.0, 10.0]), np.array([0.25, 0.9, 8.5])
-    cap = np.array([4.7, 4.8, 4.75])
-    result = draw_checked(tmp_path, lambda path: one_run_plots.plot_one_run_audit(norms, lower, rdp, pld, cap, path))
+    summed, ideal, cap = np.array([0.0, 0.2, 3.0]), np.array([0.0, 0.4, 3.0]), np.array([4.7, 4.8, 4.75])
+    result = draw_checked(tmp_path, lambda path: one_run_plots.plot_one_run_audit(norms, lower, summed, ideal, rdp,
+                                                                                   pld, cap, path))
     # The upper bound is the smaller of RDP and PLD; 9 > 8.5 is a violation even though it is below the RDP bound.
     assert result["upper"] == [0.25, 0.9, 8.5]
     assert result["ratio"] == pytest.approx([0.0, 0.5 / 0.9, 9.0 / 8.5], rel=1e-12)
     assert result["violated"] == [False, False, True]
+    # lower/ideal where the idealised bound is positive, NaN where it is 0.
+    assert np.isnan(result["ideal_ratio"][0]) and result["ideal_ratio"][1:] == pytest.approx([1.25, 3.0], rel=1e-12)
 
 
 def test_one_run_audit_bad_input(tmp_path):
     path = tmp_path / "one_run.png"
     with pytest.raises(ValueError, match="same length"):
-        one_run_plots.plot_one_run_audit(np.ones(2), np.ones(3), np.ones(3), np.ones(3), np.ones(3), path)
-    with pytest.raises(ValueError, match="eps_cap"):
-        one_run_plots.plot_one_run_audit(np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.array([1.0, np.nan]), path)
+        one_run_plots.plot_one_run_audit(np.ones(2), np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(3),
+                                         np.ones(3), path)
+    with pytest.raises(ValueError, match="fdp_cap"):
+        one_run_plots.plot_one_run_audit(np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2),
+                                         np.array([1.0, np.nan]), path)
     assert not path.exists()

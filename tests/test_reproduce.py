@@ -11,6 +11,7 @@ from PIL import Image
 from scipy.special import logit
 from scipy.stats import binom
 
+from perinstance.accounting import one_run_audit
 from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
 from perinstance.experiments import main_run, one_run
 from perinstance.experiments.commands import FIGURES, ONE_RUN_FIGURE
@@ -118,7 +119,7 @@ def test_report_states_findings_with_numbers(image_runs):
     assert "realised-size mean rule" in findings[12] and "membership inference" in findings[13]
     for line, norm in zip(findings[14:17], ("0.1", "0.3", "1")):
         assert f"canaries of norm {norm}·Γ" in line and "lower/upper" in line and line.endswith("no violation"), line
-    assert "capped by the number of canaries" in findings[17]
+    assert "insertions of c·Γ·u into the noisy gradient sum" in findings[17] and "cannot show more than" in findings[17]
     assert "sum rule's accounting in a trained run" in findings[18] and "canaries" in findings[18]
     assert "baseline" in findings[0] and "Pearson r" in report
     for name in FIGURES:
@@ -134,17 +135,27 @@ def test_one_run_audit_of_the_tiny_preset(image_runs):
     assert rows["norm"].tolist() == pytest.approx(list(tiny.canary_norms))
     assert rows["canaries"].tolist() == [tiny.canaries // len(tiny.canary_norms)] * len(tiny.canary_norms)
     assert not rows["violated"].any()
+    assert rows["group_significance"].tolist() == pytest.approx([tiny.audit_significance / 3] * 3)
     # The c = 1 group's upper bounds are the main run's worst case composed by each accountant (finding 7, its
     # baseline from renyi_per_instance_sum_compo.py), at the 4 digits the report quotes.
     worst = {name: float(value) for name, value in re.findall(r"(RDP|PLD): median .*?worst case ([\d.]+)", report)}
     last = rows.iloc[-1]
-    assert last["eps_upper_rdp"] == pytest.approx(worst["RDP"], rel=1e-3)
-    assert last["eps_upper_pld"] == pytest.approx(worst["PLD"], rel=1e-3)
-    # Each group's cap in the report: below logit((α/3)^(1/members)), the δ → 0 cap of perfectly separated scores,
-    # and above every lower bound.
-    caps = [float(value) for value in re.findall(r"no lower bound from these canaries can exceed ([\d.]+)", report)]
-    for cap, row in zip(caps, rows.itertuples(), strict=True):
-        assert row.eps_lower <= cap <= logit((tiny.audit_significance / 3) ** (1 / row.included)) + 1e-2
+    assert last["upper_rdp"] == pytest.approx(worst["RDP"], rel=1e-3)
+    assert last["upper_pld"] == pytest.approx(worst["PLD"], rel=1e-3)
+    # Each group's caps in the report: every lower bound below its test's cap; the (ε, δ) test's below
+    # logit((α/3/8)^(1/r)), the δ → 0 cap of r right guesses at the grid's largest count (r = m/2).
+    caps = re.findall(r"caps of these canaries: ([\d.]+) \(f-DP test\), ([\d.]+) \(\(ε, δ\) test\)", report)
+    grid = len(one_run_audit.GUESS_FRACTIONS)
+    for (fdp_cap, steinke_cap), row in zip(caps, rows.itertuples(), strict=True):
+        assert row.lower_bound <= float(fdp_cap) + 1e-3 and row.steinke_lower <= float(steinke_cap) + 1e-3
+        assert float(steinke_cap) <= logit((tiny.audit_significance / 3 / grid) ** (1 / (row.canaries // 2))) + 1e-2
+    # The output folder's table: a row per group and statistic, the columns of docs/audit.md §1b.
+    table = pd.read_csv(workdir / "out" / one_run.TABLE)
+    assert list(table.columns) == ["canary_norm", "canaries", "lower_bound", "upper_bound", "ideal_lower_bound",
+                                   "statistic"]
+    assert table["statistic"].tolist() == ["likelihood_ratio", "summed"] * 3
+    assert table["lower_bound"].tolist() == pytest.approx(
+        [value for pair in zip(rows["lower_bound"], rows["lower_bound_summed"]) for value in pair])
     (gap_audit,) = (workdir / "res").glob("*-gap-canaries_one_run_audit.csv")
     gap = pd.read_csv(gap_audit)
     assert gap["canaries"].tolist() == [tiny.gap_canaries] and gap["norm"].tolist() == [1.0]

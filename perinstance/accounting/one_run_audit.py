@@ -1,14 +1,17 @@
 """Empirical lower bounds on ε from canary scores (docs/accounting.md §11): pure numpy/scipy.
 
 Scores follow the ecosystem's convention (jax_privacy's CanaryScoreAuditor): a higher score means
-"member", a guess is "in" when the score is at least a threshold, every threshold on the ROC
-curve's concave frontier is tried and the significance is split over them (Bonferroni). Three
-bounds, each the largest ε that the scores reject at the significance level:
+"member", a guess is "in" when the score is at least a threshold, and the significance is split over
+the thresholds tried (Bonferroni): by default a grid of guess counts fixed before the scores are seen
+(§11.7), or, to compare with jax_privacy, every vertex of the ROC curve's concave frontier (§11.1),
+whose number is read off the scores. Three bounds, each the largest ε that the scores reject at the
+significance level:
 
 - one_run_epsilon: Steinke, Nasr, Jagielski, "Privacy auditing with one (1) training run"
   (NeurIPS 2023), (ε, δ)-DP with m canaries each included with probability 1/2 (§11.2);
 - one_run_fdp_epsilon: its f-DP version for the Gaussian trade-off curve of (ε, δ) (Mahloujifar,
-  Melis, Chaudhuri, "Auditing f-differential privacy in one run", 2024) (§11.3);
+  Melis, Chaudhuri, "Auditing f-differential privacy in one run", 2024) (§11.3), whose recursion
+  (fdp_margins) takes any claimed curve (one_run_fdp.py);
 - clopper_pearson_epsilon: ε ≥ log((TPR − δ)/FPR) with Clopper–Pearson bounds on both rates (§11.4).
 
 one_run_cap and canaries_needed say what m canaries can show at most, and how many it takes (§11.6).
@@ -134,22 +137,38 @@ def gaussian_noise_for(*, epsilon: float, delta: float) -> float:
     return math.exp(brentq(log_delta_gap, low, high, xtol=1e-14, rtol=1e-15))
 
 
+def fdp_margins(inverse_blow_up: Callable[[float], float], canaries: int, guesses: np.ndarray,
+                correct: np.ndarray, significance: float) -> np.ndarray:
+    """§11.3, for any claimed trade-off curve f given by its inverse blow-up F(x) = f(1 − x): per (guesses r,
+    correct v) pair, positive when v right out of r is too many for the claim at `significance`.
+
+    Walks the bound on the probability of i or more right guesses down from i = v: starting from a = α·v/m,
+    b = α·(r − v)/m, each step raises b' = max(b, F(a)) and a' = min(a + i/(r − i)·(b' − b), 1), until b stops
+    moving; the margin is a + b − r/m. a and b never decrease, so the walk also stops once a + b > r/m: the
+    margin returned is then positive (the claim is rejected) but may be below the full walk's.
+    """
+    margins = []
+    for count, right_count in zip(np.asarray(guesses).tolist(), np.asarray(correct).tolist(), strict=True):
+        right, wrong = significance * right_count / canaries, significance * (count - right_count) / canaries
+        total = count / canaries
+        for remaining in range(right_count - 1, -1, -1):
+            raised = max(wrong, float(inverse_blow_up(right)))
+            if raised == wrong:
+                break
+            right = min(right + remaining / (count - remaining) * (raised - wrong), 1.0)
+            wrong = raised
+            if right + wrong > total:
+                break
+        margins.append(right + wrong - total)
+    return np.array(margins)
+
+
 def one_run_fdp_margin(*, canaries: int, guesses: int, correct: int, significance: float,
                         mu: float) -> float:
-    """§11.3: positive when `correct` of `guesses` right is too many for μ-GDP at `significance`.
-
-    Walks the bound on the probability of i or more right guesses down from i = v, each step
-    raised to what the trade-off curve Φ(Φ⁻¹(·) − μ) forces; rejects when the bounds exceed r/m.
-    """
-    right = significance * correct / canaries
-    wrong = significance * (guesses - correct) / canaries
-    for remaining in range(correct - 1, -1, -1):
-        raised = max(wrong, float(ndtr(ndtri(right) - mu)))
-        if raised == wrong:
-            break
-        right = min(right + remaining / (guesses - remaining) * (raised - wrong), 1.0)
-        wrong = raised
-    return right + wrong - guesses / canaries
+    """§11.3: positive when `correct` of `guesses` right is too many for μ-GDP at `significance`: fdp_margins
+    with the Gaussian's F(x) = Φ(Φ⁻¹(x) − μ)."""
+    return float(fdp_margins(lambda x: ndtr(ndtri(x) - mu), canaries, np.array([guesses]), np.array([correct]),
+                             significance)[0])
 
 
 def one_run_fdp_epsilon_at(*, canaries: int, guesses: int, correct: int, significance: float, delta: float,
@@ -174,66 +193,131 @@ def _largest_rejected(rejection_margin: Callable[[float], float], floor: float) 
     return brentq(rejection_margin, low, high, xtol=EPS_TOLERANCE)
 
 
-# --- the scores: every frontier threshold, Bonferroni ------------------------------------------
+# --- the thresholds: a pre-registered grid (§11.7) or jax_privacy's frontier (§11.1), Bonferroni ----------
 
-def _best_over_thresholds(frontier: Frontier, significance: float, delta: float,
+# §11.7: the numbers of guesses "in" tried, as fractions of the canaries, fixed before any score is seen. The
+# guesser says "in" for the round(fraction·m) highest scores (at least one); the union bound is over these 8.
+GUESS_FRACTIONS = (1 / 256, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
+THRESHOLD_STRATEGIES = ("grid", "frontier")
+
+
+def top_guesses(in_scores: np.ndarray, out_scores: np.ndarray,
+                fractions: tuple[float, ...] = GUESS_FRACTIONS) -> tuple[np.ndarray, np.ndarray]:
+    """§11.7: (guesses r, correct v) per fraction: "in" for the round(fraction·m) highest scores (at least 1).
+
+    Scores tied across the cut count their out-canaries first (the fewest right): the count is then at most what
+    any tie-breaking that does not look at the labels would give.
+    """
+    members, non_members = _finite(in_scores), _finite(out_scores)
+    scores = np.concatenate([members, non_members])
+    member = np.concatenate([np.ones(members.size, dtype=bool), np.zeros(non_members.size, dtype=bool)])
+    ranked = member[np.lexsort((member, -scores))]
+    guesses = np.array([max(1, round(fraction * scores.size)) for fraction in fractions])
+    return guesses, np.cumsum(ranked)[guesses - 1]
+
+
+def _finite(scores):
+    scores = np.asarray(scores, dtype=float).ravel()
+    if scores.size == 0:
+        raise ValueError("need at least one in-score and one out-score")
+    if not np.all(np.isfinite(scores)):
+        raise ValueError("scores must be finite numbers")
+    return scores
+
+
+@dataclass(frozen=True)
+class Guesses:
+    """The thresholds tried: (guesses r, correct v) at each, the canaries m, and the number of thresholds K that
+    the significance is split over."""
+
+    guesses: np.ndarray
+    correct: np.ndarray
+    members: int
+    non_members: int
+    thresholds: int
+
+    @property
+    def canaries(self) -> int:
+        return self.members + self.non_members
+
+
+def guesses_of(in_scores: np.ndarray, out_scores: np.ndarray, thresholds: str = "grid") -> Guesses:
+    """The guesses of a threshold strategy: "grid" (§11.7, GUESS_FRACTIONS, K fixed before the scores are seen) or
+    "frontier" (§11.1, jax_privacy's: every vertex of the ROC frontier, K read off the scores; for comparison)."""
+    if thresholds == "grid":
+        guesses, correct = top_guesses(in_scores, out_scores)
+        return Guesses(guesses=guesses, correct=correct, members=np.size(in_scores), non_members=np.size(out_scores),
+                       thresholds=len(GUESS_FRACTIONS))
+    if thresholds == "frontier":
+        frontier = roc_frontier(in_scores, out_scores)
+        return Guesses(guesses=frontier.true_positives + frontier.false_positives, correct=frontier.true_positives,
+                       members=frontier.members, non_members=frontier.non_members,
+                       thresholds=frontier.true_positives.size)
+    raise ValueError(f"thresholds must be one of {', '.join(THRESHOLD_STRATEGIES)}, not {thresholds!r}")
+
+
+def _best_over_thresholds(tried: Guesses, significance: float, delta: float,
                           epsilon_at: Callable[..., float]) -> float:
-    """max over frontier thresholds of epsilon_at(significance / thresholds), 0 when none rejects.
+    """max over the thresholds of epsilon_at(significance / thresholds), 0 when none rejects.
 
     A threshold whose raw precision v/r is at most e^ε/(1+e^ε) of the best ε so far cannot beat it
     (its one-sided binomial tail at that ε is at least 1/2), so it is skipped.
     """
-    level = significance / frontier.true_positives.size
+    level = significance / tried.thresholds
     best = 0.0
-    for correct, wrong in zip(frontier.true_positives.tolist(), frontier.false_positives.tolist(), strict=True):
-        guesses = correct + wrong
+    for correct, guesses in zip(tried.correct.tolist(), tried.guesses.tolist(), strict=True):
         if guesses == 0 or correct / guesses <= expit(best):
             continue
-        best = epsilon_at(canaries=frontier.canaries, guesses=guesses, correct=correct, significance=level,
+        best = epsilon_at(canaries=tried.canaries, guesses=guesses, correct=correct, significance=level,
                           delta=delta, floor=best)
     return best
 
 
-def one_run_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float, delta: float) -> float:
+def one_run_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float, delta: float,
+                    thresholds: str = "grid") -> float:
     """§11.2: Steinke et al.'s ε lower bound from the canaries' scores (higher = member), Bonferroni thresholds."""
     check_level(significance=significance, delta=delta)
-    return _best_over_thresholds(roc_frontier(in_scores, out_scores), significance, delta, one_run_epsilon_at)
+    return _best_over_thresholds(guesses_of(in_scores, out_scores, thresholds), significance, delta,
+                                 one_run_epsilon_at)
 
 
 def one_run_fdp_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float,
-                        delta: float) -> float:
+                        delta: float, thresholds: str = "grid") -> float:
     """§11.3: the f-DP (Gaussian trade-off) one-run ε lower bound, Bonferroni thresholds."""
     check_level(significance=significance, delta=delta)
-    return _best_over_thresholds(roc_frontier(in_scores, out_scores), significance, delta, one_run_fdp_epsilon_at)
+    return _best_over_thresholds(guesses_of(in_scores, out_scores, thresholds), significance, delta,
+                                 one_run_fdp_epsilon_at)
 
 
 def clopper_pearson_epsilon(in_scores: np.ndarray, out_scores: np.ndarray, *, significance: float,
-                            delta: float) -> float:
-    """§11.4: max over frontier thresholds of log((TPR_low − δ)/FPR_high), Bonferroni over both rates and thresholds.
+                            delta: float, thresholds: str = "grid") -> float:
+    """§11.4: max over the thresholds of log((TPR_low − δ)/FPR_high), Bonferroni over both rates and thresholds.
 
     Each rate's one-sided Clopper–Pearson end is at level significance/(2·thresholds): one end of
     audit_bounds.epsilon_lower_bound's two-sided intervals at confidence 1 − 2·level.
     """
     check_level(significance=significance, delta=delta)
-    frontier = roc_frontier(in_scores, out_scores)
-    confidence = 1 - significance / frontier.true_positives.size
-    return float(np.max(epsilon_lower_bound(frontier.true_positives, frontier.false_positives, frontier.members,
-                                            frontier.non_members, delta, confidence)))
+    tried = guesses_of(in_scores, out_scores, thresholds)
+    confidence = 1 - significance / tried.thresholds
+    return float(np.max(epsilon_lower_bound(tried.correct, tried.guesses - tried.correct, tried.members,
+                                            tried.non_members, delta, confidence)))
 
 
 # --- §11.6: what m canaries can show -----------------------------------------------------------
 
-def one_run_cap(*, members: int, non_members: int, significance: float, delta: float) -> float:
+def one_run_cap(*, members: int, non_members: int, significance: float, delta: float,
+                thresholds: str = "frontier") -> float:
     """§11.6: the largest §11.2 bound `members` in-canaries and `non_members` out-canaries can give.
 
-    It is the bound of perfectly separated scores (every in-canary above every out-canary): the
-    frontier is then (0, 0), (0, members), (non_members, members), K = 3 thresholds, and every
-    guess at the middle one is right.
+    It is the bound of perfectly separated scores (every in-canary above every out-canary). With the frontier the
+    thresholds are then (0, 0), (0, members), (non_members, members), K = 3, and every guess at the middle one is
+    right; with the grid (§11.7) the largest fraction whose guesses are all members decides.
     """
     check_level(significance=significance, delta=delta)
     if members < 1 or non_members < 1:
         raise ValueError(f"need at least one in-canary and one out-canary, got {members} and {non_members}")
-    return one_run_epsilon(np.ones(members), np.zeros(non_members), significance=significance, delta=delta)
+    return one_run_epsilon(np.ones(members), np.zeros(non_members), significance=significance, delta=delta,
+                           thresholds=thresholds)
 
 
 def canaries_needed(*, epsilon: float, significance: float, delta: float) -> int | None:

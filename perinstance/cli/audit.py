@@ -14,15 +14,22 @@ then exits with status 1. For the mean rule the summary also holds eps_lower aga
 ε of the sum rule's accounting at the same σ and q, and against the mean rule's own baseline
 (above it: status 1 too).
 
-One-run modes (docs/audit.md §1b; perinstance/audit/one_run.py):
+One-run modes (docs/audit.md §1b, §1d; perinstance/audit/one_run.py):
 
     python audit.py --in-scores in.txt --out-scores out.txt --significance 0.05 --delta 1e-6
     python audit.py --run NAME --one-run
+    python audit.py --self-test
 
-The first prints the one-run, f-DP one-run and Clopper–Pearson lower bounds on ε from anyone's
-canary scores (higher = member; one number a line, or .npy). The second audits each canary norm
-group of a run trained with --canaries against the accountant's upper bound for that sensitivity,
-writes res/<run>_one_run_audit.csv, and exits with status 1 on a violation.
+The first prints the one-run (ε, δ), f-DP (Gaussian curves) and Clopper–Pearson lower bounds on ε from
+anyone's canary scores (higher = member; one number a line, or .npy), on a grid of guess counts fixed
+before the scores are seen. The second audits each canary group of a run trained with --canaries
+(insertions into the noisy gradient sum, not examples of the model) or --input-canaries (crafted
+examples, sampled and clipped like real points): the f-DP one-run test of the group's per-step
+likelihood-ratio scores against the trade-off curve the accountant claims for their sensitivity over
+the whole run, the significance split over the groups. It writes res/<run>_one_run_audit.csv and exits
+with status 1 when a curve is rejected. The third trains four small runs, three with a fault planted in
+the trainer (noise ×½, clipping skipped, sampling at 2q), audits each, and exits 0 only if every fault
+is flagged and the correct run is not.
 """
 
 import argparse
@@ -35,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.audit import audit_simulation, one_run
+from perinstance.audit import audit_simulation, canary_audit, one_run, self_test
 from perinstance.cli import options
 from perinstance.cli.options import (
     HELP_FORMAT,
@@ -82,13 +89,18 @@ def build_parser(prog: str | None = None) -> Parser:
     add_device_argument(parser)
     scores = parser.add_argument_group("one-run audit (canary scores)")
     scores.add_argument("--one-run", action="store_true",
-                        help="audit the canaries of --run (trained with --canaries), group by group")
+                        help="audit the canaries of --run (trained with --canaries or --input-canaries), group by group")
     scores.add_argument("--in-scores", default=None,
                         help="scores of the held-in canaries, higher = member: one number a line, or .npy")
     scores.add_argument("--out-scores", default=None,
                         help="scores of the held-out canaries: one number a line, or .npy")
     scores.add_argument("--significance", type=probability, default=0.05,
-                        help="significance level of the one-run lower bounds (default 0.05)")
+                        help="significance level of the one-run lower bounds, split over a run's canary groups "
+                             "(default 0.05)")
+    scores.add_argument("--self-test", action="store_true",
+                        help="positive controls: train four small runs, three with a fault planted in the trainer "
+                             "(noise ×½, clipping skipped, sampling at 2q), audit each as --one-run does, exit 0 only "
+                             "if every fault is flagged and the correct run is not")
     return parser
 
 
@@ -171,29 +183,41 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
 
 
 def one_run_requested(args: argparse.Namespace) -> bool:
-    """Whether the parsed audit.py flags ask for a one-run mode."""
-    return args.one_run or args.in_scores is not None or args.out_scores is not None
+    """Whether the parsed audit.py flags ask for a one-run mode (or its self-test)."""
+    return args.one_run or args.self_test or args.in_scores is not None or args.out_scores is not None
 
 
 def one_run_main(args: argparse.Namespace) -> int:
-    """audit.py in a one-run mode (perinstance/audit/one_run.py): the parsed flags `args`."""
+    """audit.py in a one-run mode (perinstance/audit/one_run.py, canary_audit.py, self_test.py): the parsed flags
+    `args`."""
+    if args.self_test:
+        if args.run is not None or args.one_run or args.in_scores is not None or args.out_scores is not None:
+            raise UsageError("--self-test", "trains and audits its own runs: drop --run, --one-run and the scores")
+        training_flags = options.parse_training_flags([*self_test.SELF_TEST_FLAGS, "--data-root", args.data_root])
+        lines, behaved = self_test.self_test(training_flags=training_flags, significance=args.significance,
+                                             delta=args.delta)
+        for line in lines:
+            print(line)
+        return 0 if behaved else 1
     if args.one_run:
         if args.run is None:
             raise UsageError("--one-run", "needs --run NAME (a run trained with --canaries)")
         if args.in_scores is not None or args.out_scores is not None:
             raise UsageError("--in-scores", "give either --in-scores/--out-scores or --run with --one-run, not both")
         started = time.time()
-        config, rows = one_run.audit_run(args.run, args.models_dir, significance=args.significance, delta=args.delta)
+        config, rows = canary_audit.audit_run(args.run, args.models_dir, significance=args.significance,
+                                              delta=args.delta)
         out = args.out or os.path.join("res", f"{config.run}_one_run_audit.csv")
         fileio.write_csv(out, rows, flag="--out")
-        for line in one_run.table_lines(config, rows):
+        for line in canary_audit.table_lines(config, rows):
             print(line)
         print(f"audited {rows['canaries'].sum()} canaries in {len(rows)} groups in {time.time() - started:.1f}s; "
               f"wrote {out}")
         violated = rows[rows["violated"]]
         if len(violated):
-            print(f"VIOLATION: the canaries prove more than the accounting allows at norm(s) "
-                  f"{', '.join(f'{norm:g}' for norm in violated['norm'])} (eps_lower > eps_upper)")
+            print("VIOLATION: the canaries reject the accountant's trade-off curve for "
+                  + ", ".join(f"the {row.kind} canaries of norm {row.norm:g}" for row in violated.itertuples())
+                  + " (the accounting, or the training code, is wrong)")
         return 1 if len(violated) else 0
     if args.in_scores is None or args.out_scores is None:
         missing = "--out-scores" if args.out_scores is None else "--in-scores"
@@ -201,8 +225,9 @@ def one_run_main(args: argparse.Namespace) -> int:
                          if missing == "--out-scores" else "the scores of the held-in canaries are needed too")
     if args.run is not None:
         raise UsageError("--run", "scores from files audit no run: drop --run (or use --run NAME --one-run)")
-    bounds = one_run.score_bounds(one_run.read_scores(args.in_scores, "--in-scores"), one_run.read_scores(args.out_scores, "--out-scores"),
-                          significance=args.significance, delta=args.delta)
+    bounds = one_run.score_bounds(one_run.read_scores(args.in_scores, "--in-scores"),
+                                  one_run.read_scores(args.out_scores, "--out-scores"),
+                                  significance=args.significance, delta=args.delta)
     for name, value in bounds.items():
         print(f"{name}: {value:.6f}")
     return 0

@@ -250,10 +250,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "point) at every step and at the end, into models/<run>/tracked_norms.csv (.parquet past "
                             "100,000 rows): composed, a bound along the run (accounting.md §4)")
     group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
-                       help="white-box gradient canaries for the one-run audit: M of them, each in the run with "
+                       help="white-box gradient canaries for the one-run audit: M insertions into the noisy gradient "
+                            "sum (not examples of the model), drawn by the run's sampler, each in the run with "
                             "probability 1/2 (docs/audit.md)")
     group.add_argument("--canary-norms", default=None, metavar="C1,C2,...",
                        help="the canaries' norms as multiples of the bound Γ, one equal group each (default 1)")
+    group.add_argument("--input-canaries", type=non_negative_int, default=None, metavar="M",
+                       help="crafted input canaries for the one-run audit's implementation check: M examples that go "
+                            "through the sampler, per-sample gradients and clipping, each in the run with "
+                            "probability 1/2 (docs/audit.md)")
     return group
 
 

@@ -2,8 +2,9 @@
 against the suite's accounting of a point of their sensitivity; and, when `gap_canaries` > 0, the canaries of a
 realised-size mean-rule run against the sum rule's accounting.
 
-Finding "one-run audit" (a line per canary group, the cap m puts on any lower bound) and "the mean rule's gap in
-a trained run"; figure 10.
+Finding "one-run audit" (a line per canary group: both statistics, the idealised mechanism's bound, the caps),
+one_run_audit.csv in the output folder (a row per group and statistic) and "the mean rule's gap in a trained run";
+figure 10.
 """
 
 import math
@@ -14,33 +15,45 @@ import pandas as pd
 from perinstance.accounting import one_run_audit
 from perinstance.experiments.commands import ONE_RUN_FIGURE, RES_DIR, Commands
 from perinstance.experiments.config import ReproduceConfig, canary_flags, gap_run_flags
+from perinstance.files import fileio
 from perinstance.plots import one_run_plots
 from perinstance.train import canaries
 
+# The table of the output folder: one row per canary group and statistic (docs/audit.md §1b).
+TABLE = "one_run_audit.csv"
+STATISTICS = {"likelihood_ratio": "", "summed": "_summed"}
+
 
 def audit_canaries(commands: Commands, config: ReproduceConfig, run_name: str) -> pd.DataFrame:
-    """audit.py --run RUN --one-run (cached by its command and the run's canaries.csv), each group's row with the
-    cap its canaries put on any lower bound (`eps_cap`, §11.6) added."""
+    """audit.py --run RUN --one-run (cached by its command and the run's canaries.csv): one row per canary group."""
     run_dir = os.path.join("models", run_name)
-    rows = commands.account("audit.py", ["--run", run_name, "--one-run", "--significance",
+    return commands.account("audit.py", ["--run", run_name, "--one-run", "--significance",
                                          str(config.audit_significance), "--delta", str(config.delta)],
                             os.path.join(RES_DIR, f"{run_name}_one_run_audit.csv"),
                             os.path.join(run_dir, canaries.CANARY_FILE))
-    rows["eps_cap"] = [one_run_audit.one_run_cap(members=row.included, non_members=row.canaries - row.included,
-                                                 significance=config.audit_significance, delta=config.delta)
-                       for row in rows.itertuples()]
-    return rows
+
+
+def audit_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """one_run_audit.csv: per group and statistic, the f-DP lower bound, the upper bound (the smaller of RDP and
+    PLD) and the same test's bound on the idealised mechanism."""
+    return pd.DataFrame([{"canary_norm": row["norm"], "canaries": row["canaries"],
+                          "lower_bound": row[f"lower_bound{suffix}"], "upper_bound": row["upper_bound"],
+                          "ideal_lower_bound": row[f"ideal_lower_bound{suffix}"], "statistic": statistic}
+                         for _, row in rows.iterrows() for statistic, suffix in STATISTICS.items()])
 
 
 def main_run_audit(commands: Commands, config: ReproduceConfig, main_name: str, out_dir: str) -> dict:
-    """The main run's canaries audited per group, figure 10 drawn: {"run", "rows": one dict per group}."""
+    """The main run's canaries audited per group, one_run_audit.csv written and figure 10 drawn: {"run", "rows":
+    one dict per group}."""
     rows = audit_canaries(commands, config, main_name)
+    fileio.write_csv(os.path.join(out_dir, TABLE), audit_table(rows))
     with commands.timed("figure 10: the one-run audit"):
         one_run_plots.plot_one_run_audit(
-            rows["norm"].to_numpy(), rows["eps_lower"].to_numpy(), rows["eps_upper_rdp"].to_numpy(),
-            rows["eps_upper_pld"].to_numpy(), rows["eps_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE),
-            title=f"One-run audit of {main_name}: {config.canaries} canaries, significance "
-                  f"{config.audit_significance:g}, δ={config.delta:g}")
+            rows["norm"].to_numpy(), rows["lower_bound"].to_numpy(), rows["lower_bound_summed"].to_numpy(),
+            rows["ideal_lower_bound"].to_numpy(), rows["upper_rdp"].to_numpy(), rows["upper_pld"].to_numpy(),
+            rows["fdp_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE),
+            title=f"One-run audit of {main_name}\n{config.canaries} gradient canaries, significance "
+                  f"{config.audit_significance:g} over {len(rows)} groups, δ={config.delta:g}")
     return {"run": main_name, "rows": rows.to_dict("records")}
 
 
@@ -53,7 +66,7 @@ def gap_run_audit(commands: Commands, config: ReproduceConfig, gap_name: str, de
     commands.run("train_dpsgd.py", gap_run_flags(config, gap_name, device,
                                                  tuple(canary_flags(config.gap_canaries, (1.0,)))))
     (row,) = audit_canaries(commands, config, gap_name).to_dict("records")
-    upper = min(row["eps_upper_rdp"], row["eps_upper_pld"])
+    upper = row["upper_bound"]
     needed = one_run_audit.canaries_needed(epsilon=upper, significance=config.audit_significance, delta=config.delta)
     others = config.gap_points + row["included"] - 1
     return {**row, "run": gap_name, "eps_upper": upper, "canaries_needed": needed,

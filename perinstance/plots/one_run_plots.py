@@ -1,5 +1,6 @@
-"""The figure of the one-run audit (docs/audit.md §1b): per canary norm group, the lower bound its canaries prove
-against the accountant's upper bounds for a point of that sensitivity.
+"""The figure of the one-run audit (docs/audit.md §1b): per canary norm group, the lower bounds its canaries prove
+(both statistics), the same test's bound on the idealised mechanism, and the accountant's upper bounds for a point
+of that sensitivity.
 
 As perinstance/plots/plots.py: the function takes arrays already computed, draws one figure, writes it
 atomically as a PNG and returns the numbers it shows.
@@ -10,44 +11,52 @@ import numpy as np
 
 from perinstance.plots.plots import SINGLE_PANEL, _as_1d, _fmt, _same_length, _save, _use_log_scale
 
-BAR_WIDTH = 0.25
+BAR_WIDTH = 0.16
 
 
-def plot_one_run_audit(norms: np.ndarray, eps_lower: np.ndarray, eps_upper_rdp: np.ndarray,
-                       eps_upper_pld: np.ndarray, eps_cap: np.ndarray, path: str,
+def plot_one_run_audit(norms: np.ndarray, lower: np.ndarray, lower_summed: np.ndarray, ideal: np.ndarray,
+                       upper_rdp: np.ndarray, upper_pld: np.ndarray, fdp_cap: np.ndarray, path: str,
                        title: str = "One-run audit per canary group") -> dict[str, list[float]]:
-    """Grouped bars per canary norm c (×Γ): the one-run lower bound and the RDP and PLD upper bounds, with the cap
-    the group's canaries put on any lower bound as a black tick. A lower bar above either upper bar is a violation,
-    drawn hatched. Returns {"lower", "upper", "ratio", "violated"} per group (upper: the smaller of the two)."""
-    norms, eps_lower = _as_1d("norms", norms), _as_1d("eps_lower", eps_lower)
-    eps_upper_rdp, eps_upper_pld = _as_1d("eps_upper_rdp", eps_upper_rdp), _as_1d("eps_upper_pld", eps_upper_pld)
-    eps_cap = _as_1d("eps_cap", eps_cap)
-    _same_length(norms=norms, eps_lower=eps_lower, eps_upper_rdp=eps_upper_rdp, eps_upper_pld=eps_upper_pld,
-                 eps_cap=eps_cap)
-    upper = np.minimum(eps_upper_rdp, eps_upper_pld)
-    violated = eps_lower > upper
+    """Grouped bars per canary norm c (×Γ): the f-DP lower bound of the likelihood-ratio statistic and of the summed
+    projection (last-iterate), the likelihood-ratio bound on the idealised mechanism, and the RDP and PLD upper
+    bounds, with the f-DP test's cap for these canaries as a black dashed tick. A lower bar above the upper bound is
+    a violation, drawn hatched. Returns {"lower", "ideal", "upper", "ratio", "ideal_ratio", "violated"} per group
+    (upper: the smaller of the two; ratio: lower/upper; ideal_ratio: lower/ideal)."""
+    arrays = {name: _as_1d(name, value) for name, value in (
+        ("norms", norms), ("lower", lower), ("lower_summed", lower_summed), ("ideal", ideal),
+        ("upper_rdp", upper_rdp), ("upper_pld", upper_pld), ("fdp_cap", fdp_cap))}
+    _same_length(**arrays)
+    norms, lower, lower_summed, ideal = (arrays[name] for name in ("norms", "lower", "lower_summed", "ideal"))
+    upper_rdp, upper_pld, fdp_cap = arrays["upper_rdp"], arrays["upper_pld"], arrays["fdp_cap"]
+    upper = np.minimum(upper_rdp, upper_pld)
+    violated = lower > upper
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(upper > 0, eps_lower / upper, np.nan)
+        ratio = np.where(upper > 0, lower / upper, np.nan)
+        ideal_ratio = np.where(ideal > 0, lower / ideal, np.nan)
 
     fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
     positions = np.arange(norms.size)
-    ax.bar(positions - BAR_WIDTH, eps_lower, BAR_WIDTH, color="tab:red", label="lower bound (canaries, §11.2)")
+    bars = [(lower, "tab:red", "lower bound, likelihood ratio of every step (f-DP test, §11.9)"),
+            (lower_summed, "salmon", "lower bound, summed projection (last-iterate)"),
+            (ideal, "tab:orange", "the same test on the idealised mechanism (§11.11)"),
+            (upper_rdp, "tab:blue", "upper bound, RDP (§4)"), (upper_pld, "tab:green", "upper bound, PLD (§8.2)")]
+    for offset, (values, color, label) in zip(np.arange(len(bars)) - (len(bars) - 1) / 2, bars, strict=True):
+        ax.bar(positions + offset * BAR_WIDTH, values, BAR_WIDTH, color=color, label=label)
+    first = positions - 2 * BAR_WIDTH
     if violated.any():
-        ax.bar((positions - BAR_WIDTH)[violated], eps_lower[violated], BAR_WIDTH, color="none", edgecolor="black",
-               hatch="//", label=f"VIOLATION: lower > upper ({violated.sum()})")
-    ax.bar(positions, eps_upper_rdp, BAR_WIDTH, color="tab:blue", label="upper bound, RDP (§4)")
-    ax.bar(positions + BAR_WIDTH, eps_upper_pld, BAR_WIDTH, color="tab:green", label="upper bound, PLD (§8.2)")
-    ax.hlines(eps_cap, positions - 1.5 * BAR_WIDTH, positions + 1.5 * BAR_WIDTH, colors="black", linestyles="--",
-              label="cap of any lower bound from these canaries")
-    for position, lower, share in zip(positions, eps_lower, ratio, strict=True):
-        ax.annotate(f"{_fmt(lower)}\n({_fmt(share)} of upper)", (position - BAR_WIDTH, max(lower, 0)),
-                    ha="center", va="bottom", fontsize=7)
-    _use_log_scale(ax, "y", np.concatenate([eps_lower, eps_upper_rdp, eps_upper_pld, eps_cap]))
+        ax.bar(first[violated], lower[violated], BAR_WIDTH, color="none", edgecolor="black", hatch="//",
+               label=f"VIOLATION: lower > upper ({violated.sum()})")
+    ax.hlines(fdp_cap, positions - 2.5 * BAR_WIDTH, positions + 2.5 * BAR_WIDTH, colors="black", linestyles="--",
+              label="cap of the f-DP test with these canaries")
+    for position, value, share in zip(first, lower, ratio, strict=True):
+        ax.annotate(f"{_fmt(value)}\n({_fmt(share)} of upper)", (position, max(value, 0)), ha="center",
+                    va="bottom", fontsize=7)
+    _use_log_scale(ax, "y", np.concatenate([lower, lower_summed, ideal, upper_rdp, upper_pld, fdp_cap]))
     ax.set_xticks(positions, [f"c = {norm:g}" for norm in norms])
-    ax.set_xlabel("canary norm group (sensitivity c·Γ)")
+    ax.set_xlabel("gradient canary group (sensitivity c·Γ)")
     ax.set_ylabel("ε over the whole run")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     _save(fig, path)
-    return {"lower": eps_lower.tolist(), "upper": upper.tolist(), "ratio": ratio.tolist(),
-            "violated": violated.tolist()}
+    return {"lower": lower.tolist(), "ideal": ideal.tolist(), "upper": upper.tolist(), "ratio": ratio.tolist(),
+            "ideal_ratio": ideal_ratio.tolist(), "violated": violated.tolist()}

@@ -37,7 +37,7 @@ DEFAULT_CHECKPOINTS = 10
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 # Flags added after runs were first named: left out of a run's identity while not given, so that the default
 # names of runs trained before them stay the same.
-LATER_FLAGS = {"save_steps", "canaries", "canary_norms"}
+LATER_FLAGS = {"save_steps", "canaries", "canary_norms", "input_canaries"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -89,6 +89,7 @@ class TrainingFlags:
     track_points: list | None
     canaries: int | None
     canary_norms: str | None
+    input_canaries: int | None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,7 +128,7 @@ def resolve_training_args(args: TrainingFlags) -> TrainingFlags:
     if args.seed < 0:
         raise UsageError("--seed", f"must be >= 0, got {args.seed}")
     _check_schedule(args)
-    check_canary_flags(args.canaries, parse_canary_norms(args.canary_norms), args.dp == 1)
+    check_canary_flags(args.canaries, parse_canary_norms(args.canary_norms), args.dp == 1, args.input_canaries)
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -196,6 +197,8 @@ def default_save_name(args: TrainingFlags) -> str:
         parts.append(f"less{args.less_point}")
     if args.canaries is not None:
         parts.append(f"canaries{args.canaries}")
+    if args.input_canaries is not None:
+        parts.append(f"inputcanaries{args.input_canaries}")
     if args.id is not None:
         parts.append(str(args.id))
     digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
@@ -259,6 +262,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         versions=VERSIONS,
         canaries=args.canaries or 0,
         canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
+        input_canaries=args.input_canaries or 0,
         user_code=user_code.sources(args.model, args.dataset),
     )
 
@@ -351,5 +355,5 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
 
 def _foreign_files(run_dir):
     """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
-    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.(csv|parquet)(\.lock)?|tracked|canaries\.csv|\.tmp-.*)$")
+    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.(csv|parquet)(\.lock)?|tracked|canaries\.csv|canary_projections\.npy|\.tmp-.*)$")
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))

@@ -28,6 +28,10 @@ RUN_FORMAT = 2
 FLAG = "--save-name"
 # The named stages of a run, besides fractions of training in [0, 1] (resolve_stages).
 STAGE_NAMES = ("initial", "middle", "final", "all")
+# The faults audit.py --self-test plants in its positive controls (docs/audit.md §1d), through the trainer alone:
+# the noise added at half the std run.json states, no clipping, and Poisson sampling at twice the rate q. A run
+# that carries one records it in run.json, and load_run refuses it: it is never read as a real run.
+PLANTED_FAULTS = ("half_noise", "no_clipping", "double_rate")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ class RunConfig:
     versions: dict
     canaries: int = 0  # white-box gradient canaries (perinstance/train/canaries.py)
     canary_norms: tuple | None = None  # their norms' groups, as multiples of Γ
+    input_canaries: int = 0  # crafted examples audited in the same way (perinstance/train/input_canaries.py)
+    # A fault planted by audit.py --self-test (PLANTED_FAULTS); None in every real run.
+    planted_fault: str | None = None
     # The files behind --model / --dataset specs, {"model"|"dataset": {spec, path, sha256}} (user_code.sources);
     # None for built-in ones, and in run.json files written before specs existed.
     user_code: dict | None = None
@@ -105,6 +112,9 @@ class RunConfig:
         for key, (expected, valid) in RUN_KEYS.items():
             if not valid(data[key]):
                 raise UsageError(FLAG, f"{path}: {key} is {_short(data[key])}, expected {expected}")
+        if data["planted_fault"] is not None:
+            raise UsageError(FLAG, f"{path} is a positive control of audit.py --self-test, trained with the planted "
+                                   f"fault {data['planted_fault']!r}: it is not a real run")
         values = {key: data[key] for key in RUN_KEYS}
         for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             values[name] = None if values[name] is None else tuple(values[name])
@@ -198,11 +208,14 @@ RUN_KEYS = {
     "versions": ("an object", lambda value: isinstance(value, dict)),
     "user_code": ("an object or null", _optional(lambda value: isinstance(value, dict))),
     "canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
+    "input_canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
+    "planted_fault": (f"null or one of {', '.join(PLANTED_FAULTS)}", lambda value: value is None or value in PLANTED_FAULTS),
     "canary_norms": ("a list of numbers in (0, 1] or null",
                      _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
 }
 # Runs written before canaries, or before --model / --dataset specs, existed have none.
-LATER_KEY_DEFAULTS = {"canaries": 0, "canary_norms": None, "user_code": None}
+LATER_KEY_DEFAULTS = {"canaries": 0, "canary_norms": None, "user_code": None, "input_canaries": 0,
+                      "planted_fault": None}
 
 
 def _json_type(value):

@@ -24,6 +24,7 @@ from perinstance.files import checkpoints, tracked_rows
 from perinstance.persample import gradients, layer_pass
 from perinstance.train import canaries, clipping, distributed, run_plan, runs, sampling, tracking, user_code
 from perinstance.train.data import Dataset, load_dataset
+from perinstance.train.input_canaries import InputCanaries
 from perinstance.train.nets import build_model
 
 # Steps between reads of the batch losses: reading a value back from a GPU waits for the queued work, so reading
@@ -138,8 +139,15 @@ class Trainer:
         self.model.eval()
         self.params = layer_pass.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
-        self.noise_std = Mechanism.of_run(run, "sum").noise_std
+        # A planted fault (runs.PLANTED_FAULTS, audit.py --self-test only) is applied where the real step does the
+        # thing it breaks; run.json still states the mechanism without it.
+        self.noise_std = Mechanism.of_run(run, "sum").noise_std / (2 if run.planted_fault == "half_noise" else 1)
         self.canaries = canaries.Canaries(run, self.params, self.device) if run.canaries else None
+        self.input_canaries = InputCanaries(run, dataset.train_x, self.device) if run.input_canaries else None
+        if self.input_canaries:  # an included input canary is a training example after the real ones
+            self.train_x = torch.cat([self.train_x, self.input_canaries.inputs])
+            self.train_y = torch.cat([self.train_y, self.input_canaries.labels])
+        self.projections = canaries.ProjectionLog() if run.canaries or run.input_canaries else None
         # Examples per pass, from the model's shapes and the device's kind alone: the passes a batch is cut into
         # (gradients.batch_passes, of its size and this), hence the order of its sums and every bit of a step,
         # depend on nothing but the batch drawn.
@@ -153,14 +161,18 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "test_accuracy": accuracy,
-            **({"canary_scores": self.canaries.scores.to("cpu", copy=True)} if self.canaries else {}),
+            **(self.projections.payload(step, self.run.canaries + self.run.input_canaries) if self.projections
+               else {}),
         }
 
     def restore(self, payload: dict) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
-        if self.canaries:
-            self.canaries.scores = payload["canary_scores"].to(self.device)
+        if self.projections:
+            if canaries.PROJECTIONS_KEY not in payload:
+                raise UsageError("--save-name", f"checkpoint {payload['step']} of {self.run.run} holds no canary "
+                                                "projections (an earlier version's); train the run again")
+            self.projections.restart(payload["step"])
 
     def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
@@ -196,10 +208,47 @@ class Trainer:
     def _weights(self, norms):
         """w(||g_i||) of h(g) = w·g (§1)."""
         run = self.run
+        if run.planted_fault == "no_clipping":
+            return torch.ones_like(norms)
         return clipping.scale_weights(norms, run.clipping, run.clip_norm, run.scale_r, run.scale_s)
 
-    def privatised_gradient(self, step: int, batch: np.ndarray) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """ũ/B_exp (sum rule) or m(B) + noise (mean rule), in average-gradient units (§1)."""
+    def draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step `step`'s Poisson batch: (the training examples in it, real points and included input canaries, as
+        indices into train_x; the included gradient canaries in it). One draw over the real points, then the
+        gradient canaries, then the input canaries: the real points' batch is the one a run without canaries
+        draws."""
+        run = self.run
+        rate = min(1.0, 2 * run.sample_rate) if run.planted_fault == "double_rate" else run.sample_rate
+        drawn = sampling.poisson_batch(run.seed, step, run.dataset_size + run.canaries + run.input_canaries, rate)
+        extra = drawn[drawn >= run.dataset_size] - run.dataset_size
+        gradient_members = self.canaries.members(extra[extra < run.canaries]) if self.canaries else extra[:0]
+        batch = drawn[drawn < run.dataset_size]
+        if self.input_canaries:
+            batch = np.concatenate([batch, run.dataset_size + self.input_canaries.members(
+                extra[extra >= run.canaries] - run.canaries)])
+        return batch, gradient_members
+
+    def project(self, update: list[torch.Tensor]) -> torch.Tensor:
+        """Every canary's x at this step (gradient canaries, then input canaries), at θ_{t−1}."""
+        rows = [self.canaries.project(update)] if self.canaries else []
+        if self.input_canaries:
+            rows.append(self.input_canaries.project(self.model, update, self.chunk))
+        return torch.cat(rows)
+
+    def canary_record(self, run_dir: str) -> canaries.CanaryRecord:
+        """The run's canaries with their projections at every step, from its checkpoints."""
+        run = self.run
+        kinds = np.repeat([canaries.GRADIENT, canaries.INPUT], [run.canaries, run.input_canaries])
+        norms = np.concatenate([self.canaries.norms if self.canaries else [], np.ones(run.input_canaries)])
+        included = np.concatenate([self.canaries.included if self.canaries else np.zeros(0, dtype=bool),
+                                   self.input_canaries.included if self.input_canaries else np.zeros(0, dtype=bool)])
+        return canaries.CanaryRecord(kinds=kinds, norms=norms, included=included,
+                                     projections=canaries.gather_projections(run_dir, run, len(kinds)))
+
+    def privatised_gradient(self, step: int, batch: np.ndarray, gradient_canaries: np.ndarray = ()
+                            ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """ũ/B_exp (sum rule) or m(B) + noise (mean rule), in average-gradient units (§1), with the gradient
+        canaries `gradient_canaries` added to the clipped sum."""
         run = self.run
         if not len(batch):
             summed, losses = [torch.zeros_like(param) for param in self.params], torch.zeros(0)
@@ -209,9 +258,8 @@ class Trainer:
             summed, losses = self.gradient_sum(torch.as_tensor(batch, device=self.device))
         if not run.private:
             return [total / max(len(batch), 1) for total in summed], losses
-        canaries_in = self.canaries.sampled(step) if self.canaries else []
-        if len(canaries_in):
-            self.canaries.add_to(summed, canaries_in)
+        if len(gradient_canaries):
+            self.canaries.add_to(summed, gradient_canaries)
         generator = sampling.torch_generator(run.seed, sampling.NOISE_STREAM, step, self.device)
         noises = [torch.normal(0.0, self.noise_std, param.shape, generator=generator, device=self.device)
                   for param in self.params]
@@ -221,7 +269,7 @@ class Trainer:
             torch._foreach_add_(summed, noises)
             torch._foreach_div_(summed, run.batch_size)
         else:
-            torch._foreach_div_(summed, max(len(batch) + len(canaries_in), 1))
+            torch._foreach_div_(summed, max(len(batch) + len(gradient_canaries), 1))
             torch._foreach_div_(noises, run.batch_size)
             torch._foreach_add_(summed, noises)
         return summed, losses
@@ -229,10 +277,10 @@ class Trainer:
     def step(self, step: int) -> torch.Tensor | None:
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
         θ_{step−1}) as a tensor on the device, not read back (see train_run), None for an empty batch."""
-        batch = sampling.poisson_batch(self.run.seed, step, self.run.dataset_size, self.run.sample_rate)
-        update, losses = self.privatised_gradient(step, batch)
-        if self.canaries:
-            self.canaries.score(update)
+        batch, gradient_canaries = self.draw(step)
+        update, losses = self.privatised_gradient(step, batch, gradient_canaries)
+        if self.projections:
+            self.projections.append(self.project(update))
         for param, grad in zip(self.params, update):
             param.grad = grad
         for group in self.optimizer.param_groups:
@@ -345,8 +393,8 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     progress.close()
     if tracker and not tracked_rows.has_table(run_dir):
         tracker.write_table(run_dir, trainer.train_y)
-    if trainer.canaries:
-        canaries.write_canaries(run_dir, trainer.canaries)
+    if trainer.projections:
+        canaries.write_canaries(run_dir, run, trainer.canary_record(run_dir))
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
                    train_seconds=time.time() - started, steps_seconds=steps_seconds,
                    tracking_seconds=tracker.seconds if tracker else 0.0)
