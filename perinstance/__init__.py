@@ -12,7 +12,7 @@ The package is layered; imports flow one way, lowest layer first (tests/test_lay
     experiments/  reproduce.py's experiments, presets and report
 
 errors.py, console.py, openmp_settings.py and malloc_settings.py stay here at the package top: the base every layer may
-import. api.py is the public Python API on top of every layer; it is imported on first use (PEP
+import. api/ is the public Python API on top of every layer; it is imported on first use (PEP
 562), so that importing a pure-math module of the package does not import torch.
 """
 

@@ -1,4 +1,4 @@
-"""The Python API (perinstance/api.py, docs/api.md) and the Opacus example against independent computations:
+"""The Python API (perinstance/api/, docs/api.md) and the Opacus example against independent computations:
 Opacus's and dp_accounting's accountants for the worst case, Opacus's RDP of σ/s for a constant Δ*/Γ = s,
 renyi_per_instance_sum_compo.py on the example's own Δ*, compute_sensitivity.py and plain autograd for Δ*."""
 

@@ -12,7 +12,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "perinstance"
 # Lowest first: each layer may import the ones before it.
-# api is the public Python API (perinstance/api.py) on top of every layer.
+# api is the public Python API (perinstance/api/) on top of every layer.
 LAYERS = ("accounting", "files", "train", "measure", "accountants", "audit", "plots", "experiments", "api")
 BASE = ("errors", "console", "openmp_settings", "malloc_settings")
 # The package top may import the API, and only it: its lazy export of IndividualAccountant and sensitivities.
@@ -119,12 +119,14 @@ def test_a_lazy_import_counts():
 def test_the_layers_are_subpackages_whose_init_imports_nothing():
     subpackages = sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
     assert len(subpackages) >= 5
-    assert sorted(layer for layer in LAYERS if layer != "api") == subpackages
+    assert sorted(LAYERS) == subpackages
     for name in subpackages:
         tree = ast.parse((PACKAGE / name / "__init__.py").read_text())
         assert ast.get_docstring(tree), name
-        assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))], name
-    assert {path.stem for path in PACKAGE.glob("*.py")} == {"__init__", *BASE, "api"}
+        # The API's __init__ re-exports its public names; no other layer's imports anything.
+        assert name == "api" or not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))], \
+            name
+    assert {path.stem for path in PACKAGE.glob("*.py")} == {"__init__", *BASE}
 
 
 def test_no_module_is_over_the_line_limit():

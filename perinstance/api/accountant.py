@@ -1,28 +1,20 @@
-"""The public Python API: per-instance privacy of DP-SGD for any training loop (docs/api.md).
-
-`IndividualAccountant` is shaped like Opacus's accountants: one `step` per optimizer step, with each
-point's sensitivity Δ*/Γ of that step, and `get_epsilon(delta)` gives one ε per point. It composes
-the sum rule exactly as renyi_per_instance_sum_compo.py does (docs/accounting.md §4 by Rényi DP,
-§8.2 by privacy loss distributions): a run of steps with the same Δ* is a checkpoint of the scripts.
-`sensitivities` measures Δ* (§2, sum rule) at a model's current parameters.
+"""`IndividualAccountant` (docs/api.md), shaped like Opacus's accountants: one `step` per optimizer step, with
+each point's sensitivity Δ*/Γ of that step, and `get_epsilon(delta)` gives one ε per point. It composes the sum
+rule exactly as renyi_per_instance_sum_compo.py does (docs/accounting.md §4 by Rényi DP, §8.2 by privacy loss
+distributions): a run of steps with the same Δ* is a checkpoint of the scripts.
 """
 
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
 from opacus.accountants import RDPAccountant
-from opacus.grad_sample import AbstractGradSampleModule
-from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from perinstance.accountants import composition
 from perinstance.accounting import pld, pld_grid, rdp_composition
-from perinstance.measure.gradient_rows import transformed_norms
-from perinstance.train import user_code
-from perinstance.train.clipping import CLIPPING_CHOICES, Transform
+from perinstance.api import arguments
 
 ACCOUNTANTS = ("rdp", "pld")
 # The scripts' orders and Opacus's RDPAccountant's: ε at every sensitivity 1 is then never above Opacus's own,
@@ -30,27 +22,6 @@ ACCOUNTANTS = ("rdp", "pld")
 DEFAULT_ORDERS = tuple(np.unique(np.concatenate([rdp_composition.COMPOSITION_ORDERS, RDPAccountant.DEFAULT_ALPHAS])))
 # A clipped norm Δ* = min(||g||, C) divided by C can land a few float32 ulps above 1; such ratios count as 1.
 RATIO_TOLERANCE = 1e-6
-
-
-def _number(name: str, value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, not {value!r}") from None
-
-
-def _positive_finite(name: str, value: float) -> float:
-    value = _number(name, value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, not {value!r}")
-    return value
-
-
-def _sample_rate(value: float) -> float:
-    value = _number("sample_rate", value)
-    if not 0 < value <= 1:
-        raise ValueError(f"sample_rate must be in (0, 1], not {value!r}")
-    return value
 
 
 class IndividualAccountant:
@@ -95,8 +66,8 @@ class IndividualAccountant:
         sensitivities: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
         [0, 1]); None: every point at the worst case 1.
         """
-        self._append(_positive_finite("noise_multiplier", noise_multiplier), _sample_rate(sample_rate), 1,
-                     self._checked_ratios(sensitivities))
+        self._append(arguments.positive_finite("noise_multiplier", noise_multiplier),
+                     arguments.sample_rate(sample_rate), 1, self._checked_ratios(sensitivities))
 
     def _append(self, noise_multiplier, sample_rate, num_steps, ratios):
         if self._history:
@@ -148,15 +119,15 @@ class IndividualAccountant:
         ε the larger of the remove and add directions. Each Δ*/Γ is rounded up to a multiple of
         `rounding` (0: exact), as the scripts' --rounding.
         """
-        delta = _number("delta", delta)
+        delta = arguments.number("delta", delta)
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), not {delta!r}")
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, not {accountant!r}")
-        holder_b = _number("holder_b", holder_b)
+        holder_b = arguments.number("holder_b", holder_b)
         if not holder_b > 1:
             raise ValueError(f"holder_b must be > 1 (math.inf: plain composition), not {holder_b!r}")
-        rounding = _number("rounding", rounding)
+        rounding = arguments.number("rounding", rounding)
         if not 0 <= rounding <= 1:
             raise ValueError(f"rounding must be in [0, 1] (a fraction of the clip bound), not {rounding!r}")
         orders = np.unique(np.asarray(orders, dtype=float))
@@ -172,7 +143,7 @@ class IndividualAccountant:
         if accountant == "pld":
             if math.isfinite(holder_b):
                 raise ValueError(f"holder_b must be math.inf with accountant='pld' (§8), not {holder_b:g}")
-            pld_interval = _positive_finite("pld_interval", pld_interval)
+            pld_interval = arguments.positive_finite("pld_interval", pld_interval)
             noise_multiplier, sample_rate, checkpoints, ratios, total_steps = mechanisms[0]
             return pld.sum_rule_eps(ratios.T, checkpoints, total_steps, sample_rate=sample_rate,
                                     noise_multiplier=noise_multiplier, delta=delta, rounding=rounding,
@@ -216,105 +187,9 @@ class IndividualAccountant:
             num_steps = entry["num_steps"]
             if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
                 raise ValueError(f"state_dict num_steps must be an integer >= 1, not {num_steps!r}")
-            history.append((_positive_finite("noise_multiplier", entry["noise_multiplier"]),
-                            _sample_rate(entry["sample_rate"]), num_steps, self._checked_ratios(entry["sensitivities"])))
+            history.append((arguments.positive_finite("noise_multiplier", entry["noise_multiplier"]),
+                            arguments.sample_rate(entry["sample_rate"]), num_steps,
+                            self._checked_ratios(entry["sensitivities"])))
         self._history = []
         for entry in history:
             self._append(*entry)
-
-
-# --- Δ* of a model's points ------------------------------------------------------------------
-
-def _examples(data, points):
-    """(inputs, labels) tensors of `points` (None: every example) of a Dataset, a DataLoader's dataset or a
-    pair of tensors."""
-    if isinstance(data, DataLoader):
-        data = data.dataset
-    if isinstance(data, tuple | list) and len(data) == 2 and all(isinstance(part, torch.Tensor) for part in data):
-        inputs, labels = data
-        if len(inputs) != len(labels):
-            raise ValueError(f"data: {len(inputs)} inputs but {len(labels)} labels")
-    elif isinstance(data, TensorDataset) and len(data.tensors) == 2:
-        inputs, labels = data.tensors
-    elif isinstance(data, Dataset):
-        size = len(data)
-        chosen = range(size) if points is None else [int(point) for point in points]
-        if any(not 0 <= point < size for point in chosen):
-            raise ValueError(f"points must be indices in [0, {size})")
-        return user_code.pair_tensors(data, chosen)
-    else:
-        raise ValueError("data must be a torch Dataset of (input, label) pairs, a DataLoader over one, or a pair "
-                         f"(inputs, labels) of tensors, not {type(data).__name__}")
-    if points is None:
-        return inputs, labels.long()
-    index = torch.as_tensor(np.asarray(points, dtype=np.int64))
-    if index.ndim != 1 or ((index < 0) | (index >= len(labels))).any():
-        raise ValueError(f"points must be a list of indices in [0, {len(labels)})")
-    return inputs[index], labels[index].long()
-
-
-@contextmanager
-def _without_opacus_hooks(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """The network to measure: `model`, or the one inside an Opacus wrapper (GradSampleModule, ghost clipping's
-    GradSampleModuleFastGradientClipping, ...), whose layers then run without the hooks Opacus registered on them
-    until the block ends (the network's own hooks, such as weight norm's, stay). Even disabled, Opacus's full
-    backward hooks stop torch.func, which takes the layers the engine lacks and checks the ones it covers, and
-    ghost clipping's raise in any backward whose forward they did not see. Every hook is back after, in its
-    place: the wrapper is left as it was. No copy of the network is made (a GPU model's memory twice)."""
-    if not isinstance(model, AbstractGradSampleModule):
-        yield model
-        return
-    opacus_hooks = {handle.id for handle in getattr(model, "autograd_grad_sample_hooks", [])}
-    saved = []
-    for module in model._module.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-                      module._backward_hooks):
-            if any(key in opacus_hooks for key in hooks):
-                saved.append((hooks, list(hooks.items())))
-                for key in [key for key in hooks if key in opacus_hooks]:
-                    del hooks[key]
-    try:
-        yield model._module
-    finally:
-        for hooks, entries in saved:
-            hooks.clear()
-            hooks.update(entries)
-
-
-def sensitivities(model: torch.nn.Module, data: Dataset | DataLoader | tuple[torch.Tensor, torch.Tensor],
-                  clip_bound: float, clipping: str = "flat", points: Sequence[int] | None = None, *,
-                  scale_r: float | None = None, scale_s: float | None = None) -> torch.Tensor:
-    """Δ* = ||h(g_i)|| of each point at the model's current parameters (docs/accounting.md §2, sum rule).
-
-    g_i is the gradient of the point's cross-entropy; h the transform of `clipping` (§1): flat gives
-    min(||g_i||, clip_bound), psac and psasc need `scale_r` (and psasc `scale_s`) and are bounded by
-    Γ = clip_bound (psasc: clip_bound/scale_s). Divide by Γ for IndividualAccountant.step.
-    data: a torch Dataset of (input, label) pairs, a DataLoader (its dataset is read in index order, not
-    its batches, which Poisson sampling draws at random), or a pair (inputs, labels) of tensors.
-    points: indices into data (None: all). The model (or the module inside an Opacus wrapper) is
-    evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of perinstance/train/gradients.py
-    (Linear, Conv2d, GroupNorm; other layers by torch.func, perinstance/train/fallback_norms.py), checked as a
-    --model network is: a parameter that two layers share, or that is used outside its layer's forward, comes
-    from torch.func too. Returns a float64 tensor, one Δ* per point, on the CPU.
-    """
-    if clipping not in CLIPPING_CHOICES:
-        raise ValueError(f"clipping must be one of {', '.join(CLIPPING_CHOICES)}, not {clipping!r}")
-    clip_bound = _positive_finite("clip_bound", clip_bound)
-    if clipping in ("psac", "psasc"):
-        scale_r = _positive_finite("scale_r", scale_r if scale_r is not None else math.nan)
-    if clipping == "psasc":
-        scale_s = _positive_finite("scale_s", scale_s if scale_s is not None else math.nan)
-    transform = Transform(clipping, clip_bound, scale_r, scale_s)
-    inputs, labels = _examples(data, points)
-    if not any(param.requires_grad for param in model.parameters()):
-        raise ValueError("model has no trainable parameter, so no gradient to measure (is every parameter frozen?)")
-    with _without_opacus_hooks(model) as network:
-        device = next(network.parameters()).device
-        was_training = network.training
-        network.eval()
-        try:
-            with user_code.checked_as_user_model(network):  # a tied weight, or one used outside its layer
-                norms, _ = transformed_norms(network, inputs, labels, transform, device)
-        finally:
-            network.train(was_training)
-    return torch.from_numpy(norms)
