@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
-from perinstance.train.layer_forms import SQUARED_NORMS, LayerNorms, conv2d_norm_form, group_norm_rows, weight_gradients
+from perinstance.train import batches, layer_forms, sequence_forms
+from perinstance.train.layer_forms import LayerNorms, conv2d_norm_form, group_norm_rows, linear_norm_form
+
+# The layers with a closed form, and how each takes its per-sample norms from its input and output gradient.
+SQUARED_NORMS = {**layer_forms.SQUARED_NORMS, **sequence_forms.SQUARED_NORMS}
 
 # Opacus's hooks fire on the first layer whose input needs no gradient; torch warns each
 # time although per-sample gradients of the parameters are exactly what is wanted.
@@ -112,15 +117,36 @@ CHECKED_LAYER_BYTES = 128 << 20
 # One forward records every parameter layer's input and output; one backward w.r.t. the outputs gives the
 # gradients b_i of every layer's output, and layer_forms.py each layer's ||g_i||² and its part of the clipped sum.
 
+@dataclass(frozen=True)
+class OutputEdge:
+    """Where the gradient of a layer's output enters the autograd graph, as the layer's forward left it: the
+    gradient edge of its output (torch.autograd.graph.get_gradient_edge), so that an in-place operation applied
+    to the output after the layer (ReLU(inplace=True)) leaves the gradient wanted, that of the layer's own
+    output, in place; with the output's shape, for a gradient of zeros where the loss does not reach it."""
+
+    target: object  # a GradientEdge, or the tensor itself where it has no grad_fn
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, output: torch.Tensor) -> "OutputEdge":
+        target = get_gradient_edge(output) if output.grad_fn is not None else output
+        return cls(target, output.shape, output.dtype, output.device)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
 @dataclass
 class _Pass:
-    """One forward pass with every parameter layer's input and output (None for a GroupNorm layer with parameter
-    rows), and the per-example losses."""
+    """One forward pass with every parameter layer's input and OutputEdge (None for a GroupNorm layer with
+    parameter rows), and the per-example losses."""
 
     layers: list
     inputs: list
     outputs: list
-    logits: torch.Tensor
+    logits: object
     losses: torch.Tensor
     group_norm_rows: dict  # GroupNorm layer -> its per-sample parameter rows (layer_forms.group_norm_rows)
 
@@ -133,7 +159,22 @@ class _Pass:
         return grad_outputs, norms_by_layer
 
 
-def _forward(model, inputs, labels, owners=None):
+def record_application(layer_input: object, output: object) -> tuple:
+    """What a pass keeps of one application of a layer: (its input detached, the input's version, its output's
+    OutputEdge); (None, None, None) for an application the closed forms cannot take (a layer input that is not a
+    tensor, an attention layer applied to other keys than its queries)."""
+    if not isinstance(layer_input, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None, None, None
+    return layer_input.detach(), layer_input._version, OutputEdge.of(output)
+
+
+def modified_in_place(layer_input: torch.Tensor | None, version: int | None) -> bool:
+    """Whether a recorded layer input was changed in place after the layer read it (a closed form would read the
+    changed values)."""
+    return layer_input is not None and layer_input._version != version
+
+
+def _forward(model, inputs, labels, owners=None, loss_fn=None):
     layers = _parameter_layers(model, owners)
     recorded, rows = {}, {}
 
@@ -144,52 +185,78 @@ def _forward(model, inputs, labels, owners=None):
         # A GroupNorm layer with parameter rows takes its gradients from them, not from its input and output: not
         # holding its output lets the forward free it where nothing else keeps it (ResNet-20's, read by a ReLU or
         # a residual sum, neither of which saves its input: 92 MiB per 128 examples) and reuse that memory.
-        recorded[layer] = (None, None) if layer in rows else (layer_inputs[0].detach(), output)
+        if layer in rows:
+            recorded[layer] = (None, None, None)
+            return
+        recorded[layer] = record_application(layer_inputs[0], output)
+        if recorded[layer][2] is None:
+            raise ValueError(f"{type(layer).__name__} is applied in a way its closed form does not take "
+                             "(attention to other keys than its queries, or unbatched inputs)")
 
-    with group_norm_rows(layers, rows):
+    with group_norm_rows(layers, rows), sequence_forms.attention_projections(layers, record):
         logits = forward_with_hook(model, layers, record, inputs)
     layers = [layer for layer in layers if layer in recorded]
-    return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][1] for layer in layers],
-                 logits, F.cross_entropy(logits, labels, reduction="none"), rows)
+    count = batches.count(inputs)
+    for layer in layers:
+        layer_input, version, output = recorded[layer]
+        if modified_in_place(layer_input, version):
+            raise ValueError(f"{type(layer).__name__}: its input is changed in place after the layer read it; its "
+                             "per-sample gradient would read the changed values")
+        if output is not None and (len(layer_input) != count or output.shape[0] != count):
+            raise ValueError(f"{type(layer).__name__}: its input or output does not have the {count} examples along "
+                             f"its first dimension (shapes {tuple(layer_input.shape)}, {tuple(output.shape)})")
+    return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][2] for layer in layers],
+                 logits, batches.per_example_loss(logits, labels, loss_fn), rows)
 
 
-def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor) -> torch.Tensor:
-    """model(inputs) with `hook` registered as a forward hook of each of `layers` for this call only."""
-    handles = [layer.register_forward_hook(hook) for layer in layers]
+def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: object) -> object:
+    """batches.apply_model(model, inputs) with `hook` registered as a forward hook of each of `layers` for this
+    call only (an attention layer calls it itself, within sequence_forms.attention_projections)."""
+    handles = [layer.register_forward_hook(hook) for layer in layers
+               if not isinstance(layer, sequence_forms.SELF_RECORDING)]
     try:
-        return model(inputs)
+        return batches.apply_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
 
 
-def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
+def layer_shapes(model: nn.Module, example: object) -> list:
     """(layer, input shape, output shape) of every parameter layer the forward of `example` (a batch of one)
-    applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass."""
+    applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass.
+    An attention layer's shapes are those of its input projection."""
     shapes = []
+    layers = _parameter_layers(model)
 
     def record(layer, layer_inputs, output):
-        shapes.append((layer, layer_inputs[0].shape, output.shape))
+        if isinstance(layer_inputs[0], torch.Tensor) and isinstance(output, torch.Tensor):
+            shapes.append((layer, layer_inputs[0].shape, output.shape))
 
-    with torch.no_grad():
-        forward_with_hook(model, _parameter_layers(model), record, example)
+    with torch.no_grad(), sequence_forms.attention_projections(layers, record):
+        forward_with_hook(model, layers, record, example)
     return shapes
 
 
-def norm_forms(model: nn.Module, example: torch.Tensor) -> dict:
+def norm_forms(model: nn.Module, example: object) -> dict:
     """How the norms pass takes each parameter layer (by name) on examples shaped as `example`: the
-    convolutions' `conv2d_norm_form`, "ghost" for a Linear layer, "per-sample" for a GroupNorm layer."""
+    convolutions' `conv2d_norm_form`, an affine map's `linear_norm_form` (attention's input projection too),
+    "rows by id" for an Embedding, "per-sample" for a normalisation layer."""
     names = {layer: name for name, layer in model.named_modules()}
     forms = {}
     for layer, input_shape, output_shape in layer_shapes(model, example):
         if isinstance(layer, nn.Conv2d):
             forms[names[layer]] = conv2d_norm_form(layer, input_shape[2:], output_shape[2:])
+        elif isinstance(layer, nn.Conv1d):
+            forms[names[layer]] = conv2d_norm_form(layer_forms.conv1d_as_conv2d(layer), (1, *input_shape[2:]),
+                                                   (1, *output_shape[2:]))
+        elif isinstance(layer, nn.Linear | nn.MultiheadAttention):
+            forms[names[layer]] = linear_norm_form(math.prod(input_shape[1:-1]), input_shape[-1], output_shape[-1])
         else:
-            forms[names[layer]] = "ghost" if isinstance(layer, nn.Linear) else "per-sample"
+            forms[names[layer]] = "rows by id" if isinstance(layer, nn.Embedding) else "per-sample"
     return forms
 
 
-def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torch.device = "cpu") -> int:
+def examples_per_pass(model: nn.Module, inputs: object, device: str | torch.device = "cpu") -> int:
     """Examples per pass of the norms engine (a norms-only pass, or a training step's norms and clipped sum) over
     examples shaped as `inputs`' on `device`: `pass_examples` of the model's largest layer output;
     FALLBACK_PASS_EXAMPLES where torch.func takes some of its layers; capped by CHECKED_LAYER_BYTES where the
@@ -201,7 +268,8 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     if not fallback_norms.engine_covers(owners):  # torch.func materialises its layers' per-sample gradients
         return FALLBACK_PASS_EXAMPLES
     element_size = next(model.parameters()).element_size()
-    largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, inputs[:1].to(device))), default=0)
+    example = batches.to_device(batches.take(inputs, slice(0, 1)), device)
+    largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, example)), default=0)
     chunk = pass_examples(largest * element_size, torch.device(device).type)
     if owners and fallback_norms.checked(model):  # engine_covers held above: only the check sends it to torch.func
         largest_layer = max(sum(param.numel() for param in params) for _, params in owners) * element_size
@@ -249,6 +317,14 @@ def _parameter_layers(model, owners=None):
     return layers
 
 
+def closed_form_applies(layer: nn.Module) -> bool:
+    """Whether the settings of `layer`, a type of SQUARED_NORMS, allow its closed form: a convolution with
+    numeric zero padding (not reflected, not "same"), and sequence_forms.closed_form_applies."""
+    if isinstance(layer, nn.Conv2d | nn.Conv1d):
+        return layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    return sequence_forms.closed_form_applies(layer)
+
+
 def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                 losses: torch.Tensor, group_norm_rows: dict | None = None) -> tuple:
     """The gradients b_i of the summed `losses` w.r.t. the `outputs` of `layers` (each applied once to its
@@ -265,8 +341,13 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
             for param, row in zip((layer.weight, layer.bias), pair) if row is not None and row.requires_grad]
     with_rows = {layer for layer, _, _ in rows}
     kept = [index for index, layer in enumerate(layers) if layer not in with_rows]
-    grads = torch.autograd.grad(losses.sum(), [*(outputs[index] for index in kept), *(row for _, _, row in rows)],
-                                materialize_grads=True)
+    edges = [outputs[index] if isinstance(outputs[index], OutputEdge) else OutputEdge.of(outputs[index])
+             for index in kept]
+    grads = torch.autograd.grad(losses.sum(), [*(edge.target for edge in edges), *(row for _, _, row in rows)],
+                                allow_unused=True)
+    # Zeros where the loss does not reach (a layer whose output is not used, a row of an unused parameter).
+    grads = [edge.zeros() if grad is None else grad for edge, grad in zip(edges, grads)] + [
+        torch.zeros_like(row) if grad is None else grad for (_, _, row), grad in zip(rows, grads[len(kept):])]
     grad_outputs, per_sample = [None] * len(outputs), {}
     for index, grad in zip(kept, grads):
         grad_outputs[index] = grad
@@ -285,36 +366,42 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
     return grad_outputs, (norms_of(index) for index in range(len(layers)))
 
 
-def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
-                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
+def per_sample_norms(model: nn.Module, inputs: object, labels: object,
+                     loss_fn: batches.LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """||g_i|| of the gradient of each example's loss (batches.per_example_loss: the cross-entropy unless
+    `loss_fn`); also per-example losses and the model's outputs (logits)."""
     from perinstance.train import fallback_norms
 
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
-        return fallback_norms.per_sample_norms(model, inputs, labels)
-    forward = _forward(model, inputs, labels, owners)
+        return fallback_norms.per_sample_norms(model, inputs, labels, loss_fn)
+    forward = _forward(model, inputs, labels, owners, loss_fn)
     _, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         squared = sum(norms.squared for norms in norms_by_layer)
-    return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
+    return squared.sqrt(), forward.losses.detach(), _detached(forward.logits)
 
 
-def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
-                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def _detached(outputs):
+    return batches.map_tensors(torch.Tensor.detach, outputs)
+
+
+def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor],
+                         loss_fn: batches.LossFn | None = None
+                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]:
     """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
     gives the norms (book-keeping, `weighted_layer_gradients`), without a second backward through the network.
 
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
-    losses; ||g_i||; logits).
+    losses; ||g_i||; logits). The loss is batches.per_example_loss's (the cross-entropy unless `loss_fn`).
     """
     from perinstance.train import fallback_norms
 
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
-        return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
-    forward = _forward(model, inputs, labels, owners)
+        return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms, loss_fn)
+    forward = _forward(model, inputs, labels, owners, loss_fn)
     grad_outputs, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
@@ -323,7 +410,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
                                           weights_of_norms(norms))
     # A layer the forward never applied has zero gradient.
     return ([summed[param] if param in summed else torch.zeros_like(param) for _, params in owners for param in params],
-            forward.losses.detach(), norms, forward.logits.detach())
+            forward.losses.detach(), norms, _detached(forward.logits))
 
 
 def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor],
@@ -341,7 +428,8 @@ def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch
         rest = [param for param in own_trainable_parameters(layer) if param not in summed]
         if rest:
             weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-            summed.update(weight_gradients(layer, layer_inputs, weighted, rest))
+            forms = sequence_forms if type(layer) in sequence_forms.SQUARED_NORMS else layer_forms
+            summed.update(forms.weight_gradients(layer, layer_inputs, weighted, rest))
     return summed
 
 
