@@ -5,16 +5,17 @@ distributions): a run of steps with the same Δ* is a checkpoint of the scripts.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import dp_accounting
 import numpy as np
 import torch
 from numpy.typing import ArrayLike
 from opacus.accountants import RDPAccountant
 
 from perinstance.accountants import composition
-from perinstance.accounting import pld, pld_grid, rdp_composition
-from perinstance.api import arguments
+from perinstance.accounting import dp_events, pld, pld_grid, rdp_composition
+from perinstance.api import arguments, opacus_hook
 
 ACCOUNTANTS = ("rdp", "pld")
 # The scripts' orders and Opacus's RDPAccountant's: ε at every sensitivity 1 is then never above Opacus's own,
@@ -30,17 +31,20 @@ class IndividualAccountant:
     num_points: the training points followed (any subset of the training set, in the order that
     `sensitivities` arrays use). Each `step` records one DP-SGD step: its noise multiplier σ,
     Poisson sample rate q and each point's Δ*/Γ (docs/accounting.md §2, at the parameters the step
-    starts from). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivities) with
+    starts from), measured at that step or held from an earlier measurement (§4: then the composition is an
+    estimate, `kind`). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivities) with
     consecutive equal steps merged, as Opacus's RDPAccountant merges (σ, q); len() is its length.
+    `attach` records the steps of an Opacus DPOptimizer by itself (api/opacus_hook.py).
     """
 
     def __init__(self, num_points: int) -> None:
         if isinstance(num_points, bool) or not isinstance(num_points, int | np.integer) or num_points < 1:
             raise ValueError(f"num_points must be an integer >= 1, not {num_points!r}")
         self.num_points = int(num_points)
-        self._history: list[tuple[float, float, int, np.ndarray | None]] = []
+        # (σ, q, steps, Δ*/Γ or None, how many of the steps measured their Δ*/Γ rather than held it)
+        self._history: list[tuple[float, float, int, np.ndarray | None, int]] = []
 
-    def _checked_ratios(self, sensitivities) -> np.ndarray | None:
+    def _checked_ratios(self, sensitivities, name="sensitivities") -> np.ndarray | None:
         if sensitivities is None:
             return None
         if isinstance(sensitivities, torch.Tensor):
@@ -48,56 +52,112 @@ class IndividualAccountant:
         try:
             ratios = np.array(sensitivities, dtype=float)
         except (TypeError, ValueError):
-            raise ValueError(f"sensitivities must be numbers Δ*/Γ, one per point, not {sensitivities!r:.60}") from None
+            raise ValueError(f"{name} must be numbers Δ*/Γ, one per point, not {sensitivities!r:.60}") from None
         if ratios.shape != (self.num_points,):
-            raise ValueError(f"sensitivities must have shape ({self.num_points},) (one Δ*/Γ per point), "
-                             f"not {ratios.shape}")
+            raise ValueError(f"{name} must have shape ({self.num_points},) (one Δ*/Γ per point), not {ratios.shape}")
         bad = ratios[~((ratios >= 0) & (ratios <= 1 + RATIO_TOLERANCE))]
         if bad.size:
-            raise ValueError(f"sensitivities must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+            raise ValueError(f"{name} must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
         ratios = np.minimum(ratios, 1.0)
         ratios.flags.writeable = False
         return ratios
 
     def step(self, *, noise_multiplier: float, sample_rate: float,
-             sensitivities: ArrayLike | torch.Tensor | None = None) -> None:
+             sensitivities: ArrayLike | torch.Tensor | None = None, measured: bool | None = None) -> None:
         """Record one step of Poisson rate `sample_rate` and noise multiplier `noise_multiplier`.
 
         sensitivities: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
-        [0, 1]); None: every point at the worst case 1.
+        [0, 1]); None: every point at the worst case 1. measured: whether they were measured at this step's
+        parameters (True) or held from an earlier measurement (False: the composition is then an estimate,
+        §4); None: measured unless they equal the previous step's values (held, as a loop that measures every k
+        steps passes the same values k times).
         """
-        self._append(arguments.positive_finite("noise_multiplier", noise_multiplier),
-                     arguments.sample_rate(sample_rate), 1, self._checked_ratios(sensitivities))
+        noise_multiplier = arguments.positive_finite("noise_multiplier", noise_multiplier)
+        sample_rate = arguments.sample_rate(sample_rate)
+        ratios = self._checked_ratios(sensitivities)
+        if measured is None:
+            previous = self._history[-1][3] if self._history else None
+            measured = ratios is None or previous is None or not np.array_equal(previous, ratios)
+        elif not isinstance(measured, bool | np.bool_):
+            raise ValueError(f"measured must be True, False or None, not {measured!r}")
+        self._append(noise_multiplier, sample_rate, 1, ratios, int(bool(measured) or ratios is None))
 
-    def _append(self, noise_multiplier, sample_rate, num_steps, ratios):
+    def _append(self, noise_multiplier, sample_rate, num_steps, ratios, measured_steps):
         if self._history:
-            last_noise, last_rate, last_steps, last_ratios = self._history[-1]
+            last_noise, last_rate, last_steps, last_ratios, last_measured = self._history[-1]
             same_ratios = (last_ratios is None and ratios is None) or (
                 last_ratios is not None and ratios is not None and np.array_equal(last_ratios, ratios))
             if last_noise == noise_multiplier and last_rate == sample_rate and same_ratios:
-                self._history[-1] = (last_noise, last_rate, last_steps + num_steps, last_ratios)
+                self._history[-1] = (last_noise, last_rate, last_steps + num_steps, last_ratios,
+                                     last_measured + measured_steps)
                 return
-        self._history.append((noise_multiplier, sample_rate, num_steps, ratios))
+        self._history.append((noise_multiplier, sample_rate, num_steps, ratios, measured_steps))
 
     @property
     def history(self) -> list[tuple[float, float, int, np.ndarray | None]]:
         """(noise_multiplier, sample_rate, num_steps, sensitivities or None) per run of equal steps."""
-        return list(self._history)
+        return [entry[:4] for entry in self._history]
 
     @property
     def num_steps(self) -> int:
         """The number of steps recorded."""
         return sum(entry[2] for entry in self._history)
 
+    @property
+    def held_steps(self) -> int:
+        """The steps whose Δ*/Γ were held from an earlier measurement, not measured at the step (§4)."""
+        return sum(entry[2] - entry[4] for entry in self._history)
+
+    @property
+    def certified(self) -> np.ndarray:
+        """Per point, whether its ε from get_epsilon is a bound along the observed run (docs/accounting.md §4):
+        every step's Δ*/Γ of the point measured at that step, or held at the worst case 1 (Δ* <= Γ always).
+        Otherwise its ε is an estimate ("Δ* held between measurements")."""
+        bound = np.ones(self.num_points, dtype=bool)
+        for _, _, num_steps, ratios, measured_steps in self._history:
+            if ratios is not None and measured_steps < num_steps:
+                bound &= ratios == 1.0
+        return bound
+
+    @property
+    def kind(self) -> str:
+        """"certified" when every point's ε is a bound along the observed run (`certified`), else "estimate"
+        (some step held Δ* between measurements, §4)."""
+        return "certified" if self.certified.all() else "estimate"
+
     def __len__(self) -> int:
         return len(self._history)
+
+    @classmethod
+    def mechanism(cls) -> str:
+        """The accounting mechanism's name, as Opacus's accountants give theirs (state_dict records it)."""
+        return "individual"
+
+    def attach(self, optimizer: object, model: torch.nn.Module, data: object, *, every: int = 1,
+               points: Sequence[int] | None = None, loss_fn: object = None) -> opacus_hook.Attached:
+        """Record every real step of an Opacus DPOptimizer, with Δ* of the points measured every `every` steps
+        (api/opacus_hook.py, docs/api.md): returns a handle whose detach() stops it."""
+        return opacus_hook.attach(self, optimizer, model, data, every=every, points=points, loss_fn=loss_fn)
+
+    def dp_event(self, point: int, *, rounding: float = composition.SUM_RULE_ROUNDING) -> dp_accounting.DpEvent:
+        """Point `point`'s run as a dp_accounting event (§3.1, §8.2): per step, the Poisson-subsampled Gaussian of
+        noise multiplier σ·Γ/Δ* (Δ*/Γ rounded up to a multiple of `rounding`, as get_epsilon rounds it; a step at
+        Δ* = 0 adds nothing), composed. dp_accounting's PLDAccountant gives get_epsilon(accountant="pld")'s ε on
+        it (at the same discretisation), and it composes with the events of other mechanisms."""
+        if isinstance(point, bool) or not isinstance(point, int | np.integer) or not 0 <= point < self.num_points:
+            raise ValueError(f"point must be an index in [0, {self.num_points}), not {point!r}")
+        rounding = _rounding(rounding)
+        return dp_events.sum_rule_event([(noise_multiplier, sample_rate, num_steps,
+                                          1.0 if ratios is None else float(ratios[point]))
+                                         for noise_multiplier, sample_rate, num_steps, ratios, _ in self._history],
+                                        rounding)
 
     def _mechanisms(self) -> list[tuple[float, float, list[int], np.ndarray, int]]:
         """The steps grouped by (σ, q), each group as the scripts' input (§4): (σ, q, checkpoint steps,
         Δ*/Γ as (checkpoints, points), T). Under b = ∞ the composed RDP is a sum over steps, so a group's
         steps may be taken together whatever steps of other groups lie between them."""
         groups = {}
-        for noise_multiplier, sample_rate, num_steps, ratios in self._history:
+        for noise_multiplier, sample_rate, num_steps, ratios, _ in self._history:
             group = groups.setdefault((noise_multiplier, sample_rate), ([], [], [0]))
             checkpoints, rows, total = group
             checkpoints.append(total[0])
@@ -106,8 +166,8 @@ class IndividualAccountant:
         return [(noise_multiplier, sample_rate, checkpoints, np.array(rows), total[0])
                 for (noise_multiplier, sample_rate), (checkpoints, rows, total) in groups.items()]
 
-    def get_epsilon(self, delta: float, *, accountant: str = "rdp", holder_b: float = math.inf,
-                    rounding: float = composition.SUM_RULE_ROUNDING,
+    def get_epsilon(self, delta: float, alphas: Sequence[float] | None = None, *, accountant: str = "rdp",
+                    holder_b: float = math.inf, rounding: float = composition.SUM_RULE_ROUNDING,
                     orders: Sequence[float] = DEFAULT_ORDERS,
                     pld_interval: float = pld_grid.DEFAULT_INTERVAL) -> np.ndarray:
         """ε of every point at `delta` after the steps so far (float64 array of num_points values).
@@ -117,7 +177,8 @@ class IndividualAccountant:
         for all steps), converted at the best of `orders` (default: the scripts' --alpha and Opacus's
         grid). "pld": §8.2, privacy loss distributions at discretisation `pld_interval` (b = ∞, one (σ, q)),
         ε the larger of the remove and add directions. Each Δ*/Γ is rounded up to a multiple of
-        `rounding` (0: exact), as the scripts' --rounding.
+        `rounding` (0: exact), as the scripts' --rounding. alphas: Opacus's name for `orders`. The values are
+        bounds along the observed run where `certified` says so, estimates elsewhere (`kind`).
         """
         delta = arguments.number("delta", delta)
         if not 0 < delta < 1:
@@ -127,12 +188,20 @@ class IndividualAccountant:
         holder_b = arguments.number("holder_b", holder_b)
         if not holder_b > 1:
             raise ValueError(f"holder_b must be > 1 (math.inf: plain composition), not {holder_b!r}")
-        rounding = arguments.number("rounding", rounding)
-        if not 0 <= rounding <= 1:
-            raise ValueError(f"rounding must be in [0, 1] (a fraction of the clip bound), not {rounding!r}")
-        orders = np.unique(np.asarray(orders, dtype=float))
+        rounding = _rounding(rounding)
+        if alphas is not None:
+            if orders is not DEFAULT_ORDERS:
+                raise ValueError("give alphas (Opacus's name) or orders, not both")
+            if accountant == "pld":
+                raise ValueError("alphas are Rényi orders: accountant='pld' takes none")
+            orders = alphas
+        name = "orders" if alphas is None else "alphas"
+        try:
+            orders = np.unique(np.asarray(orders, dtype=float))
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be finite Rényi orders > 1, not {orders!r:.60}") from None
         if orders.size == 0 or not np.all(np.isfinite(orders) & (orders > 1)):
-            raise ValueError("orders must be finite Rényi orders > 1")
+            raise ValueError(f"{name} must be finite Rényi orders > 1")
         mechanisms = self._mechanisms()
         if not mechanisms:
             return np.zeros(self.num_points)
@@ -163,33 +232,55 @@ class IndividualAccountant:
         return composition.sum_rule_rdp(ratios[None], checkpoints, sample_rate, noise_multiplier, orders=orders,
                                         holder_b=holder_b, rounding=rounding, horizons=[total_steps])[0]
 
-    def state_dict(self) -> dict:
-        """Plain data (ints, floats, lists, None): saves with json or torch.save, loads with
-        torch.load(weights_only=True)."""
-        return {"num_points": self.num_points,
-                "history": [{"noise_multiplier": noise_multiplier, "sample_rate": sample_rate,
-                             "num_steps": num_steps, "sensitivities": None if ratios is None else ratios.tolist()}
-                            for noise_multiplier, sample_rate, num_steps, ratios in self._history]}
+    def state_dict(self, destination: dict | None = None) -> dict:
+        """The accountant's state in the shape of Opacus's (`history` of (σ, q, steps), `mechanism`), with
+        `num_points`, `sensitivities` (a float64 tensor, one row of Δ*/Γ per history entry, NaN for the worst
+        case) and `measured_steps` (an int64 tensor): saves with torch.save, loads with
+        torch.load(weights_only=True). `destination`: a mapping to fill (Opacus's argument)."""
+        destination = {} if destination is None else destination
+        ratios = [np.full(self.num_points, np.nan) if entry[3] is None else entry[3] for entry in self._history]
+        destination["history"] = [entry[:3] for entry in self._history]
+        destination["mechanism"] = self.mechanism()
+        destination["num_points"] = self.num_points
+        destination["sensitivities"] = torch.from_numpy(np.array(ratios, dtype=np.float64).reshape(-1, self.num_points))
+        destination["measured_steps"] = torch.tensor([entry[4] for entry in self._history], dtype=torch.int64)
+        return destination
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Replace the history by that of `state_dict` (from state_dict() of an accountant of as many points)."""
-        if not isinstance(state_dict, dict) or set(state_dict) != {"num_points", "history"}:
-            raise ValueError("state_dict must be a dict with keys num_points and history (from state_dict())")
+        """Replace the history by that of `state_dict` (from state_dict() of an accountant of as many points);
+        every entry is checked as `step` checks it."""
+        keys = {"history", "mechanism", "num_points", "sensitivities", "measured_steps"}
+        if not isinstance(state_dict, Mapping) or not keys <= set(state_dict):
+            raise ValueError(f"state_dict must be a mapping with keys {', '.join(sorted(keys))} (from state_dict())")
+        if state_dict["mechanism"] != self.mechanism():
+            raise ValueError(f"state_dict is of mechanism {state_dict['mechanism']!r}, not {self.mechanism()!r}")
         if state_dict["num_points"] != self.num_points:
             raise ValueError(f"state_dict has num_points={state_dict['num_points']!r}; this accountant follows "
                              f"{self.num_points} points")
+        entries = list(state_dict["history"])
+        ratios = np.asarray(state_dict["sensitivities"], dtype=float).reshape(-1, self.num_points)
+        measured = np.asarray(state_dict["measured_steps"])
+        if len(ratios) != len(entries) or measured.shape != (len(entries),):
+            raise ValueError(f"state_dict has {len(entries)} history entries but {len(ratios)} rows of sensitivities "
+                             f"and {measured.size} of measured_steps")
         history = []
-        for entry in state_dict["history"]:
-            if not isinstance(entry, dict) or set(entry) != {"noise_multiplier", "sample_rate", "num_steps",
-                                                              "sensitivities"}:
-                raise ValueError("state_dict history entries must have keys noise_multiplier, sample_rate, "
-                                 "num_steps and sensitivities")
-            num_steps = entry["num_steps"]
-            if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        for (noise_multiplier, sample_rate, num_steps), row, measured_steps in zip(entries, ratios, measured):
+            if isinstance(num_steps, bool) or not isinstance(num_steps, int | np.integer) or num_steps < 1:
                 raise ValueError(f"state_dict num_steps must be an integer >= 1, not {num_steps!r}")
-            history.append((arguments.positive_finite("noise_multiplier", entry["noise_multiplier"]),
-                            arguments.sample_rate(entry["sample_rate"]), num_steps,
-                            self._checked_ratios(entry["sensitivities"])))
+            if not 0 <= measured_steps <= num_steps:
+                raise ValueError(f"state_dict measured_steps must be in [0, {num_steps}], not {measured_steps!r}")
+            worst_case = bool(np.isnan(row).all())
+            history.append((arguments.positive_finite("noise_multiplier", noise_multiplier),
+                            arguments.sample_rate(sample_rate), int(num_steps),
+                            None if worst_case else self._checked_ratios(row, "state_dict sensitivities"),
+                            int(num_steps) if worst_case else int(measured_steps)))
         self._history = []
         for entry in history:
             self._append(*entry)
+
+
+def _rounding(value):
+    rounding = arguments.number("rounding", value)
+    if not 0 <= rounding <= 1:
+        raise ValueError(f"rounding must be in [0, 1] (a fraction of the clip bound), not {value!r}")
+    return rounding

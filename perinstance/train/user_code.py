@@ -211,18 +211,26 @@ def checked_as_user_model(model: nn.Module) -> Iterator[None]:
 
 
 def refuse_sample_mixing(model: nn.Module, spec: str) -> None:
+    """A layer that mixes the examples of a batch (`sample_mixing`) is a one-line error naming it and the fix."""
+    problem = sample_mixing(model)
+    if problem is not None:
+        raise UsageError("--model", f"{spec}: {problem}")
+
+
+def sample_mixing(model: nn.Module) -> str | None:
     """A layer that Opacus's ModuleValidator refuses because it mixes the examples of a batch (BatchNorm, an
-    InstanceNorm with running statistics) breaks per-example privacy: a one-line error naming it and the fix.
-    Other layers Opacus's hooks lack (MultiheadAttention, a custom module) are covered by torch.func."""
+    InstanceNorm with running statistics) breaks per-example privacy: what to say of the first one (naming it and
+    the fix), None where there is none. Other layers Opacus's hooks lack (MultiheadAttention, a custom module)
+    are covered by the engine or torch.func."""
     from opacus.validators import ModuleValidator
 
     for name, module in model.named_modules():
         mixing = isinstance(module, nn.modules.batchnorm._BatchNorm | nn.modules.instancenorm._InstanceNorm)
         validator = ModuleValidator.VALIDATORS.get(type(module))
         if mixing and validator is not None and validator(module):
-            raise UsageError("--model", f"{spec}: layer {name or '(the model)'} ({type(module).__name__}) mixes the "
-                                        "examples of a batch, which breaks per-example privacy (Opacus's "
-                                        "ModuleValidator refuses it too); use nn.GroupNorm instead")
+            return (f"layer {name or '(the model)'} ({type(module).__name__}) mixes the examples of a batch, which "
+                    "breaks per-example privacy (Opacus's ModuleValidator refuses it too); use nn.GroupNorm instead")
+    return None
 
 
 # --- datasets ------------------------------------------------------------------------------------
