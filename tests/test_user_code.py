@@ -297,7 +297,10 @@ def test_default_run_name_follows_the_spec():
 BAD = {
     "model.py": "import torch\nfrom torch import nn\nWIDTH = 3\n\ndef listing():\n    return [nn.Linear(5, 2)]\n\n"
                 "def batchnorm():\n    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))\n\n"
-                "def broken():\n    raise RuntimeError('no GPU here')\n",
+                "def broken():\n    raise RuntimeError('no GPU here')\n\n"
+                "class WrongWidth(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                "        self.layer = nn.Linear(7, 2)\n\n    def forward(self, x):\n        return self.layer(x.flatten(1))\n\n"
+                "def recurrent():\n    return nn.Sequential(nn.Flatten(), nn.Unflatten(1, (8, 8)), nn.GRU(8, 4))\n",
     "broken.py": "def make(:\n",
     "data.py": "import torch\n\ndef single():\n    return torch.zeros(3, 5)\n\n"
                "def unlabelled():\n    return (torch.zeros(4, 5), torch.zeros(3)), (torch.zeros(2, 5), torch.zeros(2))\n",
@@ -312,6 +315,8 @@ BAD = {
     (["--model", "model.py:listing"], "--model", "not a torch.nn.Module"),
     (["--model", "model.py:batchnorm"], "--model", "GroupNorm"),
     (["--model", "model.py:broken"], "--model", "RuntimeError: no GPU here"),
+    (["--model", "model.py:WrongWidth"], "--model", "model.py:WrongWidth raised RuntimeError: mat1 and mat2 shapes"),
+    (["--model", "model.py:recurrent"], "--model", "layer 2 (GRU)"),
     (["--model", "broken.py:make"], "--model", "SyntaxError"),
     (["--model", "vgg"], "--model", "PATH.py:NAME"),
     (["--dataset", "data.py:single"], "--dataset", "not a pair (train, test)"),

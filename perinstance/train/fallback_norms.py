@@ -132,7 +132,9 @@ CHECK_RTOL = 1e-3
 
 def _split_forward(model, inputs, labels, check=True, loss_fn=None):
     owners = _owners(model)
-    _refuse_recurrent(owners)
+    problem = recurrent_problem(model)
+    if problem is not None:
+        raise ValueError(problem)
     owner_count = {}
     for _, _, params in owners:
         for param in params:
@@ -172,13 +174,17 @@ def _split_forward(model, inputs, labels, check=True, loss_fn=None):
                   {layer: rows[layer] for layer in covered if layer in rows})
 
 
-def _refuse_recurrent(owners):
-    for name, module, _ in owners:
+def recurrent_problem(model: nn.Module) -> str | None:
+    """What to say of a recurrent layer of `model` that torch.func cannot take per example (RECURRENT_REPLACEMENTS;
+    trainable or not, as the check of the closed forms runs the whole forward under vmap), naming it and Opacus's
+    replacement; None where there is none."""
+    for name, module in model.named_modules():
         replacement = RECURRENT_REPLACEMENTS.get(type(module))
         if replacement is not None:
-            raise ValueError(f"layer {name} ({type(module).__name__}): no per-sample gradients here (torch.func "
-                             f"cannot take them per example); use {replacement}, the same layer built from Linear "
-                             "layers")
+            return (f"layer {name or '(the model)'} ({type(module).__name__}): no per-sample gradients here "
+                    f"(torch.func cannot take them per example); use {replacement}, the same layer built from Linear "
+                    "layers")
+    return None
 
 
 def _check_closed_forms(model, inputs, labels, loss_fn=None):

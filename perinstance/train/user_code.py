@@ -17,7 +17,6 @@ import os
 import random
 import re
 import sys
-import traceback
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 import perinstance
-from perinstance.errors import UsageError
+from perinstance.errors import USER_FILES, UsageError, describe
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
 # are recognised before a spec is looked for (data.py), so "imagefolder:x" is never read as module:name.
@@ -85,7 +84,7 @@ def _import_file(path: str, flag: str):
             exec(compile(text, key[0], "exec"), module.__dict__)
         except Exception as error:
             del sys.modules[name]
-            raise UsageError(flag, f"importing {path} failed: {_describe(error, key[0])}") from None
+            raise UsageError(flag, f"importing {path} failed: {describe(error, key[0])}") from None
         _file_modules[key] = module
     return _file_modules[key], Source(spec="", path=key[0], sha256=digest)
 
@@ -99,7 +98,7 @@ def _import_module(dotted: str, flag: str):
         raise UsageError(flag, f"no module named {error.name!r} (expected {SPEC_FORMS}; a path must end in .py)") \
             from None
     except Exception as error:
-        raise UsageError(flag, f"importing {dotted} failed: {_describe(error, getattr(error, 'filename', ''))}") \
+        raise UsageError(flag, f"importing {dotted} failed: {describe(error, getattr(error, 'filename', ''))}") \
             from None
     path = getattr(module, "__file__", None)
     digest = None
@@ -107,19 +106,6 @@ def _import_module(dotted: str, flag: str):
         with open(path, "rb") as handle:
             digest = hashlib.sha256(handle.read()).hexdigest()
     return module, Source(spec="", path=path and os.path.abspath(path), sha256=digest)
-
-
-def _describe(error: BaseException, path: str) -> str:
-    """`Type: message (file:line)` of an exception raised by user code, on one line: the line is the
-    deepest frame in `path`, else the deepest of all."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if isinstance(error, SyntaxError) and error.lineno is not None:
-        where = f" ({error.filename}:{error.lineno})"
-    else:
-        inside = [frame for frame in frames if frame.filename == path] or frames[-1:]
-        where = f" ({inside[-1].filename}:{inside[-1].lineno})" if inside else ""
-    message = " ".join(str(error).split())
-    return f"{type(error).__name__}{': ' + message if message else ''}{where}"
 
 
 def load_object(spec: str, flag: str) -> tuple[Any, Source]:
@@ -137,6 +123,8 @@ def load_object(spec: str, flag: str) -> tuple[Any, Source]:
                          if not key.startswith("_") and callable(value) and getattr(value, "__module__", None)
                          == module.__name__)
         raise UsageError(flag, f"{source} has no {name!r} (it defines: {', '.join(defined) or 'nothing callable'})")
+    if origin.path is not None:  # an exception raised in it later (a model's forward) is told in one line
+        USER_FILES[origin.path] = (flag, spec)
     return getattr(module, name), Source(spec=spec, path=origin.path, sha256=origin.sha256)
 
 
@@ -162,7 +150,7 @@ def _call(target, available: dict, spec: str, flag: str, what: str):
         raise
     except Exception as error:
         path = inspect.getsourcefile(target) if inspect.isfunction(target) or inspect.isclass(target) else None
-        raise UsageError(flag, f"{spec} raised {_describe(error, path or '')}") from None
+        raise UsageError(flag, f"{spec} raised {describe(error, path or '')}") from None
 
 
 # --- models --------------------------------------------------------------------------------------
@@ -191,6 +179,11 @@ def build_model(spec: str, input_shape: tuple, num_classes: int, dp: bool = True
         raise UsageError("--model", f"{spec} has no trainable parameter")
     if dp:
         refuse_sample_mixing(model, spec)
+    from perinstance.train import fallback_norms
+
+    problem = fallback_norms.recurrent_problem(model)
+    if problem is not None:
+        raise UsageError("--model", f"{spec}: {problem}")
     setattr(model, USER_MODEL_MARK, True)
     return model
 
