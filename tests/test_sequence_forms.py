@@ -129,7 +129,7 @@ def test_the_attention_forward_of_the_engine_is_torchs(batch_first, need_weights
                "causal": {"attn_mask": causal, "is_causal": True}}[masks]
     expected = layer(query, query, query, need_weights=need_weights, **options)
     recorded = []
-    with sequence_forms.attention_projections([layer], lambda *application: recorded.append(application)):
+    with sequence_forms.attention_projections(layer, [layer], lambda *application: recorded.append(application)):
         got = layer(query, query, query, need_weights=need_weights, **options)
     assert len(recorded) == 1 and recorded[0][2].shape == (3, length, 24)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-12, atol=1e-12)
@@ -137,6 +137,17 @@ def test_the_attention_forward_of_the_engine_is_torchs(batch_first, need_weights
     if expected[1] is not None:
         torch.testing.assert_close(got[1], expected[1], rtol=1e-12, atol=1e-12)
     assert "forward" not in vars(layer)
+
+
+def test_attention_with_a_frozen_input_projection():
+    """Its output projection (trainable) is still applied as a module, so the engine sees it."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    layer.self_attn.in_proj_weight.requires_grad_(False)
+    layer.self_attn.in_proj_bias.requires_grad_(False)
+    model = Tokens(layer).double().eval()
+    tokens, labels = token_data()
+    assert_engine_is_one_backward_per_example(model, tokens, labels)
 
 
 def test_cross_attention_falls_back_to_torch_func():

@@ -15,12 +15,12 @@ from perinstance.train import batches
 
 @dataclass
 class Examples:
-    """The chosen examples of `data` and how to read them: `first` is a batch (inputs, targets) of the first one,
-    and chunks(size) gives the batches of `size` examples in order."""
+    """The chosen examples of `data` and how to read them: `first` is a batch (inputs, targets) of the first one
+    (None when no point is chosen), and chunks(size) gives the batches of `size` examples in order."""
 
     data: object
     index: np.ndarray | None  # the points, None for all
-    first: tuple
+    first: tuple | None
     collate: object = None
     workers: int = 0
 
@@ -57,7 +57,8 @@ def examples(data: object, points: Sequence[int] | None) -> Examples:
             raise ValueError(f"data: {batches.count(inputs)} inputs but {batches.count(targets)} targets")
         index = _index(points, counts.pop())
         first = slice(0, 1) if index is None else torch.as_tensor(index[:1])
-        return Examples((inputs, targets), index, (batches.take(inputs, first), batches.take(targets, first)))
+        return Examples((inputs, targets), index, None if index is not None and not len(index) else
+                        (batches.take(inputs, first), batches.take(targets, first)))
     if isinstance(data, IterableDataset):
         if points is not None:
             raise ValueError("points must be None for an IterableDataset (its items have no indices)")
@@ -65,7 +66,7 @@ def examples(data: object, points: Sequence[int] | None) -> Examples:
     if isinstance(data, Dataset) and hasattr(data, "__len__"):
         index = _index(points, len(data))
         if index is not None and not len(index):
-            raise ValueError("points must name at least one example")
+            return Examples(data, index, None)
         return Examples(data, index, _pair(collate([data[0 if index is None else int(index[0])]])), collate, workers)
     raise TypeError("data must be a torch Dataset of (input, target) pairs, a DataLoader over one, or a pair "
                     f"(inputs, targets) of tensors, not {type(data).__name__}")

@@ -75,6 +75,8 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
     check_model(model)
     transform = Transform(clipping, clip_bound, scale_r, scale_s)
     chosen = examples(data, points)
+    if chosen.first is None:  # no point chosen
+        return torch.zeros(0, dtype=torch.float64)
     norms = []
     with _without_opacus_hooks(model) as network, measured(network):
         device = next(network.parameters()).device
@@ -88,7 +90,7 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
                 targets = _class_labels(targets, classes)
             grad_norms, _, _ = gradients.per_sample_norms(network, inputs, targets, loss_fn)
             norms.append(transform.norms(grad_norms).double().cpu())
-    return torch.cat(norms) if norms else torch.zeros(0, dtype=torch.float64)
+    return torch.cat(norms)
 
 
 def check_model(model: object) -> None:

@@ -147,7 +147,7 @@ def _split_forward(model, inputs, labels, check=True, loss_fn=None):
             (None, None, None) if layer in rows else gradients.record_application(layer_inputs[0], output))
 
     modules = [module for _, module, _ in owners]
-    with layer_forms.group_norm_rows(modules, rows), sequence_forms.attention_projections(modules, record):
+    with layer_forms.group_norm_rows(modules, rows), sequence_forms.attention_projections(model, modules, record):
         logits = gradients.forward_with_hook(model, modules, record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:

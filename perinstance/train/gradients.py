@@ -193,8 +193,12 @@ def _forward(model, inputs, labels, owners=None, loss_fn=None):
             raise ValueError(f"{type(layer).__name__} is applied in a way its closed form does not take "
                              "(attention to other keys than its queries, or unbatched inputs)")
 
-    with group_norm_rows(layers, rows), sequence_forms.attention_projections(layers, record):
+    with group_norm_rows(layers, rows), sequence_forms.attention_projections(model, layers, record):
         logits = forward_with_hook(model, layers, record, inputs)
+    unapplied = [layer for layer in layers if layer not in recorded]
+    if any(isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear) for layer in unapplied):
+        raise ValueError("an attention layer applied its output projection's weight itself (attention to other keys "
+                         "than its queries); the projection's closed form does not see it")
     layers = [layer for layer in layers if layer in recorded]
     count = batches.count(inputs)
     for layer in layers:
@@ -232,7 +236,7 @@ def layer_shapes(model: nn.Module, example: object) -> list:
         if isinstance(layer_inputs[0], torch.Tensor) and isinstance(output, torch.Tensor):
             shapes.append((layer, layer_inputs[0].shape, output.shape))
 
-    with torch.no_grad(), sequence_forms.attention_projections(layers, record):
+    with torch.no_grad(), sequence_forms.attention_projections(model, layers, record):
         forward_with_hook(model, layers, record, example)
     return shapes
 

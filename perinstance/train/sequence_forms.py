@@ -102,14 +102,16 @@ def weight_gradients(layer: nn.Module, inputs: torch.Tensor, grad_outputs: torch
 
 
 @contextmanager
-def attention_projections(layers: Sequence[nn.Module], record: Callable) -> Iterator[None]:
-    """Within the block, each MultiheadAttention of `layers` applies its packed input projection itself and calls
-    record(layer, (input,), projection) with the batch-first (n, length, embed_dim) input; where its closed form
-    does not hold (cross-attention, unbatched inputs) it runs torch's forward and calls record(layer, (None,),
-    None): applied, not covered."""
-    attention = [layer for layer in layers if type(layer) is nn.MultiheadAttention]
+def attention_projections(model: nn.Module, layers: Sequence[nn.Module], record: Callable) -> Iterator[None]:
+    """Within the block, every MultiheadAttention of `model` applies its packed input projection itself and calls
+    its output projection as a module (so that a pass sees that projection's application, also where the input
+    projection is frozen); one of `layers` calls record(layer, (input,), projection) with the batch-first
+    (n, length, embed_dim) input. Where the closed form does not hold (cross-attention, unbatched inputs) the
+    layer runs torch's forward, and one of `layers` calls record(layer, (None,), None): applied, not covered."""
+    attention = [module for module in model.modules() if type(module) is nn.MultiheadAttention]
+    recorded = set(layers)
     for layer in attention:
-        layer.forward = _recorded_forward(layer, record)
+        layer.forward = _recorded_forward(layer, record if layer in recorded else None)
     try:
         yield
     finally:
@@ -123,12 +125,14 @@ def _recorded_forward(layer, record):
     def forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if not (query is key and key is value and query.dim() == 3 and closed_form_applies(layer)):
-            record(layer, (None,), None)
+            if record is not None:
+                record(layer, (None,), None)
             return original(query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                             attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal)
         tokens = query if layer.batch_first else query.transpose(0, 1)
         projected = F.linear(tokens, layer.in_proj_weight, layer.in_proj_bias)
-        record(layer, (tokens,), projected)
+        if record is not None:
+            record(layer, (tokens,), projected)
         output, weights = self_attention(layer, projected, key_padding_mask, need_weights, attn_mask,
                                          average_attn_weights, is_causal)
         return (output if layer.batch_first else output.transpose(0, 1)), weights
