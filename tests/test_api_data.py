@@ -231,6 +231,8 @@ def test_bad_arguments_are_one_line_errors_naming_them():
     refused(lambda: sensitivities(model, Items(inputs, labels), 1.0, points=[COUNT]), "points")
     refused(lambda: sensitivities(model, Items(inputs, labels), 1.0, points=["a"]), "points")
     refused(lambda: sensitivities(model, Stream(inputs, labels), 1.0, points=[0]), "points")
+    for data in ((inputs, labels), Items(inputs, labels)):  # no point chosen: nothing measured
+        assert sensitivities(model, data, 1.0, points=[]).shape == (0,)
 
 
 def test_a_batch_norm_network_is_refused_as_the_command_line_refuses_it():
