@@ -7,25 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import one_backward_per_example
 from torch import nn
 
-from perinstance.train import batches, fallback_norms, gradients, layer_forms, sequence_forms, user_code
+from perinstance.train import fallback_norms, gradients, layer_forms, sequence_forms, user_code
 
 COUNT = 5
-
-
-def one_backward_per_example(model, inputs, targets, loss_fn=None):
-    """Every example's gradient of its loss, by autograd alone: (count, parameters) float64."""
-    params = [param for param in model.parameters() if param.requires_grad]
-    rows = []
-    for index in range(batches.count(targets)):
-        one = slice(index, index + 1)
-        loss = batches.per_example_loss(batches.apply_model(model, batches.take(inputs, one)),
-                                        batches.take(targets, one), loss_fn).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(param) if grad is None else grad.to_dense()).flatten()
-                               for param, grad in zip(params, grads)]))
-    return torch.stack(rows).double()
 
 
 def assert_engine_is_one_backward_per_example(model, inputs, targets, loss_fn=None, rtol=1e-9, engine=True):
