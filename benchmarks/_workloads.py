@@ -1,5 +1,6 @@
-"""The two workloads the speed benchmarks time side by side: LeNet-5 on MNIST and ResNet-20 (GroupNorm)
-on CIFAR-10-shaped inputs. ResNet-20's inputs are random: timings do not depend on the data."""
+"""The workloads the speed benchmarks time side by side: LeNet-5 on MNIST, ResNet-20 (GroupNorm) on
+CIFAR-10-shaped inputs, and (bench_sensitivity.py) a two-layer Transformer encoder on token sequences.
+ResNet-20's and the Transformer's inputs are random: timings do not depend on the data."""
 
 import argparse
 import dataclasses
@@ -9,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 from _smoke import synthetic_lenet_dataset
+from torch import nn
 
 from perinstance.cli.options import add_device_argument
 from perinstance.train.data import Dataset, load_dataset
@@ -22,10 +24,13 @@ CIFAR_CLASSES = 10
 class Workload:
     model_name: str
     dataset: Dataset
+    build: Callable[[], nn.Module] | None = None  # a network not of nets.py
 
     def model(self, dp: bool = True, device: str = "cpu") -> torch.nn.Module:
         """The model at its seeded initialisation on `device` (timings do not depend on the weights)."""
         torch.manual_seed(0)
+        if self.build is not None:
+            return self.build().to(device)
         channels, size, _ = self.dataset.train_x.shape[1:]
         return build_model(self.model_name, channels, size, self.dataset.num_classes, dp=dp).to(device)
 
@@ -47,6 +52,52 @@ def random_cifar_dataset(train_size, test_size=16):
     return Dataset(f"random-cifar-shape-{train_size}", images(train_size), labels(train_size), images(test_size),
                    labels(test_size), CIFAR_CLASSES, [str(label) for label in range(CIFAR_CLASSES)],
                    fingerprint=f"random-cifar-shape-{train_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerShape:
+    """A Transformer encoder classifier on token sequences: its sizes."""
+
+    vocabulary: int
+    length: int
+    width: int
+    heads: int
+    feed_forward: int
+    layers: int
+    classes: int = 2
+
+
+TRANSFORMER = TransformerShape(vocabulary=1000, length=64, width=128, heads=4, feed_forward=256, layers=2)
+SMOKE_TRANSFORMER = TransformerShape(vocabulary=50, length=8, width=16, heads=2, feed_forward=32, layers=2)
+
+
+class TokenTransformer(nn.Module):
+    """Token and position embeddings (each an nn.Embedding on batch-first ids), `layers` Transformer encoder
+    layers (self-attention, LayerNorm, feed-forward Linear layers on tokens), mean over tokens, a Linear head."""
+
+    def __init__(self, shape: TransformerShape):
+        super().__init__()
+        self.embed = nn.Embedding(shape.vocabulary, shape.width)
+        self.position = nn.Embedding(shape.length, shape.width)
+        layer = nn.TransformerEncoderLayer(shape.width, shape.heads, shape.feed_forward, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, shape.layers, enable_nested_tensor=False)
+        self.head = nn.Linear(shape.width, shape.classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.head(self.encoder(self.embed(tokens) + self.position(positions)).mean(dim=1))
+
+
+def transformer_workload(smoke: bool, points: int) -> Workload:
+    """The Transformer encoder on `points` random token sequences with random labels, seeded."""
+    shape = SMOKE_TRANSFORMER if smoke else TRANSFORMER
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.vocabulary, (points + 16, shape.length), generator=generator)
+    labels = torch.randint(0, shape.classes, (points + 16,), generator=generator)
+    name = f"random-tokens-{shape.length}-{points}"
+    dataset = Dataset(name, tokens[:points], labels[:points], tokens[points:], labels[points:], shape.classes,
+                      [str(label) for label in range(shape.classes)], fingerprint=name)
+    return Workload("transformer", dataset, build=lambda: TokenTransformer(shape))
 
 
 def workloads(smoke, resnet_points):

@@ -1,14 +1,16 @@
 """Benchmark of the sensitivity engine (not a test).
 
-    python benchmarks/bench_sensitivity.py [--rounds 3] [--resnet-points 512] [--reference-sets 5] [--threads 1] [--clock cpu]
-                                           [--device cpu|cuda|auto]
+    python benchmarks/bench_sensitivity.py [--rounds 3] [--resnet-points 512] [--transformer-points 1024]
+                                           [--reference-sets 5] [--threads 1] [--clock cpu] [--device cpu|cuda|auto]
     python benchmarks/bench_sensitivity.py --smoke   # seconds: synthetic data, one round, small Monte Carlo
 
 1. Δ* of every training point at one checkpoint, for LeNet-5 on the embedded MNIST subset (8,000
-   points) and ResNet-20 (GroupNorm) on random CIFAR-10-shaped inputs: samples/s of the engine's
-   norms (gradients.per_sample_norms), side by side (interleaved rounds) with Opacus
-   GradSampleModule's materialised per-sample gradients, torch.func (vmap of grad), Opacus's
-   stock ghost clipping, and a plain non-private forward+backward.
+   points), ResNet-20 (GroupNorm) on random CIFAR-10-shaped inputs and a two-layer Transformer encoder
+   on random sequences of 64 tokens: samples/s of the engine's norms (gradients.per_sample_norms),
+   side by side (interleaved rounds) with Opacus GradSampleModule's materialised per-sample gradients,
+   torch.func (vmap of grad), Opacus's stock ghost clipping, and a plain non-private forward+backward
+   (the Transformer: torch.func and the plain pass; Opacus's hooks have no rule for
+   nn.MultiheadAttention).
 2. The Rényi mean experiment with the paper's defaults (α = 8, 20 target batches × 100 sets
    of α batches, batches of 128) for 10 points, both directions: the engine's seconds, and
    the reference (one forward/backward per batch) timed on a slice and extrapolated.
@@ -21,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -31,12 +34,20 @@ from torch.func import functional_call, grad, vmap
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests' oracle
 
-from _workloads import add_timing_arguments, device_name, require_device, same_round_ratios, timer, workloads  # noqa: E402
+from _workloads import (  # noqa: E402
+    add_timing_arguments,
+    device_name,
+    require_device,
+    same_round_ratios,
+    timer,
+    transformer_workload,
+    workloads,
+)
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
 from perinstance.measure.poisson_batches import Pool  # noqa: E402
-from perinstance.persample import gradients  # noqa: E402
+from perinstance.persample import fallback_norms, gradients  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
 from perinstance.train.sampling import RENYI_SET_KEY, RENYI_TARGET_KEY  # noqa: E402
 
@@ -60,6 +71,7 @@ class RenyiSetting:
 PAPER_SETTING = RenyiSetting(batch_size=128, alpha=8, num_iters=20, num_batches=100, num_points=10)
 SMOKE_SETTING = RenyiSetting(batch_size=16, alpha=4, num_iters=2, num_batches=3, num_points=2)
 SMOKE_RESNET_POINTS = 8
+SMOKE_TRANSFORMER_POINTS = 32
 
 
 # --- 1. Δ* of every point ---------------------------------------------------------------------
@@ -98,7 +110,9 @@ def torch_func_norms(model, x, y):
 
     per_sample = vmap(grad(loss), in_dims=(None, 0, 0))
     for start in range(0, len(y), CHUNK):
-        grads = per_sample(params, x[start:start + CHUNK], y[start:start + CHUNK])
+        with warnings.catch_warnings():  # CPU attention has no batching rule: torch.func loops over the examples
+            warnings.filterwarnings("ignore", message=fallback_norms.NO_BATCHING_RULE)
+            grads = per_sample(params, x[start:start + CHUNK], y[start:start + CHUNK])
         norms = sum(part.reshape(len(part), -1).pow(2).sum(dim=1) for part in grads.values()).sqrt()
         TRANSFORM.weights(norms) * norms
 
@@ -125,20 +139,26 @@ NORM_METHODS = {
     "engine without the norms (its floor)": engine_without_norms,
     "plain forward+backward (non-private)": plain_forward_backward,
 }
-# The issue's targets (27): the engine's throughput over each method's, per model.
+# The issues' targets (27, 39): the engine's throughput over each method's, per model.
 NORM_TARGETS = {"resnet20": {"torch.func vmap(grad)": 1.2, "plain forward+backward (non-private)": 0.7},
-                "lenet5": {"plain forward+backward (non-private)": 0.9}}
+                "lenet5": {"plain forward+backward (non-private)": 0.9},
+                "transformer": {"plain forward+backward (non-private)": 0.7}}
+# The methods that can take each model (Opacus's hooks have no rule for nn.MultiheadAttention).
+TRANSFORMER_METHODS = ("engine (per_sample_norms)", "torch.func vmap(grad)", "engine without the norms (its floor)",
+                       "plain forward+backward (non-private)")
 
 
 def bench_norms(workload, rounds, clock, device):
     x, y = workload.dataset.train_x.to(device), workload.dataset.train_y.to(device)
+    methods = {name: method for name, method in NORM_METHODS.items()
+               if workload.model_name != "transformer" or name in TRANSFORMER_METHODS}
     # Each method once on a few points, untimed: a first call pays for loading kernels (on a GPU, the CUDA
     # context and the kernels' first launch: the first method timed in a cold process ran 100× slower).
-    for method in NORM_METHODS.values():
+    for method in methods.values():
         method(workload.model(device=device), x[:WARM_UP_POINTS], y[:WARM_UP_POINTS])
-    rates = {name: [] for name in NORM_METHODS}
+    rates = {name: [] for name in methods}
     for _ in range(rounds):
-        for name, method in NORM_METHODS.items():
+        for name, method in methods.items():
             model = workload.model(device=device)
             started = clock()
             method(model, x, y)
@@ -228,6 +248,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--resnet-points", type=int, default=512)
+    parser.add_argument("--transformer-points", type=int, default=1024)
     parser.add_argument("--reference-sets", type=int, default=5)
     add_timing_arguments(parser)
     parser.add_argument("--smoke", action="store_true",
@@ -236,6 +257,7 @@ def main():
     require_device(parser, args.device)
     if args.smoke:
         args.rounds, args.reference_sets, args.resnet_points, args.threads = 1, 1, SMOKE_RESNET_POINTS, 1
+        args.transformer_points = SMOKE_TRANSFORMER_POINTS
     torch.set_num_threads(args.threads)
     lenet, resnet = workloads(args.smoke, args.resnet_points)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {device_name(args.device)}, "
@@ -243,6 +265,7 @@ def main():
     clock = timer(args.clock, args.device)
     bench_norms(lenet, args.rounds, clock, args.device)
     bench_norms(resnet, args.rounds, clock, args.device)
+    bench_norms(transformer_workload(args.smoke, args.transformer_points), args.rounds, clock, args.device)
     bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING, args.device)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 

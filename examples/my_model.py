@@ -2,8 +2,9 @@
 
 A one-layer Transformer encoder over token embeddings, mean-pooled, then a linear head. The suite passes
 `num_classes` and `input_shape` (here `(12,)`, the sequence length) because the signature names them.
-Per-sample gradients: the head by the fast norms engine, the embedding, attention, feed-forward (Linear on
-sequences) and LayerNorm layers by torch.func, as train_dpsgd.py prints once.
+Per-sample gradients: the token embedding, attention, the feed-forward Linear layers on tokens, LayerNorm and the
+head by the fast norms engine; the position table, a weight the model reads directly, by torch.func, as
+train_dpsgd.py prints once.
 """
 
 from torch import nn

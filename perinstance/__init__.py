@@ -14,7 +14,7 @@ The package is layered; imports flow one way, lowest layer first (tests/test_lay
     cli/          the command line: one module per command, their shared flags
 
 errors.py, console.py, openmp_settings.py and malloc_settings.py stay here at the package top: the base every
-layer may import. api.py is the public Python API on top of every layer; it is imported on first use (PEP
+layer may import. api/ is the public Python API on top of every layer; it is imported on first use (PEP
 562), so that importing a pure-math module of the package does not import torch. cli/ is the command line on
 top of everything; experiments/ runs the commands' mains that cli/reproduce.py hands it (it imports no
 command), and __main__.py (`python -m perinstance`) imports cli/ alone.

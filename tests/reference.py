@@ -6,7 +6,23 @@ import numpy as np
 import torch
 
 from perinstance.measure.gradient_rows import parameter_count, training_mode
+from perinstance.persample import batches as batch_structures
 from perinstance.persample import gradients, layer_pass
+
+
+def one_backward_per_example(model, inputs, targets, loss_fn=None):
+    """Every example's gradient of its loss (batches.per_example_loss) by one plain autograd backward each,
+    inputs and targets a tensor, a tuple or a mapping: (count, trainable parameters) float64."""
+    params = [param for param in model.parameters() if param.requires_grad]
+    rows = []
+    for index in range(batch_structures.count(targets)):
+        one = slice(index, index + 1)
+        loss = batch_structures.per_example_loss(batch_structures.apply_model(model, batch_structures.take(inputs, one)),
+                                                 batch_structures.take(targets, one), loss_fn).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(param) if grad is None else grad.to_dense()).flatten()
+                               for param, grad in zip(params, grads)]))
+    return torch.stack(rows).double()
 
 
 def reference_batch_means(model, inputs, labels, transform, batches, device="cpu"):

@@ -1,9 +1,8 @@
-"""The Python API (perinstance/api.py, docs/api.md) and the Opacus example against independent computations:
+"""The Python API (perinstance/api/, docs/api.md) and the Opacus example against independent computations:
 Opacus's and dp_accounting's accountants for the worst case, Opacus's RDP of σ/s for a constant Δ*/Γ = s,
 renyi_per_instance_sum_compo.py on the example's own Δ*, compute_sensitivity.py and plain autograd for Δ*."""
 
 import copy
-import json
 import math
 import os
 import subprocess
@@ -109,24 +108,29 @@ def test_no_steps_is_no_privacy_cost():
 
 # --- state ------------------------------------------------------------------------------------
 
-def test_state_dict_round_trip_through_json_and_torch(tmp_path):
+def test_state_dict_round_trip_through_torch_in_opacus_shape(tmp_path):
     accountant = IndividualAccountant(3)
     for step in range(30):
         accountant.step(noise_multiplier=1.0 + (step >= 20), sample_rate=0.05,
                         sensitivity_ratios=None if step < 10 else [0.5, 0.25, 1.0])
     state = accountant.state_dict()
+    assert state["mechanism"] == IndividualAccountant.mechanism() == "individual"
+    assert state["history"] == [(1.0, 0.05, 10), (1.0, 0.05, 10), (2.0, 0.05, 10)]  # Opacus's (σ, q, steps)
+    # One float64 row per entry (NaN: the worst case), not lists of floats.
+    assert state["sensitivity_ratios"].dtype == torch.float64 and state["sensitivity_ratios"].shape == (3, 3)
+    assert torch.isnan(state["sensitivity_ratios"][0]).all() and state["measured_steps"].tolist() == [10, 1, 0]
     torch.save(state, tmp_path / "state.pt")
-    for loaded in (json.loads(json.dumps(state)), torch.load(tmp_path / "state.pt", weights_only=True)):
-        restored = IndividualAccountant(3)
-        restored.load_state_dict(loaded)
-        assert restored.state_dict() == state and restored.num_steps == 30 and len(restored) == 3
-        np.testing.assert_array_equal(restored.get_epsilon(DELTA), accountant.get_epsilon(DELTA))
+    restored = IndividualAccountant(3)
+    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert restored.num_steps == 30 and len(restored) == 3 and restored.held_steps == accountant.held_steps == 19
+    np.testing.assert_array_equal(restored.get_epsilon(DELTA), accountant.get_epsilon(DELTA))
+    np.testing.assert_array_equal(restored.certified, accountant.certified)
 
 
 # --- bad arguments: one-line ValueErrors naming the argument ----------------------------------
 
-def refused(call, name):
-    with pytest.raises(ValueError) as error:
+def refused(call, name, kind=ValueError):
+    with pytest.raises(kind) as error:
         call()
     message = str(error.value)
     assert "\n" not in message and name in message, message
@@ -168,13 +172,18 @@ def test_bad_construction_and_state_are_refused():
     for points in (0, -1, 2.5, True):
         refused(lambda points=points: IndividualAccountant(points), "num_points")
     accountant = IndividualAccountant(2)
-    refused(lambda: accountant.load_state_dict({"num_points": 3, "history": []}), "num_points")
+    good = {"history": [(1.0, 0.1, 2)], "mechanism": "individual", "num_points": 2,
+            "sensitivity_ratios": torch.tensor([[0.1, 0.2]], dtype=torch.float64), "measured_steps": torch.tensor([1])}
+    refused(lambda: accountant.load_state_dict({**good, "num_points": 3}), "num_points")
     refused(lambda: accountant.load_state_dict({"history": []}), "state_dict")
-    entry = {"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": 0, "sensitivity_ratios": None}
-    refused(lambda: accountant.load_state_dict({"num_points": 2, "history": [entry]}), "num_steps")
-    refused(lambda: accountant.load_state_dict({"num_points": 2, "history": [
-        dict(entry, num_steps=2, sensitivity_ratios=[0.1])]}), "sensitivity_ratios")
+    refused(lambda: accountant.load_state_dict({**good, "mechanism": "rdp"}), "mechanism")
+    refused(lambda: accountant.load_state_dict({**good, "history": [(1.0, 0.1, 0)]}), "num_steps")
+    refused(lambda: accountant.load_state_dict({**good, "sensitivity_ratios": torch.tensor([[0.1, 1.5]])}), "sensitivity_ratios")
+    refused(lambda: accountant.load_state_dict({**good, "measured_steps": torch.tensor([3])}), "measured_steps")
+    refused(lambda: accountant.load_state_dict({**good, "history": [(0.0, 0.1, 2)]}), "noise_multiplier")
     assert accountant.num_steps == 0
+    accountant.load_state_dict(good)
+    assert accountant.num_steps == 2 and accountant.held_steps == 1
 
 
 def test_importing_a_math_module_does_not_import_torch():
@@ -299,7 +308,7 @@ def test_bad_sensitivities_arguments_are_refused(tiny_model, arguments, name):
 
 def test_sensitivities_refuse_data_they_cannot_read(tiny_model):
     model, inputs, labels = tiny_model
-    refused(lambda: sensitivities(model, inputs, 1.0), "data")
+    refused(lambda: sensitivities(model, inputs, 1.0), "data", TypeError)
     refused(lambda: sensitivities(model, (inputs, labels[:5]), 1.0), "data")
 
 
@@ -382,17 +391,19 @@ def result_file(path, saved):
     """The example's Δ* in compute_sensitivity.py's result format: one grad_norm row per point at each step
     where a new Δ* took effect (the scripts' checkpoints)."""
     rows, step = [], 0
-    for entry in saved["accountant"]["history"]:
-        values = np.asarray(entry["sensitivity_ratios"]) * saved["clip_bound"]
+    state = saved["accountant"]
+    (noise_multiplier, sample_rate, _), *_ = state["history"]  # one (σ, q) throughout
+    for (_, _, num_steps), ratios in zip(state["history"], state["sensitivity_ratios"]):
+        values = ratios.numpy() * saved["clip_bound"]
         rows.append(pd.DataFrame({"step": step, "point": np.arange(len(values)), "value": values}))
-        step += entry["num_steps"]
+        step += num_steps
     frame = pd.concat(rows, ignore_index=True).assign(
         run="example", seed=0, stage=np.nan, total_steps=saved["total_steps"], label=0, correct=0, loss=0.0,
         exp="grad_norm", reduction="sum", direction="none", target_batch=0, sample=0, quantity="grad_norm",
-        alpha=np.nan, sigma=saved["noise_multiplier"], clip_bound=saved["clip_bound"],
-        sample_rate=saved["sample_rate"], batch_size=saved["batch_size"], dataset_size=saved["dataset_size"],
-        noise_std=saved["noise_multiplier"] * saved["clip_bound"], dataset="synthetic", model="example",
-        clipping="flat", update_rule="sum", target_eps=np.nan, delta=saved["delta"], accuracy=0.0)
+        alpha=np.nan, sigma=noise_multiplier, clip_bound=saved["clip_bound"], sample_rate=sample_rate,
+        batch_size=saved["batch_size"], dataset_size=saved["dataset_size"],
+        noise_std=noise_multiplier * saved["clip_bound"], dataset="synthetic", model="example", clipping="flat",
+        update_rule="sum", target_eps=np.nan, delta=saved["delta"], accuracy=0.0)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     frame.reindex(columns=COLUMNS).to_csv(path, index=False)
 
@@ -408,16 +419,20 @@ def scripts_eps(tmp_path, *flags):
 
 
 def test_example_eps_is_the_scripts_eps_on_the_same_run(tmp_path):
-    result = run_in_process(EXAMPLE, "--smoke", "--save", tmp_path / "example.json", cwd=tmp_path)
+    """The smoke run measures Δ* every 2 steps: its per-point ε are estimates, and it says so."""
+    result = run_in_process(EXAMPLE, "--smoke", "--save", tmp_path / "example.pt", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "epoch 2: 8 steps" in result.stdout and "Opacus worst case" in result.stdout
-    saved = json.loads((tmp_path / "example.json").read_text())
-    eps = np.array(saved["eps"])
+    assert "epoch 2: 8 steps" in result.stdout and "Opacus's eps" in result.stdout
+    assert "per-point eps are estimates (Δ* measured every 2 steps, held between measurements)" in result.stdout
+    saved = torch.load(tmp_path / "example.pt", weights_only=True)
+    eps = saved["eps"].numpy()
     assert len(eps) == 128 and saved["total_steps"] == 8 and len(saved["accountant"]["history"]) == 4
+    assert saved["kind"] == "estimate" and saved["accountant"]["measured_steps"].tolist() == [1] * 4  # of 2 each
     assert eps.max() <= saved["opacus_eps"] * (1 + 1e-12) and 0 < eps.min() < 0.9 * saved["opacus_eps"]
-    again = run_in_process(EXAMPLE, "--smoke", "--save", tmp_path / "again.json", cwd=tmp_path)
+    again = run_in_process(EXAMPLE, "--smoke", "--save", tmp_path / "again.pt", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    np.testing.assert_allclose(json.loads((tmp_path / "again.json").read_text())["eps"], eps, rtol=1e-12)  # same seed
+    np.testing.assert_allclose(torch.load(tmp_path / "again.pt", weights_only=True)["eps"].numpy(), eps,
+                               rtol=1e-12)  # same seed
     result_file(tmp_path / "res" / "example.csv", saved)
     np.testing.assert_allclose(eps, scripts_eps(tmp_path, "--holder-b", "inf"), rtol=1e-6)
     accountant = IndividualAccountant(128)
@@ -426,6 +441,12 @@ def test_example_eps_is_the_scripts_eps_on_the_same_run(tmp_path):
                                rtol=1e-6)
     np.testing.assert_allclose(accountant.get_epsilon(DELTA, accountant="pld"),
                                scripts_eps(tmp_path, "--accountant", "pld"), rtol=1e-6)
+
+
+def test_example_measuring_every_step_prints_bounds(tmp_path):
+    result = run_in_process(EXAMPLE, "--smoke", "--every", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "per-point eps are bounds along the observed run (Δ* measured at every step)" in result.stdout
 
 
 @pytest.mark.parametrize("flags, flag", [(["--every", "0"], "--every"), (["--data", "cifar"], "--data"),

@@ -95,7 +95,7 @@ def test_every_hint_names_a_type_that_exists():
 
 def test_the_walk_reaches_functions_methods_and_inherited_methods():
     names = {name for name, _ in checked_functions()}
-    assert {"perinstance.api.sensitivities", "perinstance.api.IndividualAccountant.step",
+    assert {"perinstance.api.sensitivity.sensitivities", "perinstance.api.accountant.IndividualAccountant.step",
             "perinstance.measure.gradient_rows.HeldRows.mean",  # inherited from the private _Rows
             "perinstance.train.nets.ScatterNet.__call__", "perinstance.measure.coupling.CouplingPlan.k_min",
             "perinstance.errors.UsageError.__init__"} <= names

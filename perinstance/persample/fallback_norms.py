@@ -1,11 +1,13 @@
-"""Per-sample gradients of layers the fast norms engine (perinstance/persample/gradients.py) does not cover.
+"""Per-sample gradients of layers the fast norms engine (perinstance/persample/layer_pass.py) does not cover.
 
-The engine's closed forms hold for a Linear layer on (n, features) inputs, a Conv2d with zero padding and a
-GroupNorm, each applied once per forward through its own `forward`. Any other trainable layer of a model (an
-Embedding, a LayerNorm, a MultiheadAttention whose `out_proj` weights are used without calling `out_proj`, a
-Linear on (n, length, features) inputs, a custom module, a layer applied twice, a parameter shared by two
-layers) falls back, layer by layer, to torch.func: vmap over the examples of grad of each example's loss with
-respect to those layers' parameters alone. Both parts are exact, so ||g_i||² is the sum of the two and the
+The engine's closed forms hold for the layers of layer_pass.SQUARED_NORMS (Linear on inputs with any leading
+dimensions, Conv1d and Conv2d with zero padding, GroupNorm, LayerNorm, RMSNorm, Embedding, self-attention),
+each applied once per forward through its own `forward`, to inputs whose first dimension is the examples. Any
+other trainable layer of a model (attention to other keys than its queries, a custom module, a layer applied
+twice, a parameter shared by two layers, a layer whose input is changed in place after it read it) falls back,
+layer by layer, to torch.func: vmap over the examples of grad of each example's loss with respect to those
+layers' parameters alone. Recurrent layers (GRU, LSTM, RNN) torch.func cannot take are refused in one line naming
+Opacus's replacement. Both parts are exact, so ||g_i||² is the sum of the two and the
 clipped sum u(B) of accounting.md §1 is the engine's per-layer sums plus Σ_i w_i·g_i of the fallback layers.
 Which layers fall back is printed once per process.
 
@@ -25,10 +27,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from perinstance.persample import layer_forms, layer_pass
+from perinstance.persample import batches, layer_forms, layer_pass, sequence_forms
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
@@ -40,6 +41,9 @@ USER_MODEL_MARK = "perinstance_user_model"
 
 # Each distinct line of which layers fall back, printed once per process.
 _announced = set()
+# Recurrent layers whose per-example gradients torch.func cannot take (an in-place update of the hidden state
+# inside vmap), and the layer of opacus.layers that computes the same function from Linear layers.
+RECURRENT_REPLACEMENTS = {nn.GRU: "opacus.layers.DPGRU", nn.RNN: "opacus.layers.DPRNN", nn.LSTM: "opacus.layers.DPLSTM"}
 
 
 def _owners(model):
@@ -63,16 +67,12 @@ def checked(model: nn.Module) -> bool:
 
 def engine_covers(owners: list) -> bool:
     """Whether the engine has a closed form for every trainable layer of a model (`owners`:
-    layer_pass.parameter_owners of it): each of a type it covers (a Conv2d zero-padded), none sharing a parameter
-    with another. A layer may still fall back when its pass is checked (a weight used outside its forward)."""
+    layer_pass.parameter_owners of it): each of a type it covers in settings it takes
+    (layer_pass.closed_form_applies), none sharing a parameter with another. A layer may still fall back when its
+    pass is checked (a weight used outside its forward)."""
     shared = any(len(params) < len(layer_pass.own_trainable_parameters(module)) for module, params in owners)
-    return not shared and all(type(module) in layer_forms.SQUARED_NORMS and _zero_padded(module)
+    return not shared and all(type(module) in layer_pass.SQUARED_NORMS and layer_pass.closed_form_applies(module)
                               for module, _ in owners)
-
-
-def _zero_padded(layer):
-    """False for a Conv2d whose padding the engine's closed form does not take (reflected, "same")."""
-    return not isinstance(layer, nn.Conv2d) or (layer.padding_mode == "zeros" and not isinstance(layer.padding, str))
 
 
 @contextmanager
@@ -85,15 +85,22 @@ def _eval_mode(model):
         model.train(was_training)
 
 
-def _covered(layer, layer_input, output):
-    """Whether the engine's closed form holds for this application of `layer`."""
-    if type(layer) not in layer_forms.SQUARED_NORMS or not isinstance(layer_input, torch.Tensor) \
-            or not isinstance(output, torch.Tensor):
+def _covered(layer, application, count):
+    """Whether the engine's closed form holds for this application of `layer` (layer_pass.record_application) in a
+    pass of `count` examples: a layer and settings it covers, the examples along the first dimension of the
+    layer's input and output, the input not changed in place after the layer read it."""
+    layer_input, version, output = application
+    if type(layer) not in layer_pass.SQUARED_NORMS or not layer_pass.closed_form_applies(layer) or output is None \
+            or layer_pass.modified_in_place(layer_input, version):
+        return False
+    if layer_input.dim() == 0 or len(layer_input) != count or len(output.shape) == 0 or output.shape[0] != count:
         return False
     if isinstance(layer, nn.Linear):
-        return layer_input.dim() == 2
-    if isinstance(layer, nn.Conv2d):
-        return _zero_padded(layer) and layer_input.dim() == 4
+        return layer_input.dim() >= 2
+    if isinstance(layer, nn.Conv2d | nn.Conv1d):
+        return layer_input.dim() == (4 if isinstance(layer, nn.Conv2d) else 3)
+    if isinstance(layer, nn.LayerNorm | nn.RMSNorm):
+        return layer_input.dim() > len(layer.normalized_shape)
     return True
 
 
@@ -107,7 +114,7 @@ class _Split:
     inputs: list
     outputs: list
     fallback: list
-    logits: torch.Tensor
+    logits: object
     losses: torch.Tensor
     group_norm_rows: dict
 
@@ -126,8 +133,11 @@ CHECK_EXAMPLES = 2
 CHECK_RTOL = 1e-3
 
 
-def _split_forward(model, inputs, labels, check=True):
+def _split_forward(model, inputs, labels, check=True, loss_fn=None):
     owners = _owners(model)
+    problem = recurrent_problem(model)
+    if problem is not None:
+        raise ValueError(problem)
     owner_count = {}
     for _, _, params in owners:
         for param in params:
@@ -136,20 +146,24 @@ def _split_forward(model, inputs, labels, check=True):
 
     def record(layer, layer_inputs, output):
         # A GroupNorm layer with rows needs neither its input nor its output, and the forward frees them.
-        calls.setdefault(layer, []).append((None, None) if layer in rows else (layer_inputs[0].detach() if (
-            layer_inputs and isinstance(layer_inputs[0], torch.Tensor)) else None, output))
+        calls.setdefault(layer, []).append(
+            (None, None, None) if layer in rows else layer_pass.record_application(layer_inputs[0], output))
 
-    with layer_forms.group_norm_rows([module for _, module, _ in owners], rows):
-        logits = layer_pass.forward_with_hook(model, [module for _, module, _ in owners], record, inputs)
+    modules = [module for _, module, _ in owners]
+    with layer_forms.group_norm_rows(modules, rows), sequence_forms.attention_projections(model, modules, record):
+        logits = layer_pass.forward_with_hook(model, modules, record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:
-        _wrongly_covered[structure] = _check_closed_forms(model, inputs[:CHECK_EXAMPLES], labels[:CHECK_EXAMPLES])
+        first = slice(0, CHECK_EXAMPLES)
+        _wrongly_covered[structure] = _check_closed_forms(model, batches.take(inputs, first),
+                                                          batches.take(labels, first), loss_fn)
     wrong = _wrongly_covered.get(structure, set())
+    count = batches.count(inputs)
     covered, falling = [], []
     for name, module, params in owners:
         applications = calls.get(module, [])
         if name not in wrong and len(applications) == 1 and all(owner_count[param] == 1 for param in params) \
-                and (module in rows or _covered(module, *applications[0])):
+                and (module in rows or _covered(module, applications[0], count)):
             covered.append(module)
         else:
             falling.append((name, module, params))
@@ -158,23 +172,39 @@ def _split_forward(model, inputs, labels, check=True):
     # Only trainable parameters: a frozen one has no gradient to clip or to count in ||g_i||.
     falling_params = {param for _, _, params in falling for param in params}
     fallback = [name for name, param in model.named_parameters() if param in falling_params]
-    return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][1] for layer in covered],
-                  fallback, logits, F.cross_entropy(logits, labels, reduction="none"),
+    return _Split(covered, [calls[layer][0][0] for layer in covered], [calls[layer][0][2] for layer in covered],
+                  fallback, logits, batches.per_example_loss(logits, labels, loss_fn),
                   {layer: rows[layer] for layer in covered if layer in rows})
 
 
-def _check_closed_forms(model, inputs, labels):
-    """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's."""
-    split = _split_forward(model, inputs, labels, check=False)
+def recurrent_problem(model: nn.Module) -> str | None:
+    """What to say of a recurrent layer of `model` that torch.func cannot take per example (RECURRENT_REPLACEMENTS;
+    trainable or not, as the check of the closed forms runs the whole forward under vmap), naming it and Opacus's
+    replacement; None where there is none."""
+    for name, module in model.named_modules():
+        replacement = RECURRENT_REPLACEMENTS.get(type(module))
+        if replacement is not None:
+            return (f"layer {name or '(the model)'} ({type(module).__name__}): no per-sample gradients here "
+                    f"(torch.func cannot take them per example); use {replacement}, the same layer built from Linear "
+                    "layers")
+    return None
+
+
+def _check_closed_forms(model, inputs, labels, loss_fn=None):
+    """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's, and of
+    those it does not cover on these examples (a Linear layer whose input is not batch-first shows its examples
+    along the first dimension only when their number is that of the positions): they fall back from then on."""
+    split = _split_forward(model, inputs, labels, check=False, loss_fn=loss_fn)
     _, norms_by_layer = split.layer_norms()
     layer_names = {module: name for name, module in model.named_modules()}
     parameter_names = {param: name for name, param in model.named_parameters()}
-    wrong = set()
+    fallback = set(split.fallback)
+    wrong = {name for name, _, params in _owners(model) if any(parameter_names[param] in fallback for param in params)}
     with torch.no_grad():
         for layer, closed in zip(split.layers, norms_by_layer, strict=True):
             own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
             direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
-                         for grad in per_example_gradients(model, own, inputs, labels))
+                         for grad in per_example_gradients(model, own, inputs, labels, loss_fn))
             if not torch.allclose(closed.squared, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
                 wrong.add(layer_names[layer])
     return wrong
@@ -191,16 +221,25 @@ def _announce(covered, falling):
         print(line, file=sys.stderr, flush=True)
 
 
-def per_example_gradients(model: nn.Module, names: list, inputs: torch.Tensor, labels: torch.Tensor) -> list:
-    """g_i of the cross-entropy of each example with respect to the parameters `names` (the others held fixed):
-    one (n, *shape) tensor per name, by torch.func's vmap over the examples of grad."""
+def per_example_gradients(model: nn.Module, names: list, inputs: object, labels: object,
+                          loss_fn: batches.LossFn | None = None) -> list:
+    """g_i of the loss of each example (batches.per_example_loss) with respect to the parameters `names` (the
+    others held fixed): one (n, *shape) tensor per name, by torch.func's vmap over the examples of grad."""
     if not names:  # every layer covered by the engine: no vmapped pass at all
         return []
     values = {name: param.detach() for name, param in model.named_parameters() if name in set(names)}
 
+    def one(batch):
+        return batches.map_tensors(lambda tensor: tensor.unsqueeze(0), batch)
+
     def loss(params, example, label):
-        logits = torch.func.functional_call(model, params, (example.unsqueeze(0),))
-        return F.cross_entropy(logits, label.unsqueeze(0))
+        example = one(example)
+        if isinstance(example, dict):
+            outputs = torch.func.functional_call(model, params, (), example)
+        else:
+            outputs = torch.func.functional_call(model, params, tuple(example) if isinstance(example, tuple | list)
+                                                 else (example,))
+        return batches.per_example_loss(outputs, one(label), loss_fn).sum()
 
     # torch.func.grad differentiates inside; nothing outside needs a graph.
     with torch.no_grad(), warnings.catch_warnings():
@@ -219,27 +258,28 @@ def _squared(layer_norms, fallback, losses):
     return squared
 
 
-def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
-                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def per_sample_norms(model: nn.Module, inputs: object, labels: object,
+                     loss_fn: batches.LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
     with _eval_mode(model):
-        split = _split_forward(model, inputs, labels)
+        split = _split_forward(model, inputs, labels, loss_fn=loss_fn)
         _, layer_norms = split.layer_norms()
-        fallback = per_example_gradients(model, split.fallback, inputs, labels)
+        fallback = per_example_gradients(model, split.fallback, inputs, labels, loss_fn)
         with torch.no_grad():  # the covered layers' norms one at a time, their materialised gradients freed
             squared = _squared(layer_norms, fallback, split.losses)
-    return squared.sqrt(), split.losses.detach(), split.logits.detach()
+    return squared.sqrt(), split.losses.detach(), batches.map_tensors(torch.Tensor.detach, split.logits)
 
 
-def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
-                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor],
+                         loss_fn: batches.LossFn | None = None
+                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]:
     """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits); the
     covered layers' sums as the engine takes them (layer_pass.weighted_layer_gradients)."""
     with _eval_mode(model):
-        split = _split_forward(model, inputs, labels)
+        split = _split_forward(model, inputs, labels, loss_fn=loss_fn)
         grad_outputs, layer_norms = split.layer_norms()
-        fallback = per_example_gradients(model, split.fallback, inputs, labels)
+        fallback = per_example_gradients(model, split.fallback, inputs, labels, loss_fn)
         with torch.no_grad():
             layer_norms = list(layer_norms)
             norms = _squared(layer_norms, fallback, split.losses).sqrt()
@@ -247,9 +287,9 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
             parameters = dict(model.named_parameters())
             summed = dict(zip((parameters[name] for name in split.fallback), layer_pass.weighted_sum(fallback, weights)))
             summed.update(layer_pass.weighted_layer_gradients(split.layers, split.inputs, grad_outputs, layer_norms,
-                                                             weights))
+                                                              weights))
     return ([summed[param] for param in layer_pass.trainable_parameters(model)], split.losses.detach(), norms,
-            split.logits.detach())
+            batches.map_tensors(torch.Tensor.detach, split.logits))
 
 
 def per_sample_gradients(model: nn.Module, inputs: torch.Tensor,
@@ -259,6 +299,6 @@ def per_sample_gradients(model: nn.Module, inputs: torch.Tensor,
     names = [name for name, param in model.named_parameters() if param.requires_grad]
     with _eval_mode(model):
         with torch.no_grad():
-            logits = model(inputs)
+            logits = batches.apply_model(model, inputs)
         grads = per_example_gradients(model, names, inputs, labels)
-    return grads, F.cross_entropy(logits, labels, reduction="none"), logits
+    return grads, batches.per_example_loss(logits, labels), logits

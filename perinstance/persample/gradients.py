@@ -11,12 +11,15 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from perinstance.persample import fallback_norms
-from perinstance.persample.layer_forms import SQUARED_NORMS, conv2d_norm_form, group_norm_rows
+from perinstance.persample import batches, fallback_norms, layer_forms, sequence_forms
+from perinstance.persample.layer_forms import conv2d_norm_form, group_norm_rows, linear_norm_form
 from perinstance.persample.layer_pass import (
+    SQUARED_NORMS,
     forward_with_hook,
     layer_norms,
+    modified_in_place,
     parameter_owners,
+    record_application,
     trainable_parameters,
     weighted_layer_gradients,
 )
@@ -83,6 +86,8 @@ FALLBACK_PASS_EXAMPLES = 128
 CHECKED_LAYER_BYTES = 128 << 20
 
 
+
+
 # --- norms only, and the clipped sum from them (no per-sample gradients kept) ---------------
 #
 # One forward records every parameter layer's input and output; one backward w.r.t. the outputs gives the
@@ -90,13 +95,13 @@ CHECKED_LAYER_BYTES = 128 << 20
 
 @dataclass
 class _Pass:
-    """One forward pass with every parameter layer's input and output (None for a GroupNorm layer with parameter
-    rows), and the per-example losses."""
+    """One forward pass with every parameter layer's input and OutputEdge (None for a GroupNorm layer with
+    parameter rows), and the per-example losses."""
 
     layers: list
     inputs: list
     outputs: list
-    logits: torch.Tensor
+    logits: object
     losses: torch.Tensor
     group_norm_rows: dict  # GroupNorm layer -> its per-sample parameter rows (layer_forms.group_norm_rows)
 
@@ -109,7 +114,7 @@ class _Pass:
         return grad_outputs, norms_by_layer
 
 
-def _forward(model, inputs, labels, owners=None):
+def _forward(model, inputs, labels, owners=None, loss_fn=None):
     layers = _parameter_layers(model, owners)
     recorded, rows = {}, {}
 
@@ -120,42 +125,70 @@ def _forward(model, inputs, labels, owners=None):
         # A GroupNorm layer with parameter rows takes its gradients from them, not from its input and output: not
         # holding its output lets the forward free it where nothing else keeps it (ResNet-20's, read by a ReLU or
         # a residual sum, neither of which saves its input: 92 MiB per 128 examples) and reuse that memory.
-        recorded[layer] = (None, None) if layer in rows else (layer_inputs[0].detach(), output)
+        if layer in rows:
+            recorded[layer] = (None, None, None)
+            return
+        recorded[layer] = record_application(layer_inputs[0], output)
+        if recorded[layer][2] is None:
+            raise ValueError(f"{type(layer).__name__} is applied in a way its closed form does not take "
+                             "(attention to other keys than its queries, or unbatched inputs)")
 
-    with group_norm_rows(layers, rows):
+    with group_norm_rows(layers, rows), sequence_forms.attention_projections(model, layers, record):
         logits = forward_with_hook(model, layers, record, inputs)
+    unapplied = [layer for layer in layers if layer not in recorded]
+    if any(isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear) for layer in unapplied):
+        raise ValueError("an attention layer applied its output projection's weight itself (attention to other keys "
+                         "than its queries); the projection's closed form does not see it")
     layers = [layer for layer in layers if layer in recorded]
-    return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][1] for layer in layers],
-                 logits, F.cross_entropy(logits, labels, reduction="none"), rows)
+    count = batches.count(inputs)
+    for layer in layers:
+        layer_input, version, output = recorded[layer]
+        if modified_in_place(layer_input, version):
+            raise ValueError(f"{type(layer).__name__}: its input is changed in place after the layer read it; its "
+                             "per-sample gradient would read the changed values")
+        if output is not None and (len(layer_input) != count or output.shape[0] != count):
+            raise ValueError(f"{type(layer).__name__}: its input or output does not have the {count} examples along "
+                             f"its first dimension (shapes {tuple(layer_input.shape)}, {tuple(output.shape)})")
+    return _Pass(layers, [recorded[layer][0] for layer in layers], [recorded[layer][2] for layer in layers],
+                 logits, batches.per_example_loss(logits, labels, loss_fn), rows)
 
 
-def layer_shapes(model: nn.Module, example: torch.Tensor) -> list:
+def layer_shapes(model: nn.Module, example: object) -> list:
     """(layer, input shape, output shape) of every parameter layer the forward of `example` (a batch of one)
-    applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass."""
+    applies, in the order applied: what the per-layer choices of form and chunk are made from, before any pass.
+    An attention layer's shapes are those of its input projection."""
     shapes = []
+    layers = _parameter_layers(model)
 
     def record(layer, layer_inputs, output):
-        shapes.append((layer, layer_inputs[0].shape, output.shape))
+        if isinstance(layer_inputs[0], torch.Tensor) and isinstance(output, torch.Tensor):
+            shapes.append((layer, layer_inputs[0].shape, output.shape))
 
-    with torch.no_grad():
-        forward_with_hook(model, _parameter_layers(model), record, example)
+    with torch.no_grad(), sequence_forms.attention_projections(model, layers, record):
+        forward_with_hook(model, layers, record, example)
     return shapes
 
 
-def norm_forms(model: nn.Module, example: torch.Tensor) -> dict:
+def norm_forms(model: nn.Module, example: object) -> dict:
     """How the norms pass takes each parameter layer (by name) on examples shaped as `example`: the
-    convolutions' `conv2d_norm_form`, "ghost" for a Linear layer, "per-sample" for a GroupNorm layer."""
+    convolutions' `conv2d_norm_form`, an affine map's `linear_norm_form` (attention's input projection too),
+    "rows by id" for an Embedding, "per-sample" for a normalisation layer."""
     names = {layer: name for name, layer in model.named_modules()}
     forms = {}
     for layer, input_shape, output_shape in layer_shapes(model, example):
         if isinstance(layer, nn.Conv2d):
             forms[names[layer]] = conv2d_norm_form(layer, input_shape[2:], output_shape[2:])
+        elif isinstance(layer, nn.Conv1d):
+            forms[names[layer]] = conv2d_norm_form(layer_forms.conv1d_as_conv2d(layer), (1, *input_shape[2:]),
+                                                   (1, *output_shape[2:]))
+        elif isinstance(layer, nn.Linear | nn.MultiheadAttention):
+            forms[names[layer]] = linear_norm_form(math.prod(input_shape[1:-1]), input_shape[-1], output_shape[-1])
         else:
-            forms[names[layer]] = "ghost" if isinstance(layer, nn.Linear) else "per-sample"
+            forms[names[layer]] = "rows by id" if isinstance(layer, nn.Embedding) else "per-sample"
     return forms
 
 
-def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torch.device = "cpu") -> int:
+def examples_per_pass(model: nn.Module, inputs: object, device: str | torch.device = "cpu") -> int:
     """Examples per pass of the norms engine (a norms-only pass, or a training step's norms and clipped sum) over
     examples shaped as `inputs`' on `device`: `pass_examples` of the model's largest layer output;
     FALLBACK_PASS_EXAMPLES where torch.func takes some of its layers; capped by CHECKED_LAYER_BYTES where the
@@ -165,7 +198,8 @@ def examples_per_pass(model: nn.Module, inputs: torch.Tensor, device: str | torc
     if not fallback_norms.engine_covers(owners):  # torch.func materialises its layers' per-sample gradients
         return FALLBACK_PASS_EXAMPLES
     element_size = next(model.parameters()).element_size()
-    largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, inputs[:1].to(device))), default=0)
+    example = batches.to_device(batches.take(inputs, slice(0, 1)), device)
+    largest = max((math.prod(output[1:]) for _, _, output in layer_shapes(model, example)), default=0)
     chunk = pass_examples(largest * element_size, torch.device(device).type)
     if owners and fallback_norms.checked(model):  # engine_covers held above: only the check sends it to torch.func
         largest_layer = max(sum(param.numel() for param in params) for _, params in owners) * element_size
@@ -213,32 +247,38 @@ def _parameter_layers(model, owners=None):
     return layers
 
 
-def per_sample_norms(model: nn.Module, inputs: torch.Tensor,
-                     labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """||g_i|| of the cross-entropy gradient of each example; also per-example losses and logits."""
+def per_sample_norms(model: nn.Module, inputs: object, labels: object,
+                     loss_fn: batches.LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """||g_i|| of the gradient of each example's loss (batches.per_example_loss: the cross-entropy unless
+    `loss_fn`); also per-example losses and the model's outputs (logits)."""
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
-        return fallback_norms.per_sample_norms(model, inputs, labels)
-    forward = _forward(model, inputs, labels, owners)
+        return fallback_norms.per_sample_norms(model, inputs, labels, loss_fn)
+    forward = _forward(model, inputs, labels, owners, loss_fn)
     _, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         squared = sum(norms.squared for norms in norms_by_layer)
-    return squared.sqrt(), forward.losses.detach(), forward.logits.detach()
+    return squared.sqrt(), forward.losses.detach(), _detached(forward.logits)
 
 
-def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor]
-                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+def _detached(outputs):
+    return batches.map_tensors(torch.Tensor.detach, outputs)
+
+
+def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
+                         weights_of_norms: Callable[[torch.Tensor], torch.Tensor],
+                         loss_fn: batches.LossFn | None = None
+                         ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]:
     """Σ_i w_i·g_i with w = weights_of_norms(||g_i||) (the clipped sum u(B) of §1), from the one backward that
     gives the norms (book-keeping, `weighted_layer_gradients`), without a second backward through the network.
 
     Returns (one summed gradient per trainable parameter, in model.parameters() order; per-example
-    losses; ||g_i||; logits).
+    losses; ||g_i||; logits). The loss is batches.per_example_loss's (the cross-entropy unless `loss_fn`).
     """
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
-        return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms)
-    forward = _forward(model, inputs, labels, owners)
+        return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms, loss_fn)
+    forward = _forward(model, inputs, labels, owners, loss_fn)
     grad_outputs, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
@@ -247,7 +287,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: torch.Tensor, labels: torch.T
                                           weights_of_norms(norms))
     # A layer the forward never applied has zero gradient.
     return ([summed[param] if param in summed else torch.zeros_like(param) for _, params in owners for param in params],
-            forward.losses.detach(), norms, forward.logits.detach())
+            forward.losses.detach(), norms, _detached(forward.logits))
 
 
 def directional_derivatives(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

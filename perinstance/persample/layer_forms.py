@@ -45,19 +45,62 @@ class LayerNorms:
     @classmethod
     def of_per_sample(cls, per_sample: dict) -> "LayerNorms":
         """The LayerNorms of a layer whose trainable parameters' per-sample gradients are all in `per_sample`."""
-        return cls(sum(grad.square().sum(dim=1) for grad in per_sample.values()), per_sample)
+        return cls(sum(grad.reshape(len(grad), -1).square().sum(dim=1) for grad in per_sample.values()), per_sample)
 
 
 def linear_squared_norms(layer: nn.Linear, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
-    """||g_i||² of a Linear layer on (n, features) inputs: g_W = b aᵀ, so ||g_W||² = ||a||²·||b||². Nothing is
-    materialised (the clipped sum is the layer's weight gradient for the weighted b)."""
-    if inputs.dim() != 2:
-        raise ValueError(f"per-sample norms need (n, features) inputs to Linear, got shape {tuple(inputs.shape)}")
-    output_squares = grad_outputs.square().sum(dim=1)
-    squared = inputs.square().sum(dim=1) * output_squares if layer.weight.requires_grad else 0
-    if layer.bias is not None and layer.bias.requires_grad:
-        squared = squared + output_squares
+    """||g_i||² of a Linear layer on (n, ..., features) inputs (linear_parts)."""
+    return linear_parts(layer.weight, layer.bias, inputs, grad_outputs)
+
+
+def linear_parts(weight: torch.Tensor, bias: torch.Tensor | None, inputs: torch.Tensor,
+                 grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of the trainable ones of `weight` and `bias` of an affine map x -> W x + b applied to inputs
+    (n, ..., features) with gradients `grad_outputs` of its outputs. With the inputs a_t and output gradients b_t of
+    the T positions of an example (tokens, or T = 1), g_W = Σ_t b_t a_tᵀ and g_b = Σ_t b_t. At T = 1,
+    ||g_W||² = ||a||²·||b||². Otherwise, by `linear_norm_form`: ghost, ||g_W||² = Σ_{t,t'} (a_t·a_t')(b_t·b_t')
+    from the two (T, T) Gram matrices, or materialised, ||Σ_t b_t a_tᵀ||², examples a few at a time
+    (`_example_blocks`). Nothing is kept: the clipped sum is the weight gradient for the weighted b."""
+    if inputs.dim() == 2:
+        output_squares = grad_outputs.square().sum(dim=1)
+        squared = inputs.square().sum(dim=1) * output_squares if weight.requires_grad else 0
+        if bias is not None and bias.requires_grad:
+            squared = squared + output_squares
+        return LayerNorms(squared, {})
+    count = len(inputs)
+    a, b = inputs.reshape(count, -1, inputs.shape[-1]), grad_outputs.reshape(count, -1, grad_outputs.shape[-1])
+    squared = grad_outputs.new_zeros(count)
+    if weight.requires_grad:
+        form = linear_norm_form(a.shape[1], a.shape[2], b.shape[2])
+        per_example = (a.shape[1] ** 2 if form == "ghost" else a.shape[2] * b.shape[2]) * b.element_size()
+        for block in _example_blocks(count, per_example, b.device):
+            if form == "ghost":
+                squared[block] = (torch.bmm(a[block], a[block].transpose(1, 2))
+                                  * torch.bmm(b[block], b[block].transpose(1, 2))).sum(dim=(1, 2))
+            else:
+                squared[block] = torch.bmm(b[block].transpose(1, 2), a[block]).square().sum(dim=(1, 2))
+    if bias is not None and bias.requires_grad:
+        squared = squared + b.sum(dim=1).square().sum(dim=1)
     return LayerNorms(squared, {})
+
+
+def linear_norm_form(positions: int, in_features: int, out_features: int) -> str:
+    """How linear_parts takes ||g_W||² of an affine map applied at `positions` positions per example: "ghost"
+    (two (T, T) Gram matrices, T²·(in + out) multiply-adds) where that is cheaper than "materialised"
+    (T·in·out), as conv2d_norm_form chooses for a convolution. A function of the shapes alone."""
+    ghost = positions ** 2 * (in_features + out_features)
+    return "ghost" if positions == 1 or ghost < positions * in_features * out_features else "materialised"
+
+
+# On a CPU, the per-example Gram matrices or weight gradients that linear_parts forms at once stay within these
+# bytes (in cache); a GPU takes a whole chunk at once, as each launch costs more than a few examples' work.
+BLOCK_BYTES = 4 << 20
+
+
+def _example_blocks(count: int, per_example: int, device: torch.device) -> list[slice]:
+    """Consecutive slices of `count` examples, each holding at most BLOCK_BYTES of `per_example` bytes on a CPU."""
+    size = count if device.type != "cpu" else max(1, BLOCK_BYTES // max(per_example, 1))
+    return [slice(start, start + size) for start in range(0, count, size)]
 
 
 def conv2d_squared_norms(layer: nn.Conv2d, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
@@ -275,18 +318,67 @@ def group_norm_rows(layers: Sequence[nn.Module], rows: dict) -> Iterator[None]:
             del layer.forward
 
 
+@dataclass
+class _Conv2dView:
+    """The attributes of a Conv2d that conv2d_squared_norms reads, for a Conv1d applied as a Conv2d of height 1:
+    its weight viewed as (out, in/groups, 1, k), every size with a leading 1 (0 for the padding)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    groups: int
+    padding_mode: str
+
+
+def conv1d_as_conv2d(layer: nn.Conv1d) -> _Conv2dView:
+    """`layer` as a Conv2d of height 1 (inputs and output gradients unsqueezed at dimension 2)."""
+    padding = layer.padding if isinstance(layer.padding, str) else (0, *layer.padding)
+    # Detached: the view carries the weight's shape and requires_grad, also where it is made under no_grad.
+    weight = layer.weight.detach().unsqueeze(2).requires_grad_(layer.weight.requires_grad)
+    return _Conv2dView(weight, layer.bias, layer.in_channels, layer.out_channels,
+                       (1, *layer.kernel_size), (1, *layer.stride), padding, (1, *layer.dilation), layer.groups,
+                       layer.padding_mode)
+
+
+def conv1d_squared_norms(layer: nn.Conv1d, inputs: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
+    """||g_i||² of a Conv1d layer on (n, channels, length) inputs: conv2d_squared_norms of the layer as a Conv2d of
+    height 1, its materialised weight gradients viewed back in the layer's shape."""
+    view = conv1d_as_conv2d(layer)
+    norms = conv2d_squared_norms(view, inputs.unsqueeze(2), grad_outputs.unsqueeze(2))
+    per_sample = {}
+    for param, grads in norms.per_sample.items():
+        if param is view.weight:
+            per_sample[layer.weight] = grads.reshape(len(grads), *layer.weight.shape)
+        else:
+            per_sample[param] = grads
+    return LayerNorms(norms.squared, per_sample)
+
+
 SQUARED_NORMS = {nn.Linear: linear_squared_norms, nn.Conv2d: conv2d_squared_norms,
-                 nn.GroupNorm: group_norm_squared_norms}
+                 nn.GroupNorm: group_norm_squared_norms, nn.Conv1d: conv1d_squared_norms,
+                 # attention's output projection: a Linear layer by another name
+                 nn.modules.linear.NonDynamicallyQuantizableLinear: linear_squared_norms}
 
 
 def weight_gradients(layer: nn.Module, inputs: torch.Tensor, grad_outputs: torch.Tensor,
                      params: Sequence[nn.Parameter]) -> dict:
     """The gradients of `params` (some of `layer`'s own) for the gradient `grad_outputs` of its output."""
-    if isinstance(layer, nn.Conv2d):  # a ghost or single-position form: its bias (as GroupNorm's) is materialised
+    if isinstance(layer, nn.Conv2d | _Conv2dView):  # ghost or single-position: its bias (as GroupNorm's) is materialised
         if conv2d_norm_form(layer, inputs.shape[2:], grad_outputs.shape[2:]) == "single":
             # A matrix product: several times faster than the convolution library's weight gradient here.
             patches = _patches(layer, inputs).reshape(len(inputs), -1)
             return {layer.weight: (grad_outputs.reshape(len(inputs), -1).T @ patches).reshape(layer.weight.shape)}
         return {layer.weight: torch.nn.grad.conv2d_weight(inputs, layer.weight.shape, grad_outputs, layer.stride,
                                                           layer.padding, layer.dilation, layer.groups)}
-    return {param: grad_outputs.T @ inputs if param is layer.weight else grad_outputs.sum(dim=0) for param in params}
+    if isinstance(layer, nn.Conv1d):
+        view = conv1d_as_conv2d(layer)
+        grads = weight_gradients(view, inputs.unsqueeze(2), grad_outputs.unsqueeze(2), [view.weight])
+        return {layer.weight: grads[view.weight].reshape(layer.weight.shape)}
+    grad_rows = grad_outputs.reshape(-1, grad_outputs.shape[-1])
+    return {param: grad_rows.T @ inputs.reshape(-1, inputs.shape[-1]) if param is layer.weight else grad_rows.sum(dim=0)
+            for param in params}

@@ -1,14 +1,20 @@
-"""A model's trainable layers, one forward with a hook on them, and the per-layer work of one backward over
-their outputs (each layer's ||g_i||² and its part of a weighted gradient sum, by layer_forms.py's closed
-forms): what the engine (gradients.py) and its fallback for the layers it does not cover (fallback_norms.py)
-are both built from."""
+"""A model's trainable layers, one forward with a hook on them and what it records of each layer's application,
+and the per-layer work of one backward over their outputs (each layer's ||g_i||² and its part of a weighted
+gradient sum, by the closed forms of layer_forms.py and sequence_forms.py): what the engine (gradients.py) and
+its fallback for the layers it does not cover (fallback_norms.py) are both built from."""
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
-from perinstance.persample.layer_forms import SQUARED_NORMS, LayerNorms, weight_gradients
+from perinstance.persample import batches, layer_forms, sequence_forms
+from perinstance.persample.layer_forms import LayerNorms
+
+# The layers with a closed form, and how each takes its per-sample norms from its input and output gradient.
+SQUARED_NORMS = {**layer_forms.SQUARED_NORMS, **sequence_forms.SQUARED_NORMS}
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
@@ -39,11 +45,57 @@ def parameter_owners(model: nn.Module) -> list[tuple[nn.Module, list[nn.Paramete
     return owners
 
 
-def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: torch.Tensor) -> torch.Tensor:
-    """model(inputs) with `hook` registered as a forward hook of each of `layers` for this call only."""
-    handles = [layer.register_forward_hook(hook) for layer in layers]
+def closed_form_applies(layer: nn.Module) -> bool:
+    """Whether the settings of `layer`, a type of SQUARED_NORMS, allow its closed form: a convolution with
+    numeric zero padding (not reflected, not "same"), and sequence_forms.closed_form_applies."""
+    if isinstance(layer, nn.Conv2d | nn.Conv1d):
+        return layer.padding_mode == "zeros" and not isinstance(layer.padding, str)
+    return sequence_forms.closed_form_applies(layer)
+
+
+@dataclass(frozen=True)
+class OutputEdge:
+    """Where the gradient of a layer's output enters the autograd graph, as the layer's forward left it: the
+    gradient edge of its output (torch.autograd.graph.get_gradient_edge), so that an in-place operation applied
+    to the output after the layer (ReLU(inplace=True)) leaves the gradient wanted, that of the layer's own
+    output, in place; with the output's shape, for a gradient of zeros where the loss does not reach it."""
+
+    target: object  # a GradientEdge, or the tensor itself where it has no grad_fn
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, output: torch.Tensor) -> "OutputEdge":
+        target = get_gradient_edge(output) if output.grad_fn is not None else output
+        return cls(target, output.shape, output.dtype, output.device)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def record_application(layer_input: object, output: object) -> tuple:
+    """What a pass keeps of one application of a layer: (its input detached, the input's version, its output's
+    OutputEdge); (None, None, None) for an application the closed forms cannot take (a layer input that is not a
+    tensor, an attention layer applied to other keys than its queries)."""
+    if not isinstance(layer_input, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None, None, None
+    return layer_input.detach(), layer_input._version, OutputEdge.of(output)
+
+
+def modified_in_place(layer_input: torch.Tensor | None, version: int | None) -> bool:
+    """Whether a recorded layer input was changed in place after the layer read it (a closed form would read the
+    changed values)."""
+    return layer_input is not None and layer_input._version != version
+
+
+def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: object) -> object:
+    """batches.apply_model(model, inputs) with `hook` registered as a forward hook of each of `layers` for this
+    call only (an attention layer calls it itself, within sequence_forms.attention_projections)."""
+    handles = [layer.register_forward_hook(hook) for layer in layers
+               if not isinstance(layer, sequence_forms.SELF_RECORDING)]
     try:
-        return model(inputs)
+        return batches.apply_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -65,8 +117,13 @@ def layer_norms(layers: Sequence[nn.Module], inputs: Sequence[torch.Tensor], out
             for param, row in zip((layer.weight, layer.bias), pair) if row is not None and row.requires_grad]
     with_rows = {layer for layer, _, _ in rows}
     kept = [index for index, layer in enumerate(layers) if layer not in with_rows]
-    grads = torch.autograd.grad(losses.sum(), [*(outputs[index] for index in kept), *(row for _, _, row in rows)],
-                                materialize_grads=True)
+    edges = [outputs[index] if isinstance(outputs[index], OutputEdge) else OutputEdge.of(outputs[index])
+             for index in kept]
+    grads = torch.autograd.grad(losses.sum(), [*(edge.target for edge in edges), *(row for _, _, row in rows)],
+                                allow_unused=True)
+    # Zeros where the loss does not reach (a layer whose output is not used, a row of an unused parameter).
+    grads = [edge.zeros() if grad is None else grad for edge, grad in zip(edges, grads)] + [
+        torch.zeros_like(row) if grad is None else grad for (_, _, row), grad in zip(rows, grads[len(kept):])]
     grad_outputs, per_sample = [None] * len(outputs), {}
     for index, grad in zip(kept, grads):
         grad_outputs[index] = grad
@@ -106,5 +163,6 @@ def weighted_layer_gradients(layers: Sequence[nn.Module], inputs: Sequence[torch
         rest = [param for param in own_trainable_parameters(layer) if param not in summed]
         if rest:
             weighted = grad_output * weights.reshape(-1, *[1] * (grad_output.dim() - 1))
-            summed.update(weight_gradients(layer, layer_inputs, weighted, rest))
+            forms = sequence_forms if type(layer) in sequence_forms.SQUARED_NORMS else layer_forms
+            summed.update(forms.weight_gradients(layer, layer_inputs, weighted, rest))
     return summed

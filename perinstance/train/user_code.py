@@ -17,7 +17,6 @@ import os
 import random
 import re
 import sys
-import traceback
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from perinstance.errors import UsageError
+from perinstance.errors import USER_FILES, UsageError, describe
+from perinstance.persample import fallback_norms
 from perinstance.persample.fallback_norms import USER_MODEL_MARK
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
@@ -81,7 +81,7 @@ def _import_file(path: str, flag: str):
             exec(compile(text, key[0], "exec"), module.__dict__)
         except Exception as error:
             del sys.modules[name]
-            raise UsageError(flag, f"importing {path} failed: {_describe(error, key[0])}") from None
+            raise UsageError(flag, f"importing {path} failed: {describe(error, key[0])}") from None
         _file_modules[key] = module
     return _file_modules[key], Source(spec="", path=key[0], sha256=digest)
 
@@ -95,7 +95,7 @@ def _import_module(dotted: str, flag: str):
         raise UsageError(flag, f"no module named {error.name!r} (expected {SPEC_FORMS}; a path must end in .py)") \
             from None
     except Exception as error:
-        raise UsageError(flag, f"importing {dotted} failed: {_describe(error, getattr(error, 'filename', ''))}") \
+        raise UsageError(flag, f"importing {dotted} failed: {describe(error, getattr(error, 'filename', ''))}") \
             from None
     path = getattr(module, "__file__", None)
     digest = None
@@ -103,19 +103,6 @@ def _import_module(dotted: str, flag: str):
         with open(path, "rb") as handle:
             digest = hashlib.sha256(handle.read()).hexdigest()
     return module, Source(spec="", path=path and os.path.abspath(path), sha256=digest)
-
-
-def _describe(error: BaseException, path: str) -> str:
-    """`Type: message (file:line)` of an exception raised by user code, on one line: the line is the
-    deepest frame in `path`, else the deepest of all."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if isinstance(error, SyntaxError) and error.lineno is not None:
-        where = f" ({error.filename}:{error.lineno})"
-    else:
-        inside = [frame for frame in frames if frame.filename == path] or frames[-1:]
-        where = f" ({inside[-1].filename}:{inside[-1].lineno})" if inside else ""
-    message = " ".join(str(error).split())
-    return f"{type(error).__name__}{': ' + message if message else ''}{where}"
 
 
 def load_object(spec: str, flag: str) -> tuple[Any, Source]:
@@ -133,6 +120,8 @@ def load_object(spec: str, flag: str) -> tuple[Any, Source]:
                          if not key.startswith("_") and callable(value) and getattr(value, "__module__", None)
                          == module.__name__)
         raise UsageError(flag, f"{source} has no {name!r} (it defines: {', '.join(defined) or 'nothing callable'})")
+    if origin.path is not None:  # an exception raised in it later (a model's forward) is told in one line
+        USER_FILES[origin.path] = (flag, spec)
     return getattr(module, name), Source(spec=spec, path=origin.path, sha256=origin.sha256)
 
 
@@ -158,7 +147,7 @@ def _call(target, available: dict, spec: str, flag: str, what: str):
         raise
     except Exception as error:
         path = inspect.getsourcefile(target) if inspect.isfunction(target) or inspect.isclass(target) else None
-        raise UsageError(flag, f"{spec} raised {_describe(error, path or '')}") from None
+        raise UsageError(flag, f"{spec} raised {describe(error, path or '')}") from None
 
 
 # --- models --------------------------------------------------------------------------------------
@@ -187,6 +176,9 @@ def build_model(spec: str, input_shape: tuple, num_classes: int, dp: bool = True
         raise UsageError("--model", f"{spec} has no trainable parameter")
     if dp:
         refuse_sample_mixing(model, spec)
+    problem = fallback_norms.recurrent_problem(model)
+    if problem is not None:
+        raise UsageError("--model", f"{spec}: {problem}")
     setattr(model, USER_MODEL_MARK, True)
     return model
 
@@ -207,18 +199,26 @@ def checked_as_user_model(model: nn.Module) -> Iterator[None]:
 
 
 def refuse_sample_mixing(model: nn.Module, spec: str) -> None:
+    """A layer that mixes the examples of a batch (`sample_mixing`) is a one-line error naming it and the fix."""
+    problem = sample_mixing(model)
+    if problem is not None:
+        raise UsageError("--model", f"{spec}: {problem}")
+
+
+def sample_mixing(model: nn.Module) -> str | None:
     """A layer that Opacus's ModuleValidator refuses because it mixes the examples of a batch (BatchNorm, an
-    InstanceNorm with running statistics) breaks per-example privacy: a one-line error naming it and the fix.
-    Other layers Opacus's hooks lack (MultiheadAttention, a custom module) are covered by torch.func."""
+    InstanceNorm with running statistics) breaks per-example privacy: what to say of the first one (naming it and
+    the fix), None where there is none. Other layers Opacus's hooks lack (MultiheadAttention, a custom module)
+    are covered by the engine or torch.func."""
     from opacus.validators import ModuleValidator
 
     for name, module in model.named_modules():
         mixing = isinstance(module, nn.modules.batchnorm._BatchNorm | nn.modules.instancenorm._InstanceNorm)
         validator = ModuleValidator.VALIDATORS.get(type(module))
         if mixing and validator is not None and validator(module):
-            raise UsageError("--model", f"{spec}: layer {name or '(the model)'} ({type(module).__name__}) mixes the "
-                                        "examples of a batch, which breaks per-example privacy (Opacus's "
-                                        "ModuleValidator refuses it too); use nn.GroupNorm instead")
+            return (f"layer {name or '(the model)'} ({type(module).__name__}) mixes the examples of a batch, which "
+                    "breaks per-example privacy (Opacus's ModuleValidator refuses it too); use nn.GroupNorm instead")
+    return None
 
 
 # --- datasets ------------------------------------------------------------------------------------
