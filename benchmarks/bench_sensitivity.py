@@ -35,6 +35,7 @@ from _workloads import add_timing_arguments, device_name, require_device, same_r
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
+from perinstance.measure.gram import checkpoint_gram  # noqa: E402
 from perinstance.measure.poisson_batches import Pool  # noqa: E402
 from perinstance.train import gradients  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
@@ -197,12 +198,12 @@ def bench_renyi(workload, reference_sets, setting, device):
     # the extrapolated reference (and the speed-up) on the low side.
     before = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
     started = clock()
-    rows, point_gradients = gradient_rows.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM,
-                                                               device)
+    workload = poisson_batches.renyi_workload(num_points, pool, alpha, num_iters, num_batches)
+    gram, point_gradients = checkpoint_gram(model, x, y, x[points], y[points], points, TRANSFORM, workload, device)
     gradient_seconds = clock() - started
-    engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
+    engine = poisson_batches.renyi_statistics(gram, point_gradients, points, pool, alpha, num_iters, num_batches)
     engine_seconds = clock() - started
-    del rows, point_gradients
+    del gram, point_gradients
     after = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
     target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
     per_direction = num_iters * (target_seconds + num_batches * set_seconds)

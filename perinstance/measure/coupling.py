@@ -28,7 +28,7 @@ from perinstance.measure.gradient_rows import (
     pass_batches,
     square_norms,
 )
-from perinstance.measure.gram import CheckpointGram
+from perinstance.measure.gram import CheckpointGram, Workload
 from perinstance.measure.predictions import Predictions, predictions_of
 from perinstance.train import gradients, sampling
 from perinstance.train.clipping import Transform
@@ -127,6 +127,14 @@ def coupling_plan(seed: int, step: int, n: int, sample_rate: float, size_delta: 
     k_min = batch_sizes.size_threshold(n, sample_rate, size_delta)
     sizes = np.asarray(batch_sizes.size_grid(n, sample_rate, k_min, max_sizes), dtype=np.int64)
     return CouplingPlan(int(seed), int(step), sizes, int(blocks), math.ceil(num_batches / (blocks * len(sizes))))
+
+
+def coupling_workload(num_points: int, plans: Sequence[CouplingPlan]) -> Workload:
+    """What the draws of `plans` ask of a checkpoint's Gram (gram.Workload): a segment sum per grid size of
+    every permutation, the segments of a permutation covering its largest size."""
+    return Workload(points=num_points, batches=sum(plan.draws for plan in plans),
+                    members=sum(plan.blocks * plan.permutations * int(plan.sizes[-1]) for plan in plans),
+                    group=max(len(plan.sizes) for plan in plans))
 
 
 @dataclass

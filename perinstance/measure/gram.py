@@ -48,9 +48,12 @@ from perinstance.train.gram_forms import GramFactor
 GRAM_BYTES = {"cpu": 1 << 29, "cuda": 1 << 34}
 # The factors held at once while the Gram is built; more take one pass over the examples per group of layers.
 FACTOR_BYTES = {"cpu": HELD_BYTES_CPU, "cuda": 1 << 33}
-# Rows per block of the Gram's product, and columns per panel of the held Gram: a batch-sum call reads only its
-# panel (8 MB for 8,000 rows in float32, within a CPU's cache).
-GRAM_BLOCK = 2048
+# Rows per block of the Gram's product, by device kind: on a CPU the float64 products of a 512-row block stay in
+# cache for their elementwise products (LeNet-5's outer factors for 8,000 rows, 1 thread: 1.8 s in blocks of 512,
+# 2.6 s in blocks of 2,048); a GPU takes larger blocks, fewer launches. Columns per panel of the held Gram and
+# rows: a batch-sum call reads only its panel (8 MB for 8,000 rows in float32, within a CPU's cache: 3.5× faster
+# than whole rows of 2,572 values). The blocks are whole panels.
+GRAM_BLOCK = {"cpu": 512, "cuda": 4096}
 GRAM_PANEL = 256
 
 
@@ -68,11 +71,17 @@ def gram_route(model: torch.nn.Module, num_rows: int, device: str | torch.device
 
 @dataclass
 class CheckpointGram:
-    """G_c of M rows (the N training rows, then the points outside the training set) held as column panels of
-    GRAM_PANEL in the model's dtype, and in float64: ||h_a − μ||² (`centred_square`), h_a·μ (`mean_dots`),
-    ||μ||² (`mean_square`), μ the mean of the N training rows. `predictions` of the M rows."""
+    """The centred gradients of M rows (the N training rows, then the points outside the training set) in two
+    parts, each layer in one of them (`_in_gram`): the Gram G_c of some layers' parts, held as column panels,
+    `panels` (M/GRAM_PANEL rounded up, M, GRAM_PANEL) in the model's dtype (panel k the columns from
+    k·GRAM_PANEL, the last one padded with zeros; None when no layer is in it), and the other layers' centred
+    per-sample gradients themselves, `rows`, column panels alike (M/GRAM_PANEL rounded up, M, GRAM_PANEL) of the
+    (M, p) matrix (None when no layer is kept so). In float64, over both parts:
+    ||h_a − μ||² (`centred_square`), h_a·μ (`mean_dots`), ||μ||² (`mean_square`), μ the mean of the N training
+    rows. `predictions` of the M rows."""
 
-    panels: list
+    panels: torch.Tensor | None
+    rows: torch.Tensor | None
     centred_square: torch.Tensor
     mean_dots: torch.Tensor
     mean_square: float
@@ -85,11 +94,17 @@ class CheckpointGram:
 
     @property
     def device(self) -> torch.device:
-        return self.panels[0].device
+        return self.centred_square.device
 
-    def matrix(self) -> torch.Tensor:
-        """The held Gram as one (M, M) matrix (for checks: it copies every panel)."""
-        return torch.cat(self.panels, dim=1)
+    def products(self, indices: np.ndarray) -> torch.Tensor:
+        """(h_a − μ)·(h_b − μ) of the rows `indices` with every row, (len, M) float64."""
+        index = torch.as_tensor(np.asarray(indices, dtype=np.int64), device=self.device)
+        products = torch.zeros((len(index), self.size), dtype=torch.float64, device=self.device)
+        if self.panels is not None:
+            products += self.panels[:, index].transpose(0, 1).reshape(len(index), -1)[:, :self.size]
+        if self.rows is not None:
+            products += torch.matmul(self.rows[:, index], self.rows.transpose(1, 2)).sum(dim=0).double()
+        return products
 
     def rows_of(self, points: PointGradients) -> np.ndarray:
         """Each point's row in the Gram: its training row, or for a point outside the training set (train_rows
@@ -100,39 +115,62 @@ class CheckpointGram:
         return rows
 
     def point_squares(self, point_rows: np.ndarray) -> torch.Tensor:
-        """||h*||² = ||h* − μ||² + 2 h*·μ − ||μ||² of the Gram rows `point_rows` (float64)."""
+        """||h*||² = ||h* − μ||² + 2 h*·μ − ||μ||² of the rows `point_rows` (float64)."""
         index = torch.as_tensor(point_rows, device=self.device)
         return self.centred_square[index] + 2 * self.mean_dots[index] - self.mean_square
 
-    def columns(self, indices: np.ndarray) -> torch.Tensor:
-        """G_c[:N, indices] as one contiguous (N, len) matrix (rows `indices` of the symmetric Gram, transposed)."""
-        index = torch.as_tensor(np.asarray(indices, dtype=np.int64), device=self.device)
-        return torch.cat([panel[index] for panel in self.panels], dim=1)[:, :self.num_rows].T.contiguous()
-
     def batch_sums(self, masks: np.ndarray, layout: np.ndarray, point_rows: np.ndarray) -> tuple:
         """For batches given as a boolean (batches, N) mask over the training rows, grouped by `layout` (groups, g)
-        (each row the batches of one group): the centred sums' Gram within each group, Σ_{a∈D, b∈E} G_c[a, b]
-        ((groups, g, g) float64), the sums Σ_{a∈D} G_c[a, p] for the Gram rows `point_rows` ((batches, P)
-        float64), and Σ_{a∈D} (h_a − μ)·μ ((batches,) float64). Each batch's members are added in row order."""
-        device = self.device
+        (each row the batches of one group), with s_D = Σ_{a∈D} (h_a − μ): the Gram of the sums within each
+        group, s_D·s_E ((groups, g, g) float64), s_D·(h_p − μ) for the rows `point_rows` ((batches, P) float64),
+        and s_D·μ ((batches,) float64). Each batch's members are added in row order.
+
+        Gram part: the sums run over its column panels (a panel of the N rows stays in a CPU's cache while every
+        batch reads it); each panel's part of a group's Gram is a product of its sums with the members' 0/1
+        columns in the Gram's dtype, added in float64. Rows part: each batch's sum of the rows, then float64
+        products of the sums with each other within a group and with the points' rows."""
+        device, count = self.device, self.num_rows
         bags = Bags.of_mask(masks, device)
         layout = torch.as_tensor(layout, device=device)
         grams = torch.zeros((*layout.shape, layout.shape[1]), dtype=torch.float64, device=device)
-        dense = torch.as_tensor(masks, device=device)
-        low = 0
-        for panel in self.panels:
-            high = min(low + panel.shape[1], self.num_rows)
-            if high > low:
-                sums = bags.sums(panel[:self.num_rows]).double()[layout]
-                members = dense[:, low:high].to(torch.float64)[layout]
-                grams.add_(torch.matmul(sums[..., :high - low], members.transpose(1, 2)))
-            low += panel.shape[1]
-        points = bags.sums(self.columns(point_rows)).double()
-        centred_mean_dots = (self.mean_dots[:self.num_rows] - self.mean_square)[:, None]
+        points = torch.zeros((len(masks), len(point_rows)), dtype=torch.float64, device=device)
+        index = torch.as_tensor(np.asarray(point_rows, dtype=np.int64), device=device)
+        if self.panels is not None:
+            members = torch.as_tensor(masks, device=device).to(self.panels.dtype)
+            for number, low in enumerate(range(0, count, GRAM_PANEL)):
+                high = min(low + GRAM_PANEL, count)
+                sums = bags.sums(self.panels[number, :count, :high - low])
+                grams += torch.matmul(sums[layout], members[:, low:high][layout].transpose(1, 2)).double()
+            point_columns = self.panels[:, index].transpose(0, 1).reshape(len(index), -1)[:, :count]
+            points += bags.sums(point_columns.T.contiguous()).double()
+        for panel in [] if self.rows is None else self.rows:
+            sums = bags.sums(panel[:count]).double()
+            grams += torch.matmul(sums[layout], sums[layout].transpose(1, 2))
+            points += sums @ panel[index].double().T
+        centred_mean_dots = (self.mean_dots[:count] - self.mean_square)[:, None]
         return grams, points, bags.sums(centred_mean_dots)[:, 0]
 
 
 # --- building it ---------------------------------------------------------------------------------------------
+
+# The cost model that puts each layer in the Gram or keeps its materialised rows, in multiply-adds of a float32
+# matrix product: a gather-and-add of one value costs GATHER_COST (embedding_bag against a matrix product on 2
+# CPU cores, 1 thread: 6.5 G adds/s against 40 G multiply-adds/s), an outer factor's float64 product with its
+# elementwise products FLOAT64_COST.
+GATHER_COST = 6
+FLOAT64_COST = 3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a measurement asks of a checkpoint: `points` points, `batches` batch sums of `members` batch members
+    in all, Gram products within groups of `group` batches (a permutation's grid sizes, a set of α + 1)."""
+
+    points: int
+    batches: int
+    members: int
+    group: int
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -144,17 +182,17 @@ class _Piece:
 
 
 def checkpoint_gram(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
-                    point_y: torch.Tensor, point_train_rows: np.ndarray, transform: Transform, device: str = "cpu",
-                    progress=None) -> tuple[CheckpointGram, PointGradients]:
+                    point_y: torch.Tensor, point_train_rows: np.ndarray, transform: Transform, workload: Workload,
+                    device: str = "cpu", progress=None) -> tuple[CheckpointGram, PointGradients]:
     """The CheckpointGram of the training rows and of the points outside them (point_train_rows −1, in their
-    order; arguments as gradient_rows.checkpoint_gradients) and the points' PointGradients (without rows).
-    `progress` advances by the examples of the first pass."""
+    order; arguments as gradient_rows.checkpoint_gradients) for `workload`, and the points' PointGradients
+    (without rows). `progress` advances by the examples of the first pass."""
     point_train_rows = np.asarray(point_train_rows)
     outside = np.flatnonzero(point_train_rows < 0)
     inputs, labels = train_x, train_y
     if len(outside):
         inputs, labels = torch.cat([train_x, point_x[outside]]), torch.cat([train_y, point_y[outside]])
-    gram = _build(model, inputs, labels, len(train_y), transform, device, progress)
+    gram = _build(model, inputs, labels, len(train_y), transform, workload, device, progress)
     points = PointGradients(None, point_train_rows, Predictions(np.empty(0), np.empty(0, dtype=bool)))
     points.predictions = gram.predictions.take(gram.rows_of(points))
     return gram, points
@@ -173,13 +211,33 @@ def _factor_passes(model, inputs, labels, transform, device, wanted):
             yield start, [GramFactor(rows=rows)], predictions
 
 
-def _groups(model, inputs, labels, transform, device, count):
-    """The pieces of the factors, in groups that each fit FACTOR_BYTES for `count` rows (one pass each)."""
+def _materialised_width(factor: GramFactor) -> int:
+    return factor.width if factor.rows is not None else factor.inputs.shape[1] * factor.outputs.shape[1]
+
+
+def _in_gram(factor: GramFactor, count: int, workload: Workload) -> bool:
+    """Whether a layer costs less in the Gram of `count` rows (its product, once) than kept as materialised rows
+    (every batch gathers them, and the batch sums meet the points and each other in products of their width)."""
+    gram = count * count / 2 * (factor.width if factor.rows is not None else FLOAT64_COST * factor.width)
+    rows = ((workload.members * GATHER_COST + workload.batches * (workload.points + workload.group))
+            * _materialised_width(factor))
+    return gram < rows
+
+
+def _plan(model, inputs, labels, transform, workload, device, count):
+    """The layers kept as materialised rows (held together, within FACTOR_BYTES: the widest go to the Gram
+    otherwise), and the pieces of the Gram's layers, in groups that each fit FACTOR_BYTES for `count` rows (one
+    pass over the examples each)."""
     _, factors, _ = next(_factor_passes(model, inputs[:2], labels[:2], transform, device, None))
     itemsize = next(model.parameters()).element_size()
     budget = FACTOR_BYTES[device_kind(device)]
+    held = [layer for layer, factor in enumerate(factors) if not _in_gram(factor, count, workload)]
+    while held and count * itemsize * sum(_materialised_width(factors[layer]) for layer in held) > budget:
+        held.remove(max(held, key=lambda layer: _materialised_width(factors[layer])))
     groups, current, used = [], [], 0
     for layer, factor in enumerate(factors):
+        if layer in held:
+            continue
         if factor.rows is None:
             pieces = [(_Piece(layer, None), count * factor.width * 8)]
         else:
@@ -193,49 +251,62 @@ def _groups(model, inputs, labels, transform, device, count):
                 current, used = [], 0
             current.append(piece)
             used += size
-    return groups + [current] if current else groups
+    return held, groups + [current] if current else groups
 
 
-def _build(model, inputs, labels, num_rows, transform, device, progress):
+def _build(model, inputs, labels, num_rows, transform, workload, device, progress):
     count, dtype = len(labels), next(model.parameters()).dtype
-    panels = [torch.zeros((count, min(GRAM_PANEL, count - low)), dtype=dtype, device=device)
-              for low in range(0, count, GRAM_PANEL)]
+    held, groups = _plan(model, inputs, labels, transform, workload, device, count)
+    panels = torch.zeros((-(-count // GRAM_PANEL), count, GRAM_PANEL), dtype=dtype, device=device) if groups else None
     centred_square = torch.zeros(count, dtype=torch.float64, device=device)
     mean_dots = torch.zeros(count, dtype=torch.float64, device=device)
-    mean_square, predictions = 0.0, None
-    for group in _groups(model, inputs, labels, transform, device, count):
-        rows, outers, chunk_predictions = _hold(model, inputs, labels, transform, device, group,
-                                                progress if predictions is None else None)
+    mean_square, predictions, held_rows = 0.0, None, None
+    for group in groups or [[]]:
+        rows, outers, kept, chunk_predictions = _hold(model, inputs, labels, transform, device, group,
+                                                      held if predictions is None else [],
+                                                      progress if predictions is None else None)
+        parts = [_centre_rows(rows, num_rows)] if rows is not None else []
+        parts += [_centre_outer(*outer, num_rows) for outer in outers]
         if predictions is None:
             predictions = Predictions.concat(chunk_predictions)
-        parts = []
-        if rows is not None:
-            parts.append(_centre_rows(rows, num_rows))
-        parts += [_centre_outer(*outer, num_rows) for outer in outers]
+            if kept is not None:
+                parts.append(_centre_rows(kept, num_rows))
+                held_rows = _as_panels(kept)
         for part in parts:
             centred_square += part.centred_square
             mean_dots += part.mean_dots
             mean_square += part.mean_square
-        _add_products(panels, rows, [part for part in parts if part.outer is not None])
-    return CheckpointGram(panels, centred_square, mean_dots, mean_square, num_rows, predictions)
+        if group:
+            _add_products(panels, rows, [part for part in parts if part.outer is not None])
+    return CheckpointGram(panels, held_rows, centred_square, mean_dots, mean_square, num_rows, predictions)
 
 
-def _hold(model, inputs, labels, transform, device, group, progress):
+def _as_panels(matrix):
+    """A (M, p) matrix as (p/GRAM_PANEL rounded up, M, GRAM_PANEL) column panels, the last one padded with zeros."""
+    panels = matrix.new_zeros((-(-matrix.shape[1] // GRAM_PANEL), len(matrix), GRAM_PANEL))
+    for number, low in enumerate(range(0, matrix.shape[1], GRAM_PANEL)):
+        part = matrix[:, low:low + GRAM_PANEL]
+        panels[number, :, :part.shape[1]] = part
+    return panels
+
+
+def _hold(model, inputs, labels, transform, device, group, held, progress):
     """One pass: the group's rows pieces as one (count, width) matrix in the model's dtype (None without any), its
-    outer factors as float64 (inputs, outputs) pairs, and every chunk's Predictions."""
+    outer factors as float64 (inputs, outputs) pairs, the `held` layers' materialised rows as one matrix (None
+    without any), and every chunk's Predictions."""
     count, dtype = len(labels), next(model.parameters()).dtype
     row_pieces = [piece for piece in group if piece.columns is not None]
-    width = sum(piece.columns.stop - piece.columns.start for piece in row_pieces)
-    rows = torch.empty((count, width), dtype=dtype, device=device) if row_pieces else None
+    rows = _Filled(count, dtype, device) if row_pieces else None
+    kept = _Filled(count, dtype, device) if held else None
     outers = {piece.layer: None for piece in group if piece.columns is None}
     predictions = []
     for start, factors, chunk_predictions in _factor_passes(model, inputs, labels, transform, device,
-                                                            {piece.layer for piece in group}):
-        end, offset = start + len(chunk_predictions.losses), 0
-        for piece in row_pieces:
-            part = factors[piece.layer].rows[:, piece.columns]
-            rows[start:end, offset:offset + part.shape[1]] = part
-            offset += part.shape[1]
+                                                            {piece.layer for piece in group} | set(held)):
+        end = start + len(chunk_predictions.losses)
+        if rows is not None:
+            rows.fill(start, [factors[piece.layer].rows[:, piece.columns] for piece in row_pieces])
+        if kept is not None:
+            kept.fill(start, [_materialised(factors[layer]) for layer in held])
         for layer in outers:
             factor = factors[layer]
             if outers[layer] is None:
@@ -245,7 +316,31 @@ def _hold(model, inputs, labels, transform, device, group, progress):
             outers[layer][1][start:end] = factor.outputs
         predictions.append(chunk_predictions)
         advance(progress, end - start)
-    return rows, list(outers.values()), predictions
+    return (None if rows is None else rows.matrix, list(outers.values()), None if kept is None else kept.matrix,
+            predictions)
+
+
+class _Filled:
+    """A (count, width) matrix filled chunk by chunk from column parts, its width known at the first chunk."""
+
+    def __init__(self, count, dtype, device):
+        self.count, self.dtype, self.device, self.matrix = count, dtype, device, None
+
+    def fill(self, start, parts):
+        if self.matrix is None:
+            width = sum(part.shape[1] for part in parts)
+            self.matrix = torch.empty((self.count, width), dtype=self.dtype, device=self.device)
+        offset = 0
+        for part in parts:
+            self.matrix[start:start + len(part), offset:offset + part.shape[1]] = part
+            offset += part.shape[1]
+
+
+def _materialised(factor: GramFactor) -> torch.Tensor:
+    """A layer's per-sample gradients as (n, p) rows: an outer factor's b aᵀ formed."""
+    if factor.rows is not None:
+        return factor.rows
+    return (factor.outputs[:, :, None] * factor.inputs[:, None, :]).reshape(len(factor.outputs), -1)
 
 
 @dataclass
@@ -278,35 +373,43 @@ def _centre_outer(inputs, outputs, num_rows):
 
 
 def _blocks(matrix: torch.Tensor) -> Iterator[torch.Tensor]:
-    for start in range(0, len(matrix), GRAM_BLOCK):
-        yield matrix[start:start + GRAM_BLOCK]
+    step = GRAM_BLOCK[device_kind(matrix.device)]
+    for start in range(0, len(matrix), step):
+        yield matrix[start:start + step]
 
 
 def _add_products(panels, rows, outers):
-    """Add this group's centred products to the held Gram, block by block: R_I R_Jᵀ in the rows' dtype, and per
-    outer factor (A_I A_Jᵀ)⊙(B_I B_Jᵀ) − h_I·M − h_J·M + ||M||² in float64; each block above the diagonal is
-    mirrored below it, so the held Gram is exactly symmetric."""
-    count = sum(panel.shape[0] for panel in panels[:1])
-    for first in range(0, count, GRAM_BLOCK):
-        rows_i = slice(first, min(first + GRAM_BLOCK, count))
-        for second in range(first, count, GRAM_BLOCK):
-            rows_j = slice(second, min(second + GRAM_BLOCK, count))
-            block = None if rows is None else (rows[rows_i] @ rows[rows_j].T).double()
-            for part in outers:
-                (inputs, outputs), dots = part.outer, part.mean_dots
-                product = (inputs[rows_i] @ inputs[rows_j].T).mul_(outputs[rows_i] @ outputs[rows_j].T)
-                product.sub_(dots[rows_i, None]).sub_(dots[None, rows_j]).add_(part.mean_square)
-                block = product if block is None else block.add_(product)
+    """Add this group's centred products to the held Gram, block by block: R_I R_Jᵀ in the rows' dtype, and the
+    outer factors' Σ (A_I A_Jᵀ)⊙(B_I B_Jᵀ) − h_I·M − h_J·M + ||M||² in float64, rounded to the Gram's dtype once
+    centred; each block above the diagonal is mirrored below it, so the held Gram is exactly symmetric."""
+    count, step = panels.shape[1], GRAM_BLOCK[device_kind(panels.device)]
+    mean_dots = sum(part.mean_dots for part in outers)
+    mean_square = sum(part.mean_square for part in outers)
+    for first in range(0, count, step):
+        rows_i = slice(first, min(first + step, count))
+        for second in range(first, count, step):
+            rows_j = slice(second, min(second + step, count))
+            block = None if rows is None else rows[rows_i] @ rows[rows_j].T
+            if outers:
+                products = None
+                for part in outers:
+                    inputs, outputs = part.outer
+                    product = (inputs[rows_i] @ inputs[rows_j].T).mul_(outputs[rows_i] @ outputs[rows_j].T)
+                    products = product if products is None else products.add_(product)
+                products.sub_(mean_dots[rows_i, None]).sub_(mean_dots[None, rows_j]).add_(mean_square)
+                block = products.to(panels.dtype) if block is None else block.add_(products)
             if block is None:
                 continue
-            _add_block(panels, rows_i, rows_j, block)
+            _add_block(panels, rows_i, second, block)
             if second != first:
-                _add_block(panels, rows_j, rows_i, block.T)
+                _add_block(panels, rows_j, first, block.T)
 
 
-def _add_block(panels, rows, columns, block):
-    for number in range(columns.start // GRAM_PANEL, (columns.stop - 1) // GRAM_PANEL + 1):
-        low = number * GRAM_PANEL
-        inside = slice(max(columns.start, low), min(columns.stop, low + GRAM_PANEL))
-        panels[number][rows, inside.start - low:inside.stop - low] += block[:, inside.start - columns.start:
-                                                                           inside.stop - columns.start]
+def _add_block(panels, rows, first_column, block):
+    """Add `block` to the Gram's rows `rows` from column `first_column` (a multiple of GRAM_PANEL, as a block's
+    rows are): whole panels, the last one possibly in part."""
+    first = first_column // GRAM_PANEL
+    for number in range(first, first + -(-block.shape[1] // GRAM_PANEL)):
+        low = (number - first) * GRAM_PANEL
+        part = block[:, low:low + GRAM_PANEL]
+        panels[number, rows, :part.shape[1]] += part

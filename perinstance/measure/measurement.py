@@ -2,7 +2,6 @@
 rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (mean rule), each
 row with the point's label, loss and correctness (perinstance/files/results.py)."""
 
-import functools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -38,19 +37,24 @@ def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request
     transform = Transform.of_run(config)
     point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
     statistics_only = request.family == COUPLING and request.num_batches == 0
-    hold = None
+    hold = plan = pool = workload = None
     if request.family == COUPLING:
         # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
         # larger, so its δ_size stays below --size-delta.
         plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
                                       request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+        workload = coupling.coupling_workload(len(points), [plan])
         # With one pass of draws after the first pass, held rows would spare one recomputation of themselves
         # for all their memory: hold none.
         if coupling.pass_count(plan, len(points), parameter_count(model), next(model.parameters()).element_size(),
                                blocks) <= 1:
             hold = False
-    # The Monte Carlo's per-sample work: the checkpoint's Gram where it pays, else its gradient rows.
-    gram = request.reduction != "sum" and not statistics_only and gram_route(model, _gram_size(run, point_rows), device)
+    elif request.reduction != "sum":
+        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
+        workload = poisson_batches.renyi_workload(len(points), pool, request.alpha, request.num_iters,
+                                                  request.num_batches)
+    # The Monte Carlo's per-sample work: the checkpoint's Gram where it fits, else its gradient rows.
+    gram = workload is not None and not statistics_only and gram_route(model, _gram_size(run, point_rows), device)
     with progress_bar(len(points) if request.reduction == "sum" else
                       _gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
@@ -59,14 +63,14 @@ def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request
         elif statistics_only:
             statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
                                                                      point_y, point_rows, transform, device, bar)
+        elif gram:
+            rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
+                                                    transform, workload, device, bar)
         else:
-            if gram:
-                rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
-                                                        transform, device, bar)
-            else:
-                rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
-                                                             point_rows, transform, device, hold=hold, progress=bar)
-            predictions = point_gradients.predictions
+            rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
+                                                         point_rows, transform, device, hold=hold, progress=bar)
+    if request.reduction != "sum" and not statistics_only:
+        predictions = point_gradients.predictions
     if request.reduction == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
@@ -78,7 +82,6 @@ def measure_checkpoint(request: "perinstance.accountants.sensitivity_cli.Request
                 statistics, samples = coupling.measure_coupling(rows, point_gradients, plan, bar, blocks)
         columns = coupling_columns(config.clip_bound, statistics, samples, blocks)
     else:
-        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
         with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
             statistics = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
                                                           request.num_iters, request.num_batches, request.directions,
@@ -168,21 +171,25 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
     point_rows = run.train_rows(points)
+    plans = [coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
+                                    num_batches, mc_blocks, max_sizes)
+             for analysed, size_delta in zip(configs, size_deltas)]
     gram = gram_route(model, _gram_size(run, point_rows), device)
     with progress_bar(_gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
-        measured = checkpoint_gram if gram else functools.partial(checkpoint_gradients, hold=False)
-        rows, point_gradients = measured(model, run.train_x, run.train_y, run.dataset.train_x[points],
-                                         run.dataset.train_y[points], point_rows, Transform.of_run(config), device,
-                                         progress=bar)
+        arguments = (model, run.train_x, run.train_y, run.dataset.train_x[points], run.dataset.train_y[points],
+                     point_rows, Transform.of_run(config))
+        if gram:
+            rows, point_gradients = checkpoint_gram(*arguments, coupling.coupling_workload(len(points), plans), device,
+                                                    bar)
+        else:
+            rows, point_gradients = checkpoint_gradients(*arguments, device, hold=False, progress=bar)
     # The statistics come from the Gram, or from the rows' centred norms, which the first rate's pass over the rows
     # measures too.
     statistics = coupling.gram_statistics(rows, point_gradients) if gram else None
     mean, point_centred_sq = (None, None) if gram else (rows.mean(), None)
     labels = run.dataset.train_y[points].numpy()
-    for analysed, size_delta in zip(configs, size_deltas):
-        plan = coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
-                                      num_batches, mc_blocks, max_sizes)
+    for analysed, plan in zip(configs, plans):
         with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}, q={analysed.sample_rate:g}") \
                 as bar:
             if gram:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from perinstance.accounting.guarantees import Direction
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.gradient_rows import HeldRows, PointGradients, RecomputedRows, advance, pass_batches
-from perinstance.measure.gram import CheckpointGram
+from perinstance.measure.gram import CheckpointGram, Workload
 from perinstance.train import sampling
 
 DIRECTIONS = (Direction.REMOVE, Direction.ADD)
@@ -142,6 +142,14 @@ def batch_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients,
 
 # --- GLA's statistic S ---------------------------------------------------------------------------
 
+def renyi_workload(num_points: int, pool: Pool, alpha: int, num_iters: int, num_batches: int) -> Workload:
+    """What renyi_statistics asks of a checkpoint's Gram (gram.Workload): every target and set batch, of
+    q·N expected members each, in sets of α + 1."""
+    batches = num_iters * (1 + alpha * num_batches)
+    return Workload(points=num_points, batches=batches, members=round(batches * pool.sample_rate * pool.universe),
+                    group=alpha + 1)
+
+
 def renyi_slices(num_iters: int, num_batches: int, alpha: int, max_batches: int) -> list[list[tuple[int, int, int]]]:
     """(target, first set, end set) slices of the sets, each at most `max_batches` batches
     (the target and α per set), grouped into passes of at most `max_batches` batches."""
@@ -173,7 +181,8 @@ def renyi_statistics(rows: HeldRows | RecomputedRows | CheckpointGram, points: P
     result = {direction: np.empty((len(point_columns), num_iters, num_batches)) for direction in directions}
     for slices in renyi_slices(num_iters, num_batches, alpha, quantities.pass_batches):
         masks, set_layout = _renyi_pass_masks(pool, slices, alpha)
-        set_gram, point_dots, sizes = quantities.of_pass(masks[:, pool.train_columns], set_layout)
+        # take, not masks[:, columns]: that indexing returns a column-major array, slow to walk by rows.
+        set_gram, point_dots, sizes = quantities.of_pass(masks.take(pool.train_columns, axis=1), set_layout)
         members = masks[:, point_columns]
         for direction in directions:
             values = _renyi_by_point_slice(set_gram, point_dots[set_layout], quantities.point_sq, sizes[set_layout],
