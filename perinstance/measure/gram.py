@@ -278,7 +278,10 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
             mean_square += part.mean_square
         if group:
             _add_products(panels, rows, [part for part in parts if part.outer is not None])
-    return CheckpointGram(panels, held_rows, centred_square, mean_dots, mean_square, num_rows, predictions)
+    # The outer factors' ||h_a − μ||² are differences (||a||²·||b||² − 2 h_a·M + ||M||²) that can round a hair
+    # below 0 where h_a is μ.
+    return CheckpointGram(panels, held_rows, centred_square.clamp_min_(0.0), mean_dots, mean_square, num_rows,
+                          predictions)
 
 
 def _as_panels(matrix):
