@@ -119,17 +119,19 @@ def test_the_engine_covers_its_layers_and_not_a_layer_norm():
 
 
 def test_groups_blocks_and_panels_change_nothing(data, monkeypatch):
-    """Factors held a few columns at a time (many passes, rows factors split by columns), blocks and panels of
-    8 rows: the same Gram as one pass."""
+    """Factors held a few columns at a time (many passes, rows factors split by columns), blocks of 8 rows and
+    panels of 6 columns (blocks across panels): the same Gram as one pass."""
     whole, _ = gram_of(data, [0], ALL_GRAM)
     monkeypatch.setattr(gram, "FACTOR_BYTES", {"cpu": 8 * TRAIN_SIZE * 5})
     monkeypatch.setattr(gram, "GRAM_BLOCK", {"cpu": 8})
-    monkeypatch.setattr(gram, "GRAM_PANEL", 8)
+    monkeypatch.setattr(gram, "MIN_PANEL", 6)
+    monkeypatch.setattr(gram, "PANEL_STEP", 6)
+    monkeypatch.setattr(gram, "PANEL_BYTES", {"cpu": 1})
     groups = gram._plan(tiny_convnet(), *data, PSAC, ALL_GRAM, "cpu", TRAIN_SIZE)[1]
     assert len(groups) > 4 and any(piece.columns is not None and piece.columns.start > 0
                                    for group in groups for piece in group)
     split, _ = gram_of(data, [0], ALL_GRAM)
-    assert split.panels.shape[0] == 3
+    assert split.panels.shape[0] == 4
     np.testing.assert_allclose(split.products(np.arange(TRAIN_SIZE)), whole.products(np.arange(TRAIN_SIZE)),
                                rtol=1e-12, atol=1e-15)
 

@@ -50,11 +50,13 @@ GRAM_BYTES = {"cpu": 1 << 29, "cuda": 1 << 34}
 FACTOR_BYTES = {"cpu": HELD_BYTES_CPU, "cuda": 1 << 33}
 # Rows per block of the Gram's product, by device kind: on a CPU the float64 products of a 512-row block stay in
 # cache for their elementwise products (LeNet-5's outer factors for 8,000 rows, 1 thread: 1.8 s in blocks of 512,
-# 2.6 s in blocks of 2,048); a GPU takes larger blocks, fewer launches. Columns per panel of the held Gram and
-# rows: a batch-sum call reads only its panel (8 MB for 8,000 rows in float32, within a CPU's cache: 3.5× faster
-# than whole rows of 2,572 values). The blocks are whole panels.
+# 2.6 s in blocks of 2,048); a GPU takes larger blocks, fewer launches.
 GRAM_BLOCK = {"cpu": 512, "cuda": 4096}
-GRAM_PANEL = 256
+# The Gram and the kept rows are held as column panels of PANEL_BYTES of the device's kind (at least
+# MIN_PANEL columns, a multiple of PANEL_STEP): a batch-sum call reads one panel, which on a CPU stays in cache
+# while every batch reads it (8,000 rows: panels of 256 columns; whole rows of 2,572 values were 3.5× slower).
+PANEL_BYTES = {"cpu": 8 << 20, "cuda": 256 << 20}
+MIN_PANEL, PANEL_STEP = 256, 64
 
 
 def device_kind(device: str | torch.device) -> str:
@@ -73,10 +75,9 @@ def gram_route(model: torch.nn.Module, num_rows: int, device: str | torch.device
 class CheckpointGram:
     """The centred gradients of M rows (the N training rows, then the points outside the training set) in two
     parts, each layer in one of them (`_in_gram`): the Gram G_c of some layers' parts, held as column panels,
-    `panels` (M/GRAM_PANEL rounded up, M, GRAM_PANEL) in the model's dtype (panel k the columns from
-    k·GRAM_PANEL, the last one padded with zeros; None when no layer is in it), and the other layers' centred
-    per-sample gradients themselves, `rows`, column panels alike (M/GRAM_PANEL rounded up, M, GRAM_PANEL) of the
-    (M, p) matrix (None when no layer is kept so). In float64, over both parts:
+    `panels` (panels, M, width) in the model's dtype (panel k the columns from k·width, the last one padded with
+    zeros; `panel_width`; None when no layer is in it), and the other layers' centred per-sample gradients
+    themselves, `rows`, column panels alike of the (M, p) matrix (None when no layer is kept so). In float64, over both parts:
     ||h_a − μ||² (`centred_square`), h_a·μ (`mean_dots`), ||μ||² (`mean_square`), μ the mean of the N training
     rows. `predictions` of the M rows."""
 
@@ -137,8 +138,9 @@ class CheckpointGram:
         index = torch.as_tensor(np.asarray(point_rows, dtype=np.int64), device=device)
         if self.panels is not None:
             members = torch.as_tensor(masks, device=device).to(self.panels.dtype)
-            for number, low in enumerate(range(0, count, GRAM_PANEL)):
-                high = min(low + GRAM_PANEL, count)
+            width = self.panels.shape[2]
+            for number, low in enumerate(range(0, count, width)):
+                high = min(low + width, count)
                 sums = bags.sums(self.panels[number, :count, :high - low])
                 grams += torch.matmul(sums[layout], members[:, low:high][layout].transpose(1, 2)).double()
             point_columns = self.panels[:, index].transpose(0, 1).reshape(len(index), -1)[:, :count]
@@ -257,7 +259,8 @@ def _plan(model, inputs, labels, transform, workload, device, count):
 def _build(model, inputs, labels, num_rows, transform, workload, device, progress):
     count, dtype = len(labels), next(model.parameters()).dtype
     held, groups = _plan(model, inputs, labels, transform, workload, device, count)
-    panels = torch.zeros((-(-count // GRAM_PANEL), count, GRAM_PANEL), dtype=dtype, device=device) if groups else None
+    width = panel_width(count, dtype.itemsize, device)
+    panels = torch.zeros((-(-count // width), count, width), dtype=dtype, device=device) if groups else None
     centred_square = torch.zeros(count, dtype=torch.float64, device=device)
     mean_dots = torch.zeros(count, dtype=torch.float64, device=device)
     mean_square, predictions, held_rows = 0.0, None, None
@@ -284,11 +287,18 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
                           predictions)
 
 
+def panel_width(count: int, itemsize: int, device: str | torch.device) -> int:
+    """Columns per panel of `count` rows: PANEL_BYTES of the device's kind, at least MIN_PANEL, a multiple of
+    PANEL_STEP."""
+    return max(MIN_PANEL, PANEL_BYTES[device_kind(device)] // (count * itemsize) // PANEL_STEP * PANEL_STEP)
+
+
 def _as_panels(matrix):
-    """A (M, p) matrix as (p/GRAM_PANEL rounded up, M, GRAM_PANEL) column panels, the last one padded with zeros."""
-    panels = matrix.new_zeros((-(-matrix.shape[1] // GRAM_PANEL), len(matrix), GRAM_PANEL))
-    for number, low in enumerate(range(0, matrix.shape[1], GRAM_PANEL)):
-        part = matrix[:, low:low + GRAM_PANEL]
+    """A (M, p) matrix as (panels, M, width) column panels (panel_width), the last one padded with zeros."""
+    width = min(matrix.shape[1], panel_width(len(matrix), matrix.element_size(), matrix.device))
+    panels = matrix.new_zeros((-(-matrix.shape[1] // width), len(matrix), width))
+    for number, low in enumerate(range(0, matrix.shape[1], width)):
+        part = matrix[:, low:low + width]
         panels[number, :, :part.shape[1]] = part
     return panels
 
@@ -385,7 +395,7 @@ def _add_products(panels, rows, outers):
     """Add this group's centred products to the held Gram, block by block: R_I R_Jᵀ in the rows' dtype, and the
     outer factors' Σ (A_I A_Jᵀ)⊙(B_I B_Jᵀ) − h_I·M − h_J·M + ||M||² in float64, rounded to the Gram's dtype once
     centred; each block above the diagonal is mirrored below it, so the held Gram is exactly symmetric."""
-    count, step = panels.shape[1], GRAM_BLOCK[device_kind(panels.device)]
+    count, step = panels.shape[1], GRAM_BLOCK[device_kind(panels.device)]  # blocks of rows, any panel width
     mean_dots = sum(part.mean_dots for part in outers)
     mean_square = sum(part.mean_square for part in outers)
     for first in range(0, count, step):
@@ -409,10 +419,10 @@ def _add_products(panels, rows, outers):
 
 
 def _add_block(panels, rows, first_column, block):
-    """Add `block` to the Gram's rows `rows` from column `first_column` (a multiple of GRAM_PANEL, as a block's
-    rows are): whole panels, the last one possibly in part."""
-    first = first_column // GRAM_PANEL
-    for number in range(first, first + -(-block.shape[1] // GRAM_PANEL)):
-        low = (number - first) * GRAM_PANEL
-        part = block[:, low:low + GRAM_PANEL]
-        panels[number, rows, :part.shape[1]] += part
+    """Add `block` to the Gram's rows `rows` from column `first_column`, panel by panel."""
+    width = panels.shape[2]
+    last_column = first_column + block.shape[1]
+    for number in range(first_column // width, (last_column - 1) // width + 1):
+        low, high = max(first_column, number * width), min(last_column, (number + 1) * width)
+        panels[number, rows, low - number * width:high - number * width] += block[:, low - first_column:
+                                                                             high - first_column]
