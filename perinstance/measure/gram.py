@@ -120,11 +120,20 @@ class CheckpointGram:
         index = torch.as_tensor(point_rows, device=self.device)
         return self.centred_square[index] + 2 * self.mean_dots[index] - self.mean_square
 
-    def batch_sums(self, masks: np.ndarray, layout: np.ndarray, point_rows: np.ndarray) -> tuple:
+    def point_columns(self, point_rows: np.ndarray) -> "PointColumns":
+        """What batch_sums needs of the points `point_rows`, gathered once for every pass: their columns of the
+        Gram over the training rows (N, P), contiguous, and their kept rows."""
+        index = torch.as_tensor(np.asarray(point_rows, dtype=np.int64), device=self.device)
+        gram = None if self.panels is None else \
+            self.panels[:, index].transpose(0, 1).reshape(len(index), -1)[:, :self.num_rows].T.contiguous()
+        rows = None if self.rows is None else self.rows[:, index].double()
+        return PointColumns(gram, rows)
+
+    def batch_sums(self, masks: np.ndarray, layout: np.ndarray, points: "PointColumns") -> tuple:
         """For batches given as a boolean (batches, N) mask over the training rows, grouped by `layout` (groups, g)
         (each row the batches of one group), with s_D = Σ_{a∈D} (h_a − μ): the Gram of the sums within each
-        group, s_D·s_E ((groups, g, g) float64), s_D·(h_p − μ) for the rows `point_rows` ((batches, P) float64),
-        and s_D·μ ((batches,) float64). Each batch's members are added in row order.
+        group, s_D·s_E ((groups, g, g) float64), s_D·(h_p − μ) for the points of `points` (point_columns;
+        (batches, P) float64), and s_D·μ ((batches,) float64). Each batch's members are added in row order.
 
         Gram part: the sums run over its column panels (a panel of the N rows stays in a CPU's cache while every
         batch reads it); each panel's part of a group's Gram is a product of its sums with the members' 0/1
@@ -134,8 +143,7 @@ class CheckpointGram:
         bags = Bags.of_mask(masks, device)
         layout = torch.as_tensor(layout, device=device)
         grams = torch.zeros((*layout.shape, layout.shape[1]), dtype=torch.float64, device=device)
-        points = torch.zeros((len(masks), len(point_rows)), dtype=torch.float64, device=device)
-        index = torch.as_tensor(np.asarray(point_rows, dtype=np.int64), device=device)
+        products = None
         if self.panels is not None:
             members = torch.as_tensor(masks, device=device).to(self.panels.dtype)
             width = self.panels.shape[2]
@@ -143,14 +151,23 @@ class CheckpointGram:
                 high = min(low + width, count)
                 sums = bags.sums(self.panels[number, :count, :high - low])
                 grams += torch.matmul(sums[layout], members[:, low:high][layout].transpose(1, 2)).double()
-            point_columns = self.panels[:, index].transpose(0, 1).reshape(len(index), -1)[:, :count]
-            points += bags.sums(point_columns.T.contiguous()).double()
-        for panel in [] if self.rows is None else self.rows:
+            products = bags.sums(points.gram).double()
+        for number, panel in enumerate([] if self.rows is None else self.rows):
             sums = bags.sums(panel[:count]).double()
             grams += torch.matmul(sums[layout], sums[layout].transpose(1, 2))
-            points += sums @ panel[index].double().T
+            part = sums @ points.rows[number].T
+            products = part if products is None else products.add_(part)
         centred_mean_dots = (self.mean_dots[:count] - self.mean_square)[:, None]
-        return grams, points, bags.sums(centred_mean_dots)[:, 0]
+        return grams, products, bags.sums(centred_mean_dots)[:, 0]
+
+
+@dataclass
+class PointColumns:
+    """The points' columns of the Gram over the training rows (N, P) in its dtype, and their kept rows as float64
+    panels (panels, P, width); each None when the CheckpointGram has no such part."""
+
+    gram: torch.Tensor | None
+    rows: torch.Tensor | None
 
 
 # --- building it ---------------------------------------------------------------------------------------------

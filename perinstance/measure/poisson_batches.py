@@ -214,12 +214,13 @@ class _GramQuantities:
 
     def __init__(self, gram, points):
         self.gram, self.point_rows = gram, gram.rows_of(points)
+        self.columns = gram.point_columns(self.point_rows)
         self.point_sq = gram.point_squares(self.point_rows).cpu().numpy()
         self.point_mean_dots = gram.mean_dots[torch.as_tensor(self.point_rows, device=gram.device)].cpu().numpy()
         self.pass_batches = pass_batches(len(self.point_rows), gram.size, 8)
 
     def of_pass(self, train_masks, set_layout):
-        grams, point_sums, mean_sums = self.gram.batch_sums(train_masks, set_layout, self.point_rows)
+        grams, point_sums, mean_sums = self.gram.batch_sums(train_masks, set_layout, self.columns)
         grams, point_sums, mean_sums = grams.cpu().numpy(), point_sums.cpu().numpy(), mean_sums.cpu().numpy()
         sizes = train_masks.sum(axis=1)
         size, mean_sum = sizes[set_layout].astype(np.float64), mean_sums[set_layout]
