@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.gradient_rows import (
@@ -202,7 +203,7 @@ class _Piece:
 
 def checkpoint_gram(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
                     point_y: torch.Tensor, point_train_rows: np.ndarray, transform: Transform, workload: Workload,
-                    device: str = "cpu", progress=None) -> tuple[CheckpointGram, PointGradients]:
+                    device: str = "cpu", progress: tqdm | None = None) -> tuple[CheckpointGram, PointGradients]:
     """The CheckpointGram of the training rows and of the points outside them (point_train_rows −1, in their
     order; arguments as gradient_rows.checkpoint_gradients) for `workload`, and the points' PointGradients
     (without rows). `progress` advances by the examples of the first pass."""
