@@ -3,6 +3,7 @@ materialised per-sample gradients and the forward/backward-per-batch reference (
 
 import numpy as np
 import pytest
+import test_sensitivity
 import torch
 from reference import reference_batch_means, reference_batch_sensitivities
 from test_sensitivity import (
@@ -10,11 +11,10 @@ from test_sensitivity import (
     PSAC,
     TRAIN_SIZE,
     assert_close,
+    assert_renyi_matches_reference,
     coupling_plan,
     drawn_batches,
     engine_inputs,
-    reference_renyi,
-    renyi_pool,
     tiny_convnet,
 )
 from torch import nn
@@ -28,6 +28,7 @@ from perinstance.train.clipping import Transform
 # A workload for which every layer costs less in the Gram, and one for which every layer is kept as rows.
 ALL_GRAM = Workload(points=10 ** 6, batches=10 ** 6, members=10 ** 9, group=1)
 ALL_ROWS = Workload(points=1, batches=1, members=1, group=1)
+data = test_sensitivity.data  # the fixture: the 21 examples of test_sensitivity.py
 
 
 def ghost_convnet():
@@ -50,14 +51,6 @@ def layer_norm_net():
 
 
 MODELS = {"tiny convnet": tiny_convnet, "ghost convnet": ghost_convnet, "LayerNorm": layer_norm_net}
-
-
-@pytest.fixture(scope="module")
-def data():
-    generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(TRAIN_SIZE + 1, 1, 6, 6, generator=generator, dtype=torch.float64)
-    labels = torch.randint(0, 3, (TRAIN_SIZE + 1,), generator=generator)
-    return inputs, labels
 
 
 def all_rows(model, data, transform=PSAC):
@@ -147,27 +140,7 @@ def test_rows_that_do_not_fit_go_to_the_gram(data, monkeypatch):
 @pytest.mark.parametrize("split", SPLITS)
 def test_renyi_statistic_by_the_gram_matches_the_reference(data, split, monkeypatch):
     workload = split_workload(split, monkeypatch)
-    alpha, num_iters, num_batches = 3, 2, 3
-    pool = renyi_pool(alpha, num_iters, num_batches)
-    points = [0, 7]
-    checkpoint, point_gradients = gram_of(data, points, workload)
-    engine = poisson_batches.renyi_statistics(checkpoint, point_gradients, points, pool, alpha, num_iters,
-                                              num_batches)
-    for direction in poisson_batches.DIRECTIONS:
-        for row, point in enumerate(points):
-            assert_close(engine[direction][row], reference_renyi(data, pool, point, alpha, direction))
-
-
-def test_renyi_statistic_by_the_gram_of_a_point_outside_the_training_set(data):
-    alpha, num_iters, num_batches = 2, 2, 2
-    outside = TRAIN_SIZE
-    pool = renyi_pool(alpha, num_iters, num_batches, universe=TRAIN_SIZE + 1, train_columns=np.arange(TRAIN_SIZE))
-    pool.given[0][1, outside] = True
-    checkpoint, point_gradients = gram_of(data, [outside], ALL_GRAM, universe=TRAIN_SIZE + 1)
-    engine = poisson_batches.renyi_statistics(checkpoint, point_gradients, [outside], pool, alpha, num_iters,
-                                              num_batches)
-    for direction in poisson_batches.DIRECTIONS:
-        assert_close(engine[direction][0], reference_renyi(data, pool, outside, alpha, direction))
+    assert_renyi_matches_reference(data, lambda points, universe: gram_of(data, points, workload, universe=universe))
 
 
 def test_renyi_statistic_by_the_gram_equals_the_rows_route(data):
