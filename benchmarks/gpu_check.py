@@ -10,6 +10,7 @@ PATH is the CIFAR-10 JPEGs as a .tar.gz or a folder, train/<class>/*.jpg and tes
 have no internet: nothing is downloaded). Parts, in order, each a subprocess with its share of the budget (a part
 cut short keeps what it printed, and the preset's finished steps keep their times):
 
+0. the Gram route's CUDA test (tests/test_gram.py -k cuda: its values on the GPU equal the CPU's);
 1. bench_paper_scale.py: the preset's fixed-checkpoint design at its full size at one checkpoint (N = 50,000,
    1,000 points × 4 rates × 10,000 draws);
 2. reproduce.py --preset cifar10 at a reduced size (REDUCED: 1 epoch instead of 40, 100 points × 1,000 draws
@@ -17,10 +18,11 @@ cut short keeps what it printed, and the preset's finished steps keep their time
 3. bench_training.py, 4. bench_sensitivity.py, 5. bench_mean_rule.py with --device, at the README's GPU sizes.
 
 Outputs (under --out, default $OUT, else a new folder in the system's temporary directory): one log per part,
-summary.md (everything printed) and summary.json. --smoke (CPU, CI): part 1 at its own smoke size, a generated
-archive extracted as --data would be, the preset's command built and its fields checked but not run (the
-extrapolation runs on canned timing lines), and the three speed benchmarks only started with --help (their own
---smoke runs are tests of their own).
+the preset's report.md, summary.md (everything printed) and summary.json; the extracted images and the preset's
+runs and result files stay in a working folder outside it (--work, default a new temporary folder). --smoke (CPU,
+CI): part 1 at its own smoke size, a generated archive extracted as --data would be, the preset's command built
+and its fields checked but not run (the extrapolation runs on canned timing lines); parts 0, 3, 4 and 5 are left
+out (the speed benchmarks' own --smoke runs are tests of their own).
 """
 
 import argparse
@@ -29,6 +31,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -49,7 +52,7 @@ TRAIN_SIZE = 50_000
 # The preset's reduced size for part 2: what the timing table is measured at.
 REDUCED = {"epochs": 1.0, "mean_points": "random:100", "num_batches": 1000}
 # Seconds of the budget each part may take at most, in order.
-SHARES = {"paper_scale": 150, "preset": 150, "training": 60, "sensitivity": 75, "mean_rule": 45}
+SHARES = {"cuda_tests": 30, "paper_scale": 150, "preset": 140, "training": 55, "sensitivity": 65, "mean_rule": 40}
 # --smoke: a generated .tar.gz of a few small JPEGs (extracted as --data would be), and the reduced preset's
 # timing table replaced by these lines, one per kind of step, to exercise the extrapolation.
 SMOKE_CLASSES, SMOKE_IMAGES, SMOKE_SIDE = 2, 3, 8
@@ -96,12 +99,12 @@ def _text(output):
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-def image_folder(data: str, out: str) -> str:
-    """The image folder from --data: a folder as it is, a .tar.gz extracted under `out`."""
+def image_folder(data: str, work: str) -> str:
+    """The image folder from --data: a folder as it is, a .tar.gz extracted under `work`."""
     if os.path.isdir(data):
         folder = data
     else:
-        folder = os.path.join(out, "cifar10-images")
+        folder = os.path.join(work, "cifar10-images")
         with tarfile.open(data) as archive:
             archive.extractall(folder, filter="data")
     if not all(os.path.isdir(os.path.join(folder, split)) for split in ("train", "test")):
@@ -217,27 +220,27 @@ def header(device: str) -> list[str]:
             f"{os.getloadavg()[0]:.2f}"]
 
 
-def parts_to_run(args, folder: str, out: str) -> list[Part]:
-    """The parts, in order. --smoke: bench_paper_scale.py at its own smoke size, the speed benchmarks' --help, and
-    no preset (its command is built and its fields checked)."""
+def parts_to_run(args, folder: str, out: str, work: str) -> list[Part]:
+    """The parts, in order. --smoke: only bench_paper_scale.py, at its own smoke size (the preset's command is
+    built and its fields checked; the speed benchmarks' own --smoke runs are tests of their own)."""
     bench = os.path.join(ROOT, "benchmarks")
-    preset_dir = os.path.join(out, "preset")
+    preset_dir = os.path.join(work, "preset")
     reproduce = [os.path.join(ROOT, "reproduce.py"), "--preset", "cifar10", "--dataset", f"imagefolder:{folder}",
                  "--device", args.device, "--out-dir", os.path.join(preset_dir, "figures"), *reduced_preset_flags()]
-    speed = ["--help"] if args.smoke else ["--device", args.device]
+    speed = ["--device", args.device]
     parts = [
+        Part("cuda_tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_gram.py"),
+                            "-k", "cuda"], out),
         Part("paper_scale", [os.path.join(bench, "bench_paper_scale.py"), "--device", args.device,
                              *(["--smoke"] if args.smoke else [])], out),
         Part("preset", reproduce, preset_dir),
-        Part("training", [os.path.join(bench, "bench_training.py"), *speed,
-                          *([] if args.smoke else ["--steps", "40", "--batch-size", "1024", "--resnet-steps", "10",
-                                                   "--resnet-batch-size", "512", "--repeats", "3"])], out),
-        Part("sensitivity", [os.path.join(bench, "bench_sensitivity.py"), *speed,
-                             *([] if args.smoke else ["--rounds", "3", "--resnet-points", "4096",
-                                                      "--reference-sets", "5"])], out),
+        Part("training", [os.path.join(bench, "bench_training.py"), *speed, "--steps", "40", "--batch-size", "1024",
+                          "--resnet-steps", "10", "--resnet-batch-size", "512", "--repeats", "3"], out),
+        Part("sensitivity", [os.path.join(bench, "bench_sensitivity.py"), *speed, "--rounds", "3", "--resnet-points",
+                             "4096", "--reference-sets", "5"], out),
         Part("mean_rule", [os.path.join(bench, "bench_mean_rule.py"), *speed], out),
     ]
-    return [part for part in parts if not (args.smoke and part.name == "preset")]
+    return [part for part in parts if not args.smoke or part.name == "paper_scale"]
 
 
 def main():
@@ -247,6 +250,8 @@ def main():
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for every part together")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT, else a new "
                                                                         "temporary folder)")
+    parser.add_argument("--work", help="working folder for the images and the preset's runs (default: a new "
+                                       "temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, a generated image folder (CI)")
     args = parser.parse_args()
     if args.smoke:
@@ -258,19 +263,21 @@ def main():
     scratch = tempfile.TemporaryDirectory(prefix="gpu_check-") if args.smoke and not args.out else None
     out = args.out or (scratch.name if scratch else tempfile.mkdtemp(prefix="gpu_check-"))
     os.makedirs(out, exist_ok=True)
+    deadline = time.perf_counter() + args.budget  # the extraction of the images counts
+    work = args.work or (out if scratch else tempfile.mkdtemp(prefix="gpu_check-work-"))
     lines = header(args.device)
     print(lines[0], flush=True)
-    folder = image_folder(write_smoke_archive(out) if args.smoke else args.data, out)
-    os.makedirs(os.path.join(out, "preset"), exist_ok=True)
+    folder = image_folder(write_smoke_archive(work) if args.smoke else args.data, work)
+    os.makedirs(os.path.join(work, "preset"), exist_ok=True)
 
-    deadline = time.perf_counter() + args.budget
     done = []
-    for part in parts_to_run(args, folder, out):
+    for part in parts_to_run(args, folder, out, work):
         left = deadline - time.perf_counter()
         if left < 5:
             print(f"{part.name}: not run, the budget is spent", flush=True)
             continue
-        run_part(part, min(SHARES[part.name] * args.budget / sum(SHARES.values()), left), out)
+        share = left if args.smoke else SHARES[part.name] * args.budget / sum(SHARES.values())
+        run_part(part, min(share, left), out)
         state = "cut short by its time share" if part.timed_out else f"exit {part.returncode}"
         print(f"{part.name}: {part.seconds:.0f} s, {state}", flush=True)
         done.append(part)
@@ -279,6 +286,9 @@ def main():
                                                             f"exit {part.returncode}") + f"\n$ {' '.join(part.argv)}\n"
               + part.stdout.strip() for part in done]
     lines += extrapolation_lines(done, SMOKE_TIMINGS if args.smoke else None)
+    report = os.path.join(work, "preset", "figures", "report.md")
+    if os.path.exists(report):
+        shutil.copy(report, os.path.join(out, "preset_report.md"))
     text = "\n".join(lines) + "\n"
     print(text)
     with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as handle:
@@ -286,7 +296,7 @@ def main():
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump({"header": lines[0], "parts": [dataclasses.asdict(part) for part in done]}, handle, indent=1)
     print(f"gpu_check.py: {len(done)} parts in {sum(part.seconds for part in done):.0f} s; outputs in "
-          + (f"{out} (removed: a smoke run without --out)" if scratch else out))
+          + (f"{out} (removed: a smoke run without --out)" if scratch else f"{out}; working folder {work}"))
     if scratch:
         scratch.cleanup()
 

@@ -290,3 +290,26 @@ def test_workloads_count_the_draws():
                                                                    group=len(COUPLING_SIZES))
     pool = Pool(seed=0, step=0, universe=1000, sample_rate=0.1, train_columns=np.arange(1000))
     assert poisson_batches.renyi_workload(3, pool, 4, 2, 5) == Workload(points=3, batches=42, members=4200, group=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("split", SPLITS)
+def test_the_gram_route_on_cuda_equals_the_cpu(data, split, monkeypatch):
+    """Every part of the Gram route on a GPU (its block and panel sizes are the GPU's): the coupling's values and
+    GLA's statistic equal the CPU's to float64 rounding."""
+    workload = split_workload(split, monkeypatch)
+    inputs, labels = data
+    points = [0, 5, TRAIN_SIZE]
+    point_rows = [0, 5, -1]
+    plan = coupling_plan()
+    pool = Pool(seed=1, step=3, universe=TRAIN_SIZE, sample_rate=0.3, train_columns=np.arange(TRAIN_SIZE))
+    results = []
+    for device in ("cpu", "cuda"):
+        checkpoint, point_gradients = gram.checkpoint_gram(tiny_convnet().to(device), inputs[:TRAIN_SIZE],
+                                                           labels[:TRAIN_SIZE], inputs[points], labels[points],
+                                                           point_rows, PSAC, workload, device)
+        statistics, samples = coupling.measure_coupling(checkpoint, point_gradients, plan)
+        renyi = poisson_batches.renyi_statistics(checkpoint, point_gradients, [0, 5, 19], pool, 2, 2, 3)
+        results.append((samples.values, statistics.spread, renyi["remove"], renyi["add"]))
+    for on_cpu, on_cuda in zip(*results):
+        np.testing.assert_allclose(on_cuda, on_cpu, rtol=1e-9, atol=1e-14)
