@@ -6,7 +6,9 @@ Every statistic of §2 that the Monte Carlo draws (Δ_B of the coupling, GLA's S
 sums s_D = Σ_{a∈D} h_a and the point's h*. With the Gram of the rows, 1_Dᵀ G 1_E = s_D·s_E needs a batch's
 N-long rows of the Gram instead of its d-long gradients, and the Gram itself is built layer by layer from the
 engine's factors (train/gram_forms.py): for LeNet-5, 3,393 multiply-adds per pair of examples instead of
-61,706. So at a checkpoint whose N is below d, one Gram product serves every draw.
+61,706. So at a checkpoint whose N is below d, one Gram product serves every draw. A layer whose materialised
+gradients cost less for the measurement at hand (its Workload: few points and batches against N²) stays as
+centred rows instead, and every quadratic form adds the two parts.
 
 Numerics. The Gram is held centred at the training rows' mean μ, so that its entries, and every batch sum over
 them, are of the size of the spread of the gradients, not of ||μ||²: the statistics are differences
