@@ -117,7 +117,7 @@ def main():
                                         coupling.coupling_workload(size, [plan]), device)
     gram_statistics, gram_samples = coupling.measure_coupling(gram, gram_points, plan)
     gram_seconds = clock() - started
-    layers_kept = "none" if gram.rows is None else f"{gram.rows.shape[0] * gram.rows.shape[2]} columns"
+    layers_kept = f"{gram.row_width} columns" if gram.row_width else "none"
     del gram
 
     started = clock()

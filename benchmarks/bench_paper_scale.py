@@ -109,7 +109,7 @@ def main():
     gram, point_gradients = checkpoint_gram(model, x, y, x[points], y[points], points, transform, workload, device)
     timed("the Gram's products, the kept rows (the build less its passes)",
           max(0.0, clock() - started - passes * pass_seconds), "N²")
-    kept = 0 if gram.rows is None else gram.rows.shape[0] * gram.rows.shape[2]
+    kept = gram.row_width
     started = clock()
     statistics = coupling.gram_statistics(gram, point_gradients)
     timed("dataset statistics", clock() - started, "N")

@@ -202,7 +202,7 @@ def bench_renyi(workload, reference_sets, setting, device):
     workload = poisson_batches.renyi_workload(num_points, pool, alpha, num_iters, num_batches)
     gram, point_gradients = checkpoint_gram(model, x, y, x[points], y[points], points, TRANSFORM, workload, device)
     gradient_seconds = clock() - started
-    gram_columns = None if gram.rows is None else gram.rows.shape[0] * gram.rows.shape[2]
+    gram_columns = gram.row_width or None
     engine = poisson_batches.renyi_statistics(gram, point_gradients, points, pool, alpha, num_iters, num_batches)
     engine_seconds = clock() - started
     del gram, point_gradients

@@ -91,6 +91,7 @@ class CheckpointGram:
     mean_square: float
     num_rows: int
     predictions: Predictions
+    row_width: int = 0
 
     @property
     def size(self) -> int:
@@ -283,7 +284,7 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
     panels = torch.zeros((-(-count // width), count, width), dtype=dtype, device=device) if groups else None
     centred_square = torch.zeros(count, dtype=torch.float64, device=device)
     mean_dots = torch.zeros(count, dtype=torch.float64, device=device)
-    mean_square, predictions, held_rows = 0.0, None, None
+    mean_square, predictions, held_rows, row_width = 0.0, None, None, 0
     for group in groups or [[]]:
         rows, outers, kept, chunk_predictions = _hold(model, inputs, labels, transform, device, group,
                                                       held if predictions is None else [],
@@ -294,7 +295,7 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
             predictions = Predictions.concat(chunk_predictions)
             if kept is not None:
                 parts.append(_centre_rows(kept, num_rows))
-                held_rows = _as_panels(kept)
+                held_rows, row_width = _as_panels(kept), kept.shape[1]
         for part in parts:
             centred_square += part.centred_square
             mean_dots += part.mean_dots
@@ -304,7 +305,7 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
     # The outer factors' ||h_a − μ||² are differences (||a||²·||b||² − 2 h_a·M + ||M||²) that can round a hair
     # below 0 where h_a is μ.
     return CheckpointGram(panels, held_rows, centred_square.clamp_min_(0.0), mean_dots, mean_square, num_rows,
-                          predictions)
+                          predictions, row_width)
 
 
 def panel_width(count: int, itemsize: int, device: str | torch.device) -> int:
