@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sensitivity.py [--rounds 3] [--resnet-points 512] [--transformer-points 1024]
                                            [--reference-sets 5] [--threads 1] [--clock cpu] [--device cpu|cuda|auto]
+                                           [--part 1|2]
     python benchmarks/bench_sensitivity.py --smoke   # seconds: synthetic data, one round, small Monte Carlo
 
 1. Δ* of every training point at one checkpoint, for LeNet-5 on the embedded MNIST subset (8,000
@@ -12,8 +13,9 @@
    (the Transformer: torch.func and the plain pass; Opacus's hooks have no rule for
    nn.MultiheadAttention).
 2. The Rényi mean experiment with the paper's defaults (α = 8, 20 target batches × 100 sets
-   of α batches, batches of 128) for 10 points, both directions: the engine's seconds, and
-   the reference (one forward/backward per batch) timed on a slice and extrapolated.
+   of α batches, batches of 128) for 10 points, both directions: the engine's seconds (the checkpoint's
+   Gram, perinstance/measure/gram.py, and GLA's statistic from it), and the reference (one forward/backward
+   per batch) timed on a slice and extrapolated.
 
 Timings do not depend on the weights, so the checkpoint is each model at its initialisation. Every
 method runs on --device; on CUDA the clock is the wall clock read after torch.cuda.synchronize().
@@ -46,6 +48,7 @@ from _workloads import (  # noqa: E402
 from reference import reference_batch_means, reference_renyi_statistics  # noqa: E402
 
 from perinstance.measure import gradient_rows, poisson_batches  # noqa: E402
+from perinstance.measure.gram import checkpoint_gram  # noqa: E402
 from perinstance.measure.poisson_batches import Pool  # noqa: E402
 from perinstance.persample import fallback_norms, gradients  # noqa: E402
 from perinstance.train.clipping import Transform  # noqa: E402
@@ -217,12 +220,13 @@ def bench_renyi(workload, reference_sets, setting, device):
     # the extrapolated reference (and the speed-up) on the low side.
     before = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
     started = clock()
-    rows, point_gradients = gradient_rows.checkpoint_gradients(model, x, y, x[points], y[points], points, TRANSFORM,
-                                                               device)
+    workload = poisson_batches.renyi_workload(num_points, pool, alpha, num_iters, num_batches)
+    gram, point_gradients = checkpoint_gram(model, x, y, x[points], y[points], points, TRANSFORM, workload, device)
     gradient_seconds = clock() - started
-    engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
+    gram_columns = gram.row_width or None
+    engine = poisson_batches.renyi_statistics(gram, point_gradients, points, pool, alpha, num_iters, num_batches)
     engine_seconds = clock() - started
-    del rows, point_gradients
+    del gram, point_gradients
     after = time_reference(model, dataset, pool, points[0], reference_sets, alpha, device)
     target_seconds, set_seconds = min(before[0], after[0]), min(before[1], after[1])
     per_direction = num_iters * (target_seconds + num_batches * set_seconds)
@@ -232,9 +236,10 @@ def bench_renyi(workload, reference_sets, setting, device):
     sets = num_iters * num_batches
     print(f"\n2. Rényi mean experiment: α = {alpha}, {num_iters} target batches × {num_batches} sets, batches of "
           f"{setting.batch_size} (q = {setting.batch_size}/{size}), {num_points} points, both directions:")
-    print(f"   engine: {engine_seconds:.1f} s ({gradient_seconds:.1f} s per-sample gradients of all {size} points, "
-          f"{engine_seconds - gradient_seconds:.1f} s for {sets * alpha + num_iters} "
-          "batch sums and the quadratic forms)")
+    kept = "no layer" if gram_columns is None else f"{gram_columns} columns"
+    print(f"   engine: {engine_seconds:.1f} s ({gradient_seconds:.1f} s for the checkpoint's Gram of all {size} points: "
+          f"the engine's pass and its products, {kept} kept as rows; {engine_seconds - gradient_seconds:.1f} s for "
+          f"{sets * alpha + num_iters} batch sums over it and the quadratic forms)")
     print(f"   reference, fastest of {2 * reference_sets} timings for one point: {target_seconds:.2f} s per target "
           f"batch, {set_seconds:.2f} s per set of {alpha} batches")
     print(f"   reference extrapolated: {num_points} points × 2 directions × {num_iters} × ({target_seconds:.2f} + "
@@ -251,6 +256,8 @@ def main():
     parser.add_argument("--transformer-points", type=int, default=1024)
     parser.add_argument("--reference-sets", type=int, default=5)
     add_timing_arguments(parser)
+    parser.add_argument("--part", type=int, choices=(1, 2), help="only part 1 (Δ*) or part 2 (the Rényi mean "
+                                                                   "experiment); both by default")
     parser.add_argument("--smoke", action="store_true",
                         help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
     args = parser.parse_args()
@@ -263,10 +270,12 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {device_name(args.device)}, "
           f"load average before: {os.getloadavg()[0]:.2f}")
     clock = timer(args.clock, args.device)
-    bench_norms(lenet, args.rounds, clock, args.device)
-    bench_norms(resnet, args.rounds, clock, args.device)
-    bench_norms(transformer_workload(args.smoke, args.transformer_points), args.rounds, clock, args.device)
-    bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING, args.device)
+    if args.part != 2:
+        bench_norms(lenet, args.rounds, clock, args.device)
+        bench_norms(resnet, args.rounds, clock, args.device)
+        bench_norms(transformer_workload(args.smoke, args.transformer_points), args.rounds, clock, args.device)
+    if args.part != 1:
+        bench_renyi(lenet, args.reference_sets, SMOKE_SETTING if args.smoke else PAPER_SETTING, args.device)
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on the machine slow every method alike)")
 
 

@@ -13,15 +13,15 @@ from conftest import ROOT, run_script
 BENCHMARKS = sorted(name for name in os.listdir(os.path.join(ROOT, "benchmarks"))
                     if name.endswith(".py") and not name.startswith("_"))
 # The benchmarks that time their methods on --device.
-DEVICE_BENCHMARKS = ["bench_sensitivity.py", "bench_training.py"]
+DEVICE_BENCHMARKS = ["bench_mean_rule.py", "bench_paper_scale.py", "bench_sensitivity.py", "bench_training.py"]
 # A ratio as the benchmarks print it: a number followed by × or x, e.g. "1.48×", "speed-up 285x".
 RATIO = re.compile(r"(\d+(?:\.\d+)?|nan|inf)\s?[×x](?!\w)")
 
 
 def test_every_benchmark_is_found():
     expected = {"bench_accounting.py", "bench_pld.py", "bench_sensitivity.py", "bench_shared_machine.py", "bench_training.py",
-                "bench_tracking.py",
-                "compare_clipping.py"}
+                "bench_tracking.py", "compare_clipping.py", "bench_mean_rule.py", "bench_paper_scale.py",
+                "gpu_check.py"}
     assert expected <= set(BENCHMARKS)
 
 
@@ -55,3 +55,32 @@ def assert_finite_ratios(result):
     ratios = RATIO.findall(result.stdout)
     assert ratios, result.stdout
     assert all(math.isfinite(float(ratio)) and float(ratio) > 0 for ratio in ratios), (ratios, result.stdout)
+
+
+def test_the_device_check_needs_its_data_and_names_the_flag(tmp_path):
+    result = run_script(os.path.join("benchmarks", "gpu_check.py"), "--device", "cpu", "--out", tmp_path / "out",
+                        cwd=tmp_path)
+    assert result.returncode == 2 and "--data" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_device_check_extrapolates_each_kind_of_step():
+    """The preset's timing table at the reduced size, scaled step by step: training by the epochs, the main run's
+    Δ* by its checkpoints, Δ_B draws by points × draws past the Gram build, a fixed-design checkpoint by its own
+    measurement at full size, the rest not at all."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gpu_check
+
+    timings = [(match.group(1), float(match.group(2)))
+               for match in map(gpu_check.TIMING.match, gpu_check.SMOKE_TIMINGS.splitlines()) if match]
+    assert len(timings) == 5
+    rows, total = gpu_check.extrapolate(timings, gpu_check.REDUCED, draw_base=10.0, checkpoint=70.0)
+    expected = {"train": 20 * 40, "compute": 6 * gpu_check.checkpoints(40, 50_000) / gpu_check.checkpoints(1, 50_000),
+                "measurement": 70.0, "renyi": 1.0 * 100, "audit": 9.0}
+    for step, _, _, _, seconds in rows:
+        assert math.isclose(seconds, next(value for key, value in expected.items() if step.startswith(key)))
+    assert math.isclose(total, sum(expected.values()))
+    draws = gpu_check.extrapolate([("compute_sensitivity.py run=x points=random:100 num-batches=1000", 30.0)],
+                                  gpu_check.REDUCED, draw_base=10.0)[1]
+    assert math.isclose(draws, 10.0 + 20.0 * 100)

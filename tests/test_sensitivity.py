@@ -179,27 +179,30 @@ def reference_renyi(data, pool, point, alpha, direction):
     return np.asarray(statistics)
 
 
-@pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
-def test_renyi_statistic_matches_reference(data, hold):
+def assert_renyi_matches_reference(data, inputs_of):
+    """renyi_statistics from `inputs_of(points, universe)` (the rows or the Gram, and the points) against the
+    reference, both directions: two training points, then the --less-point point in a pool over N + 1 indices."""
     alpha, num_iters, num_batches = 3, 2, 3
     pool = renyi_pool(alpha, num_iters, num_batches)
     points = [0, 7]
-    rows, point_gradients = engine_inputs(data, points, hold=hold)
-    engine = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, alpha, num_iters, num_batches)
+    engine = poisson_batches.renyi_statistics(*inputs_of(points, TRAIN_SIZE), points, pool, alpha, num_iters,
+                                              num_batches)
     for direction in poisson_batches.DIRECTIONS:
         for row, point in enumerate(points):
             assert_close(engine[direction][row], reference_renyi(data, pool, point, alpha, direction))
-
-
-def test_renyi_statistic_of_a_point_outside_the_training_set(data):
     alpha, num_iters, num_batches = 2, 2, 2
     outside = TRAIN_SIZE
     pool = renyi_pool(alpha, num_iters, num_batches, universe=TRAIN_SIZE + 1, train_columns=np.arange(TRAIN_SIZE))
     pool.given[0][1, outside] = True
-    rows, point_gradients = engine_inputs(data, [outside], universe=TRAIN_SIZE + 1)
-    engine = poisson_batches.renyi_statistics(rows, point_gradients, [outside], pool, alpha, num_iters, num_batches)
+    engine = poisson_batches.renyi_statistics(*inputs_of([outside], TRAIN_SIZE + 1), [outside], pool, alpha,
+                                              num_iters, num_batches)
     for direction in poisson_batches.DIRECTIONS:
         assert_close(engine[direction][0], reference_renyi(data, pool, outside, alpha, direction))
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "recomputed"])
+def test_renyi_statistic_matches_reference(data, hold):
+    assert_renyi_matches_reference(data, lambda points, universe: engine_inputs(data, points, hold, universe))
 
 
 def test_renyi_passes_split_and_packed_give_the_same_values(data, monkeypatch):

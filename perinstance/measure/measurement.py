@@ -14,6 +14,7 @@ from perinstance.errors import UsageError
 from perinstance.files import results, storage
 from perinstance.measure import coupling, poisson_batches
 from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
+from perinstance.measure.gram import checkpoint_gram, gram_route
 from perinstance.measure.predictions import Predictions
 from perinstance.train import training
 from perinstance.train.clipping import Transform
@@ -90,28 +91,40 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
     transform = Transform.of_run(config)
     point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
     statistics_only = request.family == COUPLING and request.num_batches == 0
-    hold = None
+    hold = plan = pool = workload = None
     if request.family == COUPLING:
         # n = N − 1 for the sizes: a --less-point point has n = N, and k_min computed at N − 1 is no
         # larger, so its δ_size stays below --size-delta.
         plan = coupling.coupling_plan(request.mc_seed, step, config.dataset_size - 1, config.sample_rate,
                                       request.size_delta, request.num_batches, request.mc_blocks, request.max_sizes)
+        workload = coupling.coupling_workload(len(points), [plan])
         # With one pass of draws after the first pass, held rows would spare one recomputation of themselves
         # for all their memory: hold none.
         if coupling.pass_count(plan, len(points), parameter_count(model), next(model.parameters()).element_size(),
                                blocks) <= 1:
             hold = False
-    with progress_bar(len(points) if request.rule == "sum" else len(run.train_y),
+    elif request.rule != "sum":
+        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
+        workload = poisson_batches.renyi_workload(len(points), pool, request.alpha, request.num_iters,
+                                                  request.num_batches)
+    # The Monte Carlo's per-sample work: the checkpoint's Gram where it fits, else its gradient rows.
+    gram = workload is not None and not statistics_only and gram_route(model, _gram_size(run, point_rows), device)
+    with progress_bar(len(points) if request.rule == "sum" else
+                      _gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         if request.rule == "sum":
             norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
         elif statistics_only:
             statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
                                                                      point_y, point_rows, transform, device, bar)
+        elif gram:
+            rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
+                                                    transform, workload, device, bar)
         else:
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
                                                          point_rows, transform, device, hold=hold, progress=bar)
-            predictions = point_gradients.predictions
+    if request.rule != "sum" and not statistics_only:
+        predictions = point_gradients.predictions
     if request.rule == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
@@ -123,7 +136,6 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
                 statistics, samples = coupling.measure_coupling(rows, point_gradients, plan, bar, blocks)
         columns = coupling_columns(config.clip_bound, statistics, samples, blocks)
     else:
-        pool = poisson_batches.Pool(request.mc_seed, step, run.universe, config.sample_rate, run.train_columns)
         with progress_bar(request.num_iters * request.num_batches, f"sets of α batches, step {step}") as bar:
             statistics = poisson_batches.renyi_statistics(rows, point_gradients, points, pool, request.alpha,
                                                           request.num_iters, request.num_batches, request.directions,
@@ -204,32 +216,51 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     """One checkpoint of `run` measured for one step of the mean rule under each of `configs` (the run's
     RunConfig with another sampling rate, B_exp and σ): the points' dataset statistics and Δ_B draws from
     each config's own batch sizes, k_min from its δ_size (accounting.md §3.4).
-    The per-sample rows are recomputed on each config's pass and none are held (their batch sums are
-    what the pass holds); the statistics do not depend on the mechanism. Yields one frame of result rows per
+    Where the checkpoint's Gram pays (gram.gram_route) it is built once and serves every config; otherwise the
+    per-sample rows are recomputed on each config's pass and none are held (their batch sums are what the pass
+    holds). The statistics do not depend on the mechanism. Yields one frame of result rows per
     config, in their order, as compute_sensitivity.py --reduction mean would write it for a run trained with that
     config (reproduce.py's fixed-checkpoint design): the caller can store each before the next pass."""
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
-    with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
-        rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
-                                                     run.dataset.train_y[points], run.train_rows(points),
-                                                     Transform.of_run(config), device, hold=False, progress=bar)
-    # The statistics come from the rows' centred norms, which the first rate's pass over the rows measures too.
-    mean, statistics, point_centred_sq = rows.mean(), None, None
+    point_rows = run.train_rows(points)
+    plans = [coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
+                                    num_batches, mc_blocks, max_sizes)
+             for analysed, size_delta in zip(configs, size_deltas)]
+    gram = gram_route(model, _gram_size(run, point_rows), device)
+    with progress_bar(_gram_size(run, point_rows) if gram else len(run.train_y),
+                      f"per-sample gradients, step {step}") as bar:
+        arguments = (model, run.train_x, run.train_y, run.dataset.train_x[points], run.dataset.train_y[points],
+                     point_rows, Transform.of_run(config))
+        if gram:
+            rows, point_gradients = checkpoint_gram(*arguments, coupling.coupling_workload(len(points), plans), device,
+                                                    bar)
+        else:
+            rows, point_gradients = checkpoint_gradients(*arguments, device, hold=False, progress=bar)
+    # The statistics come from the Gram, or from the rows' centred norms, which the first rate's pass over the rows
+    # measures too.
+    statistics = coupling.gram_statistics(rows, point_gradients) if gram else None
+    mean, point_centred_sq = (None, None) if gram else (rows.mean(), None)
     labels = run.dataset.train_y[points].numpy()
-    for analysed, size_delta in zip(configs, size_deltas):
-        plan = coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
-                                      num_batches, mc_blocks, max_sizes)
+    for analysed, plan in zip(configs, plans):
         with progress_bar(plan.blocks * plan.permutations, f"permutations, step {step}, q={analysed.sample_rate:g}") \
                 as bar:
-            samples, row_centred_sq = coupling.coupling_sensitivities(rows, point_gradients, plan, mean,
-                                                                      point_centred_sq, bar)
+            if gram:
+                samples = coupling.gram_coupling_sensitivities(rows, point_gradients, plan, bar)
+            else:
+                samples, row_centred_sq = coupling.coupling_sensitivities(rows, point_gradients, plan, mean,
+                                                                          point_centred_sq, bar)
         if statistics is None:
             statistics, _, point_centred_sq = coupling.measure_statistics(rows, point_gradients, mean, row_centred_sq)
         columns = coupling_columns(analysed.clip_bound, statistics, samples)
         yield measurement_rows("mean", COUPLING, mc_seed, analysed, step, payload["test_accuracy"], points, labels,
                                point_gradients.predictions, columns)
+
+
+def _gram_size(run: OpenRun, point_rows: np.ndarray) -> int:
+    """Rows of the checkpoint's Gram: the training rows and the points outside them."""
+    return len(run.train_y) + int(np.count_nonzero(np.asarray(point_rows) < 0))
 
 
 def keep_missing(rows: pd.DataFrame, missing: dict[str, list[int]]) -> pd.DataFrame:

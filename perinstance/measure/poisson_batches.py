@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from perinstance.accounting.guarantees import Direction
 from perinstance.measure.batch_sums import Bags
-from perinstance.measure.gradient_rows import HeldRows, PointGradients, RecomputedRows, advance
+from perinstance.measure.gradient_rows import HeldRows, PointGradients, RecomputedRows, advance, pass_batches
+from perinstance.measure.gram import CheckpointGram, Workload
 from perinstance.train import sampling
 
 DIRECTIONS = (Direction.REMOVE, Direction.ADD)
@@ -141,6 +142,14 @@ def batch_sensitivities(rows: HeldRows | RecomputedRows, points: PointGradients,
 
 # --- GLA's statistic S ---------------------------------------------------------------------------
 
+def renyi_workload(num_points: int, pool: Pool, alpha: int, num_iters: int, num_batches: int) -> Workload:
+    """What renyi_statistics asks of a checkpoint's Gram (gram.Workload): every target and set batch, of
+    q·N expected members each, in sets of α + 1."""
+    batches = num_iters * (1 + alpha * num_batches)
+    return Workload(points=num_points, batches=batches, members=round(batches * pool.sample_rate * pool.universe),
+                    group=alpha + 1)
+
+
 def renyi_slices(num_iters: int, num_batches: int, alpha: int, max_batches: int) -> list[list[tuple[int, int, int]]]:
     """(target, first set, end set) slices of the sets, each at most `max_batches` batches
     (the target and α per set), grouped into passes of at most `max_batches` batches."""
@@ -158,23 +167,25 @@ def renyi_slices(num_iters: int, num_batches: int, alpha: int, max_batches: int)
     return passes + [current] if current else passes
 
 
-def renyi_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, point_columns: np.ndarray, pool: Pool,
-                     alpha: int, num_iters: int, num_batches: int, directions: tuple[Direction, ...] = DIRECTIONS,
+def renyi_statistics(rows: HeldRows | RecomputedRows | CheckpointGram, points: PointGradients,
+                     point_columns: np.ndarray, pool: Pool, alpha: int, num_iters: int, num_batches: int,
+                     directions: tuple[Direction, ...] = DIRECTIONS,
                      progress: tqdm | None = None) -> dict[Direction, np.ndarray]:
     """S for each direction, point, target batch and set: {direction: (points, num_iters, num_batches)}.
 
     For each target t: B_0 from pool batch (t), and num_batches sets of α pool batches
-    (t, k); the direction decides which of them keep x* (see renyi_from_gram).
+    (t, k); the direction decides which of them keep x* (see renyi_from_gram). `rows`: the gradient rows
+    (their batch sums), or the checkpoint's Gram (gram.py; `points` then need no rows).
     """
-    dots = rows.products(points.rows)
-    point_sq = _point_square_norms(points)
+    quantities = _GramQuantities(rows, points) if isinstance(rows, CheckpointGram) else _RowQuantities(rows, points)
     result = {direction: np.empty((len(point_columns), num_iters, num_batches)) for direction in directions}
-    for slices in renyi_slices(num_iters, num_batches, alpha, rows.pass_batches(len(point_columns))):
+    for slices in renyi_slices(num_iters, num_batches, alpha, quantities.pass_batches):
         masks, set_layout = _renyi_pass_masks(pool, slices, alpha)
-        set_gram, point_dots, sizes = _pass_quantities(rows, masks[:, pool.train_columns], dots, set_layout)
+        # take, not masks[:, columns]: that indexing returns a column-major array, slow to walk by rows.
+        set_gram, point_dots, sizes = quantities.of_pass(masks.take(pool.train_columns, axis=1), set_layout)
         members = masks[:, point_columns]
         for direction in directions:
-            values = _renyi_by_point_slice(set_gram, point_dots[set_layout], point_sq, sizes[set_layout],
+            values = _renyi_by_point_slice(set_gram, point_dots[set_layout], quantities.point_sq, sizes[set_layout],
                                            members[set_layout], points.in_training, direction)
             offset = 0
             for target, first, end in slices:
@@ -182,6 +193,41 @@ def renyi_statistics(rows: HeldRows | RecomputedRows, points: PointGradients, po
                 offset += end - first
         advance(progress, sum(end - first for _, first, end in slices))
     return result
+
+
+class _RowQuantities:
+    """renyi_statistics' quantities from the gradient rows: the Gram of each set's batch sums, s_D·h*, ||h*||²."""
+
+    def __init__(self, rows, points):
+        self.rows, self.dots = rows, rows.products(points.rows)
+        self.point_sq = _point_square_norms(points)
+        self.pass_batches = rows.pass_batches(len(points.train_rows))
+
+    def of_pass(self, train_masks, set_layout):
+        return _pass_quantities(self.rows, train_masks, self.dots, set_layout)
+
+
+class _GramQuantities:
+    """The same quantities from the checkpoint's centred Gram (gram.py), made uncentred in float64: with
+    c_D = Σ_{a∈D} (h_a − μ)·μ, n = |D| and t = ||μ||², s_D·s_E = Σ G_c + n_D·c_E + n_E·c_D + n_D·n_E·t and
+    s_D·h* = Σ_{a∈D} G_c[a, *] + c_D + n_D·h*·μ. Only the centred parts carry the Gram's rounding."""
+
+    def __init__(self, gram, points):
+        self.gram, self.point_rows = gram, gram.rows_of(points)
+        self.columns = gram.point_columns(self.point_rows)
+        self.point_sq = gram.point_squares(self.point_rows).cpu().numpy()
+        self.point_mean_dots = gram.mean_dots[torch.as_tensor(self.point_rows, device=gram.device)].cpu().numpy()
+        self.pass_batches = pass_batches(len(self.point_rows), gram.size, 8)
+
+    def of_pass(self, train_masks, set_layout):
+        grams, point_sums, mean_sums = self.gram.batch_sums(train_masks, set_layout, self.columns)
+        grams, point_sums, mean_sums = grams.cpu().numpy(), point_sums.cpu().numpy(), mean_sums.cpu().numpy()
+        sizes = train_masks.sum(axis=1)
+        size, mean_sum = sizes[set_layout].astype(np.float64), mean_sums[set_layout]
+        set_gram = (grams + size[:, :, None] * mean_sum[:, None, :] + size[:, None, :] * mean_sum[:, :, None]
+                    + size[:, :, None] * size[:, None, :] * self.gram.mean_square)
+        point_dots = point_sums + mean_sums[:, None] + sizes[:, None] * self.point_mean_dots[None, :]
+        return set_gram, point_dots, sizes
 
 
 def _renyi_pass_masks(pool, slices, alpha):
