@@ -87,6 +87,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
+    loss_fn = training.loss_for_run(config)
     transform = Transform.of_run(config)
     point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
     statistics_only = request.family == COUPLING and request.num_batches == 0
@@ -104,14 +105,19 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
     with progress_bar(len(points) if request.rule == "sum" else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         if request.rule == "sum":
-            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
-        elif statistics_only:
+            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar, loss_fn)
+        elif statistics_only and loss_fn is None:
             statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
                                                                      point_y, point_rows, transform, device, bar)
         else:
+            # A loss of the run's own: its statistics from the rows, as the Δ_B draws take them (the two passes of
+            # checkpoint_statistics differentiate the cross-entropy in closed form along μ).
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
-                                                         point_rows, transform, device, hold=hold, progress=bar)
+                                                         point_rows, transform, device, hold=hold, progress=bar,
+                                                         point_rows=not statistics_only, loss_fn=loss_fn)
             predictions = point_gradients.predictions
+            if statistics_only:
+                statistics, _, _ = coupling.measure_statistics(rows, point_gradients)
     if request.rule == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
@@ -184,12 +190,13 @@ def jensen_columns(request: Measurement,
 def measurement_rows(rule: str, family: str, mc_seed: int | None, config: RunConfig, step: int, accuracy: float,
                      points: np.ndarray, labels: np.ndarray, predictions: Predictions, columns: dict) -> pd.DataFrame:
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
-    point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
+    point's index in `points`) with the point's label, loss and correctness (results.result_rows; label and
+    correctness NaN where the targets are not class labels)."""
     position = columns.pop("position")
     return results.result_rows(config, rule, step, {
         "point": points[position],
-        "label": labels[position],
-        "correct": predictions.correct.astype(int)[position],
+        "label": results.class_labels(labels)[position],
+        "correct": results.correct_column(predictions.correct)[position],
         "loss": predictions.losses[position],
         "exp": family,
         "accuracy": accuracy,
@@ -214,7 +221,8 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     with progress_bar(len(run.train_y), f"per-sample gradients, step {step}") as bar:
         rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[points],
                                                      run.dataset.train_y[points], run.train_rows(points),
-                                                     Transform.of_run(config), device, hold=False, progress=bar)
+                                                     Transform.of_run(config), device, hold=False, progress=bar,
+                                                     loss_fn=training.loss_for_run(config))
     # The statistics come from the rows' centred norms, which the first rate's pass over the rows measures too.
     mean, statistics, point_centred_sq = rows.mean(), None, None
     labels = run.dataset.train_y[points].numpy()
