@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_usage_error, leave_one_out_statistics, snapshot
-from test_user_code import CLIP, end_to_end, import_file, write
+from test_user_code import CLIP, check_sensitivities, end_to_end, import_file, plain_gradients, plain_norms, write
 
 from perinstance.cli import options
 from perinstance.train import planned_run
@@ -110,36 +110,9 @@ def per_token(outputs, targets):
 TOKEN_CLIP = 30.0
 
 
-def plain_gradients(run_dir, model_file, attribute, step, inputs, targets, loss_of_one):
-    """g_i at checkpoint `step` (one row per example, float64) by one backward per example of
-    `loss_of_one(output, target)` (a batch of one), through a model built here from the file."""
-    config = json.loads((run_dir / "run.json").read_text())
-    target = getattr(import_file(model_file), attribute)
-    model = target(input_shape=config["input_shape"], num_classes=config["num_classes"]) \
-        if attribute == "make" else target()
-    model.load_state_dict(torch.load(run_dir / f"step_{step:07d}.pt", weights_only=True)["model"])
-    model.eval()
-    rows = []
-    for example, wanted in zip(inputs, targets, strict=True):
-        model.zero_grad()
-        loss_of_one(model(example[None]), wanted[None]).backward()
-        rows.append(torch.cat([param.grad.flatten() for param in model.parameters()]).double().numpy())
-    return np.array(rows)
-
-
-def plain_norms(*args):
-    return np.linalg.norm(plain_gradients(*args), axis=1)
-
-
-def check_against_plain(sums, run_dir, model_file, attribute, inputs, targets, loss_of_one, clip=CLIP):
-    """Every checkpoint's Δ* rows equal min(||g_i||, C) of the plain backward (flat clipping, accounting.md §2)."""
-    unclipped = 0
-    for step in sorted(sums["step"].unique()):
-        rows = sums[sums["step"] == step].sort_values("point")
-        expected = np.minimum(plain_norms(run_dir, model_file, attribute, step, inputs, targets, loss_of_one), clip)
-        np.testing.assert_allclose(rows["value"].to_numpy(), expected, rtol=2e-5, atol=1e-6)
-        unclipped += int((expected < clip).sum())
-    assert unclipped > 0, "every point clipped: the comparison would not see a wrong norm"
+def squared_error(output, target):
+    """A batch of one's squared error, written here apart from the file's loss."""
+    return F.mse_loss(output.squeeze(1), target, reduction="sum")
 
 
 def test_regression_with_mean_squared_error_end_to_end(run, tmp_path):
@@ -155,8 +128,7 @@ def test_regression_with_mean_squared_error_end_to_end(run, tmp_path):
     assert "no test accuracy (the targets are not class labels); test loss " in printed, printed
     assert sums["label"].isna().all() and sums["correct"].isna().all() and sums["accuracy"].isna().all()
     (inputs, targets), _ = import_file(model_file).data()
-    check_against_plain(sums, run_dir, model_file, "make", inputs, targets,
-                        lambda output, target: F.mse_loss(output.squeeze(1), target, reduction="sum"))
+    check_sensitivities(sums, model_file, "make", run_dir, inputs, targets, squared_error)
     # The recorded loss at the checkpoint: the squared error, not a cross-entropy.
     final = sums[sums["step"] == sums["step"].max()].sort_values("point")
     model = import_file(model_file).make(input_shape=[5], num_classes=1)
@@ -169,8 +141,8 @@ def test_regression_with_mean_squared_error_end_to_end(run, tmp_path):
                    "final", "--num-batches", 0, "--res-name", "statistics")
     assert measured.returncode == 0, measured.stderr
     statistics = pd.read_csv(tmp_path / "res" / "statistics.csv").set_index(["point", "quantity"])["value"]
-    gradients = plain_gradients(run_dir, model_file, "make", int(final["step"].iloc[0]), inputs, targets,
-                                lambda output, target: F.mse_loss(output.squeeze(1), target, reduction="sum"))
+    gradients = plain_gradients(model_file, "make", run_dir, int(final["step"].iloc[0]), inputs, targets,
+                                squared_error)
     clipped = gradients * np.minimum(1.0, CLIP / np.linalg.norm(gradients, axis=1))[:, None]
     for point in range(4):
         exact = dict(leave_one_out_statistics(clipped, point))
@@ -193,7 +165,7 @@ def test_token_level_loss_summed_over_tokens_with_tracked_points(run, tmp_path):
     sums = pd.read_csv(tmp_path / "res" / "tokens.csv")
     run_dir = tmp_path / "models" / "tokens"
     (inputs, targets), _ = import_file(model_file).text()
-    check_against_plain(sums, run_dir, model_file, "NextToken", inputs, targets,
+    check_sensitivities(sums, model_file, "NextToken", run_dir, inputs, targets,
                         lambda output, target: F.cross_entropy(output.transpose(1, 2), target, reduction="sum"),
                         TOKEN_CLIP)
     # The tracked points at each checkpoint: the same loss, the same Δ* as compute_sensitivity.py's.
@@ -222,11 +194,10 @@ def test_label_smoothing_instance_keeps_the_accuracy(run, tmp_path):
     assert set(sums["correct"]) <= {0, 1} and sums["label"].notna().all()
     (inputs, targets), _ = import_file(model_file).classes()
     run_dir = tmp_path / "models" / "smooth"
-    check_against_plain(sums, run_dir, model_file, "make", inputs, targets,
+    check_sensitivities(sums, model_file, "make", run_dir, inputs, targets,
                         lambda output, target: F.cross_entropy(output, target, label_smoothing=0.2, reduction="sum"))
     # Without the smoothing the norms differ: the comparison above sees which loss was differentiated.
-    plain = plain_norms(run_dir, model_file, "make", 0, inputs, targets,
-                        lambda output, target: F.cross_entropy(output, target, reduction="sum"))
+    plain = plain_norms(model_file, "make", run_dir, 0, inputs, targets)
     first = sums[sums["step"] == 0].sort_values("point")["value"].to_numpy()
     assert np.abs(np.minimum(plain, CLIP) - first).max() > 1e-3
 
