@@ -24,9 +24,10 @@ class OutOfSpace(UsageError):
 
 
 EXIT_USAGE = 2
-# The files of the user's own code (--model and --dataset specs, perinstance/train/user_code.py) by absolute path,
-# each with the flag and the spec that named it: an exception raised in them is the user's bug, told in one line.
-USER_FILES: dict[str, tuple[str, str]] = {}
+# The files of the user's own code (--model, --dataset and --loss specs, perinstance/train/user_code.py) by absolute
+# path, each with {flag: spec} of the specs that named it: an exception raised in them is the user's bug, told in one
+# line.
+USER_FILES: dict[str, dict[str, str]] = {}
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -45,16 +46,19 @@ def describe(error: BaseException, path: str) -> str:
 
 def user_code_error(error: BaseException) -> str | None:
     """One line for an exception raised in the user's own code (a file of USER_FILES): the flag, the spec, the
-    exception and the user's file:line. None when no frame of the traceback is the user's, or when one of the
-    package's own frames lies below the user's deepest (then the error is the package's, raised within the
-    user's call: its traceback is kept)."""
+    exception and the user's file:line. A file that several specs name (a model, its data and its loss in one
+    file) is told by the spec whose function raised, else by all of them. None when no frame of the traceback is
+    the user's, or when one of the package's own frames lies below the user's deepest (then the error is the
+    package's, raised within the user's call: its traceback is kept)."""
     frames = traceback.extract_tb(error.__traceback__)
     mine = [index for index, frame in enumerate(frames) if os.path.abspath(frame.filename) in USER_FILES]
     if not mine or any(os.path.abspath(frame.filename).startswith(PACKAGE + os.sep) for frame in frames[mine[-1]:]):
         return None
-    path = os.path.abspath(frames[mine[-1]].filename)
-    flag, spec = USER_FILES[path]
-    return f"{flag}: {spec} raised {describe(error, frames[mine[-1]].filename)}"
+    frame = frames[mine[-1]]
+    specs = USER_FILES[os.path.abspath(frame.filename)]
+    named = {flag: spec for flag, spec in specs.items() if spec.endswith(f":{frame.name}")}
+    specs = named if len(named) == 1 else specs
+    return f"{'/'.join(specs)}: {' or '.join(specs.values())} raised {describe(error, frame.filename)}"
 
 
 def run_main(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:

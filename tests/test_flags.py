@@ -64,6 +64,9 @@ MEANINGS = {
                            "torchvision datasets"),
     "--model": Meaning("the network: built in, or your own PATH.py:NAME or package.module:NAME (a class or function "
                        "returning an nn.Module)", "model", "PATH.py:NAME", "model_flag"),
+    "--loss": Meaning("the per-example loss: cross-entropy on class indices when left out, or your own PATH.py:NAME "
+                      "or package.module:NAME (a function of (outputs, targets) returning one loss per example)",
+                      "loss", "one loss per example", "loss_flag", defaults=NONE),
     "--norm-type": Meaning("normalisation layers of resnet20", "norm_type", "normalisation", closed=True),
     "--batch-size": Meaning("expected batch size B_exp of training; q = B_exp/N", "batch_size", "B_exp", "int",
                             defaults=INT),
@@ -234,7 +237,8 @@ ALIASES = {"--delta": ("--target-delta", TRAINING)}
 TYPE_TEXT = {"str": "text", "int": "integer", "positive_float": "number > 0", "non_negative_float": "number >= 0",
              "finite_float": "number", "probability": "number in (0, 1)", "momentum_float": "number in [0, 1)",
              "non_negative_int": "integer >= 0", "device_flag": "cpu, cuda, cuda:N or auto",
-             "model_flag": "lenet5, resnet20, mlp, linear, PATH.py:NAME or package.module:NAME"}
+             "model_flag": "lenet5, resnet20, mlp, linear, PATH.py:NAME or package.module:NAME",
+             "loss_flag": "PATH.py:NAME or package.module:NAME"}
 
 
 # --- reading the parsers ------------------------------------------------------------------------
@@ -379,16 +383,17 @@ def flag_table(parsers=None):
     return "\n".join(lines + USER_CODE_SECTION) + "\n"
 
 
-# What --model and --dataset specs receive and must return (perinstance/train/user_code.py; tests/test_user_code.py
+# What --model, --dataset and --loss specs receive and must return (perinstance/train/user_code.py; tests/test_user_code.py
 # checks each sentence).
 USER_CODE_SECTION = [
     "",
-    "## Your own model and data: `--model` and `--dataset` specs",
+    "## Your own model, data and loss: `--model`, `--dataset` and `--loss` specs",
     "",
     "`--model PATH.py:NAME` or `--model package.module:NAME` (a module importable from the current",
     "folder or `PYTHONPATH`) names a class or a function that returns a `torch.nn.Module`. It is called",
-    "with keyword arguments, each only when its signature names it: `num_classes` (the largest label",
-    "of the data + 1) and `input_shape` (one input's shape without the batch dimension, a tuple)",
+    "with keyword arguments, each only when its signature names it: `num_classes` (the largest integer",
+    "target of the data + 1; for floating targets, the number of values in one target, 1 for a scalar)",
+    "and `input_shape` (one input's shape without the batch dimension, a tuple)",
     "always; `in_channels` and `image_size` (C and H) when one input is C×H×W. A parameter without a",
     "default that is none of these is an error. Under DP a layer that mixes the examples of a batch",
     "(BatchNorm, Opacus's ModuleValidator refuses it) is refused: use `nn.GroupNorm`; so is a `GRU`,",
@@ -403,12 +408,30 @@ USER_CODE_SECTION = [
     "each a `torch.utils.data.Dataset` of `(input, label)` pairs or a pair `(inputs, labels)` of",
     "tensors or arrays; it is called with `data_root` (the `--data-root` flag) when its signature",
     "names it, with torch's, numpy's and Python's global generators seeded to 0 (restored after), so",
-    "random data is the same in every process. Labels are class indices 0, 1, ...; floating inputs",
-    "become float32, integer inputs (token ids) stay integers. `first:N:SPEC` takes its first N points.",
+    "random data is the same in every process. Under the default loss the labels are class indices",
+    "0, 1, ... (whole numbers, stored int64); with `--loss` they are the targets as given, any shape per",
+    "point (floating ones become float32, integer ones int64). Floating inputs become float32, integer",
+    "inputs (token ids) stay integers. `first:N:SPEC` takes its first N points.",
     "",
-    "`run.json` records each spec with the path and sha256 of its file (`user_code`). Resuming a run",
-    "after its model or data file changed, or measuring one (`compute_sensitivity.py --run`) after",
-    "its model file or its data changed, is a one-line error naming the file: restore it, or train a",
+    "`--loss PATH.py:NAME` or `package.module:NAME` names the per-example loss that training, the",
+    "tracked points, every measurement of `compute_sensitivity.py` and `audit.py` differentiate, in",
+    "place of the cross-entropy on class indices: a function, or a callable object defined in the file",
+    "(e.g. `loss = nn.CrossEntropyLoss(reduction=\"none\", label_smoothing=0.1)`), of",
+    "`(outputs, targets)` for a batch, returning one loss per example, shape (n,), or (n, ...) that is",
+    "summed per example (a token-level loss with `reduction=\"none\"`: one sum over the tokens). It is",
+    "the Python API's `loss_fn`. It is tried on two examples before anything is written: a class, an",
+    "object that is not callable, an exception, a scalar or an integer result is a one-line error",
+    "naming `--loss`, as is an exception it raises later in the run (with its file:line). Where the",
+    "outputs are not logits (n, classes) with one class index per point as target, correctness is not",
+    "defined: the summary prints the test loss instead of a test accuracy, and the `label`, `correct`",
+    "and `accuracy` columns of the result files are empty. The membership attack is per class and",
+    "refuses such runs; `--input-canaries` (crafted examples with random class labels) is refused with",
+    "`--loss`.",
+    "",
+    "`run.json` records each spec with the path and sha256 of its file (`user_code`), and the loss's",
+    "spec (`loss`, left out for the default). Resuming a run after its model, data or loss file",
+    "changed, or measuring one (`compute_sensitivity.py --run`) after its model or loss file or its",
+    "data changed, is a one-line error naming the file and the flag: restore it, or train a",
     "new run (`--overwrite`, another `--save-name` or `--id`). The default run name holds the file's",
     "name and the spec's hash.",
 ]

@@ -23,6 +23,7 @@ from perinstance.accounting import audit_bounds, exact_eps_delta, intervals
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError
+from perinstance.files import results
 from perinstance.measure import poisson_batches
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.gradient_rows import (
@@ -87,11 +88,12 @@ def audited_gradients(run: OpenRun, model: torch.nn.Module, transform: Transform
         hold = held_rows(model, len(run.train_y), device) >= len(run.train_y)
     rows, given = checkpoint_gradients(model, run.train_x, run.train_y, run.dataset.train_x[query],
                                        run.dataset.train_y[query], run.train_rows(query), transform, device,
-                                       hold=hold, progress=progress)
+                                       hold=hold, progress=progress, loss_fn=training.loss_for_run(run.config))
     if points is not None:
         return rows, AuditedPoints(query, given.rows, run.train_rows(query), given.predictions)
     norms = np.minimum(rows.square_norms().sqrt().cpu().numpy(), transform.bound)
-    chosen = audit_bounds.spread_points(norms, rows.predictions.correct, spread)
+    # Correctness undefined (targets that are not class labels, NaN) counts as correct: the ranks span all points.
+    chosen = audit_bounds.spread_points(norms, rows.predictions.correct != 0, spread)
     return rows, AuditedPoints(run.train_columns[chosen], rows.take(chosen), chosen, rows.predictions.take(chosen))
 
 
@@ -315,9 +317,9 @@ def audit_rows(run: OpenRun, step: int, request: AuditRequest, audited: AuditedP
         "point": audited.points,
         "step": step,
         "rule": request.rule,
-        "label": run.dataset.train_y[audited.points].numpy(),
+        "label": results.class_labels(run.dataset.train_y[audited.points].numpy()),
         "loss": audited.predictions.losses,
-        "correct": audited.predictions.correct.astype(int),
+        "correct": results.correct_column(audited.predictions.correct),
         "sensitivity": sensitivities,
         "eps_lower": eps_lower,
         "eps_upper": eps_upper,

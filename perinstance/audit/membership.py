@@ -8,11 +8,13 @@ balanced accuracy, Pearson r) is in perinstance/accounting/audit_bounds.py.
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from perinstance.accounting import audit_bounds, intervals
 from perinstance.errors import UsageError
+from perinstance.persample import batches
 from perinstance.train import runs, sampling, training
+from perinstance.train.data import are_class_labels
+from perinstance.train.user_code import describe_targets
 
 LOSS_CHUNK = 1024
 MODELS = {"DP": "--run", "non-private": "--nondp-run"}
@@ -36,6 +38,11 @@ def open_pair(run: str, nondp_run: str, models_dir: str,
         if config.less_point is not None:
             raise UsageError(flag, f"{opened[model].name} was trained without point {config.less_point}; "
                                    "use runs on the whole training set")
+        targets = opened[model].dataset.train_y
+        if not are_class_labels(targets):
+            raise UsageError(flag, f"{opened[model].name} was trained on targets that are not class labels "
+                                   f"({describe_targets(targets)}, with --loss {config.loss}): the attack is per "
+                                   "class, so it does not apply")
     private, public = opened["DP"].config, opened["non-private"].config
     if private.dataset_fingerprint != public.dataset_fingerprint:
         raise UsageError("--nondp-run", f"{opened['non-private'].name} was trained on other data than "
@@ -46,15 +53,16 @@ def open_pair(run: str, nondp_run: str, models_dir: str,
 
 
 @torch.no_grad()
-def losses_and_predictions(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                           device: str) -> tuple[np.ndarray, np.ndarray]:
-    """Cross-entropy loss and predicted class of every example (float64, int64 arrays)."""
+def losses_and_predictions(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, device: str,
+                           loss_fn: batches.LossFn | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The loss (the run's: batches.per_example_loss, the cross-entropy unless `loss_fn`) and the predicted class
+    of every example (float64, int64 arrays)."""
     model.eval()
     losses, predicted = [], []
     for start in range(0, len(labels), LOSS_CHUNK):
         logits = model(inputs[start:start + LOSS_CHUNK].to(device))
         target = labels[start:start + LOSS_CHUNK].to(device)
-        losses.append(F.cross_entropy(logits, target, reduction="none").double().cpu())
+        losses.append(batches.per_example_loss(logits, target, loss_fn).double().cpu())
         predicted.append(logits.argmax(dim=1).cpu())
     return torch.cat(losses).numpy(), torch.cat(predicted).numpy()
 
@@ -76,11 +84,13 @@ def attack_by_class(run: runs.OpenRun, step: int, members: dict[int, np.ndarray]
                     device: str) -> pd.DataFrame:
     """Per class: the loss-threshold attack's balanced accuracy and advantage (members: the
     class_members rows of the run's training set; non-members: the class's test points) and
-    the class's test accuracy. A DataFrame with one row per class."""
+    the class's test accuracy. A DataFrame with one row per class. The losses are the run's own (--loss)."""
     model, _ = training.load_model(run.config, run.run_dir, step, device)
-    train_losses, _ = losses_and_predictions(model, run.train_x, run.train_y, device)
+    loss_fn = training.loss_for_run(run.config)
+    train_losses, _ = losses_and_predictions(model, run.train_x, run.train_y, device, loss_fn)
     test_y = run.dataset.test_y.numpy()
-    test_losses, test_predicted = losses_and_predictions(model, run.dataset.test_x, run.dataset.test_y, device)
+    test_losses, test_predicted = losses_and_predictions(model, run.dataset.test_x, run.dataset.test_y, device,
+                                                         loss_fn)
     rows = []
     for label, member_rows in members.items():
         nonmember = test_y == label

@@ -34,7 +34,7 @@ def control_run(fault: str | None, training_flags: run_plan.TrainingFlags, model
     """The self-test's run with `fault` planted (None: the correct one), trained under `models_dir`;
     `training_flags`: SELF_TEST_FLAGS as the command line parsed them."""
     flags = run_plan.resolve_training_args(dataclasses.replace(training_flags, models_dir=models_dir))
-    dataset = load_dataset(flags.dataset, flags.data_root)
+    dataset = load_dataset(flags.dataset, flags.data_root, class_labels=flags.loss is None)
     planned = run_plan.plan_run(flags, dataset)
     config = dataclasses.replace(planned, run=f"self-test-{fault or 'correct'}", planted_fault=fault)
     run_dir = runs.run_folder(config.run, models_dir)

@@ -189,6 +189,16 @@ def model_flag(text: str) -> str:
                                      f"nor {SPEC_FORMS}")
 
 
+def loss_flag(text: str) -> str:
+    """argparse type of --loss: a spec (the default loss, cross-entropy, is the flag left out)."""
+    from perinstance.train.user_code import SPEC_FORMS, is_spec
+
+    if is_spec(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not {SPEC_FORMS} (leave --loss out for the default, "
+                                     "cross-entropy on class indices)")
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     """Every flag that defines a training run. Shared by train_dpsgd.py and compute_sensitivity.py."""
     from perinstance.train.clipping import CLIPPING_CHOICES
@@ -203,6 +213,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default="lenet5", type=model_flag, metavar="{lenet5,resnet20,mlp,linear,PATH.py:NAME}",
                        help="the network: lenet5, resnet20, mlp, linear, or your own, PATH.py:NAME or "
                             "package.module:NAME (a class or function returning an nn.Module)")
+    group.add_argument("--loss", default=None, type=loss_flag, metavar="PATH.py:NAME",
+                       help="the per-example loss that training and every measurement differentiate: cross-entropy "
+                            "on class indices when left out, or your own, PATH.py:NAME or package.module:NAME (a "
+                            "function of (outputs, targets) returning one loss per example: regression, label "
+                            "smoothing, a sequence loss summed over tokens)")
     group.add_argument("--norm-type", default="group", choices=("group", "batch", "none"),
                        help="normalisation layers of resnet20 (batch is refused with DP)")
     group.add_argument("--batch-size", type=int, default=256, help="expected batch size B_exp; q = B_exp/N")

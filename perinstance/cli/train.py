@@ -17,6 +17,7 @@ run in lockstep and measures its share of the tracked points.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -89,7 +90,7 @@ def run_list(seeds: Sequence[str] | None, less_points: Sequence[str] | None,
     if less_points is not None:
         if flags.less_point is not None:
             raise UsageError("--less-points", "give either --less-point or --less-points, not both")
-        universe = len(load_dataset(flags.dataset, flags.data_root).train_y)
+        universe = len(load_dataset(flags.dataset, flags.data_root, class_labels=flags.loss is None).train_y)
         left_out = parse_points(less_points, universe, flags.seed, flag="--less-points").tolist()
     planned = [dataclasses.replace(flags, seed=seed, less_point=less_point) for less_point in left_out for seed in seeds]
     if len(planned) > 1 and flags.save_name is not None:
@@ -117,6 +118,10 @@ def summary(outcome: training.Outcome) -> str:
         tracked = (f"; tracked {len(run.tracked_points)} points at every step in {outcome.tracking_seconds:.1f}s, "
                    f"{outcome.tracking_seconds / max(outcome.steps_seconds, 1e-9):.2f}× the "
                    f"{outcome.steps_seconds:.1f}s of the training steps")
-    return (f"{run.run}: {status}; {privacy}; test accuracy {outcome.final_test_accuracy:.4f}; "
-            f"{len(steps)} checkpoints in {outcome.run_dir}{tracked}")
+    if math.isnan(outcome.final_test_accuracy):  # the targets are not class labels (a --loss of one's own)
+        tested = "no test accuracy (the targets are not class labels)" + \
+            ("" if math.isnan(outcome.final_test_loss) else f"; test loss {outcome.final_test_loss:.4g}")
+    else:
+        tested = f"test accuracy {outcome.final_test_accuracy:.4f}"
+    return f"{run.run}: {status}; {privacy}; {tested}; {len(steps)} checkpoints in {outcome.run_dir}{tracked}"
 

@@ -171,6 +171,22 @@ def run_columns(run: "perinstance.train.runs.RunConfig", rule: str) -> dict:
     }
 
 
+def class_labels(targets: np.ndarray) -> np.ndarray:
+    """The `label` column of points whose targets are `targets` (one per point, in order): the class index where
+    targets are one integer per point, else NaN (regression values, token sequences: no class to name)."""
+    targets = np.asarray(targets)
+    if targets.ndim == 1 and np.issubdtype(targets.dtype, np.integer):
+        return targets
+    return np.full(len(targets), np.nan)
+
+
+def correct_column(correct: np.ndarray) -> np.ndarray:
+    """The `correct` column from 1/0 values, NaN where correctness is not defined (targets that are not class
+    labels): integers where every value is defined, as the files have always held them, else floats."""
+    correct = np.asarray(correct, dtype=np.float64)
+    return correct if np.isnan(correct).any() else correct.astype(int)
+
+
 def result_rows(run: "perinstance.train.runs.RunConfig", rule: str, step: int, columns: dict) -> pd.DataFrame:
     """Long-format rows of one checkpoint: `columns` (per-row arrays, or one value for every row),
     the run's columns, the stage, and NaN in every column that does not apply (a float column

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.predictions import Predictions, predictions_of
-from perinstance.persample import fallback_norms, gradients, layer_pass
+from perinstance.persample import batches, fallback_norms, gradients, layer_pass
 from perinstance.train.clipping import Transform
 from perinstance.train.memory import memory_budget
 
@@ -91,14 +91,16 @@ def example_chunks(inputs: torch.Tensor, labels: torch.Tensor, device: str,
 
 
 def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
-                      device: str = "cpu", progress: tqdm | None = None) -> tuple[np.ndarray, Predictions]:
-    """Δ* = ||h(g_i)|| of each example (float64 array, accounting.md §2 sum rule) and its Predictions.
+                      device: str = "cpu", progress: tqdm | None = None,
+                      loss_fn: batches.LossFn | None = None) -> tuple[np.ndarray, Predictions]:
+    """Δ* = ||h(g_i)|| of each example (float64 array, accounting.md §2 sum rule) and its Predictions; g_i is the
+    gradient of the example's loss (batches.per_example_loss: the cross-entropy unless `loss_fn`).
 
     Per-sample gradients are never kept (gradients.per_sample_norms).
     """
     norms, predictions = [], []
     for _, x, y in example_chunks(inputs, labels, device, gradients.examples_per_pass(model, inputs, device)):
-        grad_norms, losses, logits = gradients.per_sample_norms(model, x, y)
+        grad_norms, losses, logits = gradients.per_sample_norms(model, x, y, loss_fn)
         norms.append(transform.norms(grad_norms).double().cpu())
         predictions.append(predictions_of(losses, logits, y))
         advance(progress, len(y))
@@ -106,9 +108,11 @@ def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torc
 
 
 def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                                transform: Transform, device: str = "cpu",
-                                progress: tqdm | None = None) -> Iterator[tuple[int, torch.Tensor, Predictions]]:
-    """Yield (start, rows, Predictions) per chunk of examples: rows are h_i = w(||g_i||)·g_i, flattened."""
+                                transform: Transform, device: str = "cpu", progress: tqdm | None = None,
+                                loss_fn: batches.LossFn | None = None
+                                ) -> Iterator[tuple[int, torch.Tensor, Predictions]]:
+    """Yield (start, rows, Predictions) per chunk of examples: rows are h_i = w(||g_i||)·g_i, flattened, g_i the
+    gradient of the example's loss (the cross-entropy unless `loss_fn`)."""
     if fallback_norms.needs_fallback(model):  # layers Opacus's hooks may lack: every per-sample gradient by torch.func
         module, per_sample = None, fallback_norms.per_sample_gradients
     else:
@@ -117,7 +121,7 @@ def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, la
     try:
         with training_mode(model):
             for start, x, y in example_chunks(inputs, labels, device):
-                grad_samples, losses, logits = per_sample(module or model, x, y)
+                grad_samples, losses, logits = per_sample(module or model, x, y, loss_fn)
                 weights = transform.weights(gradients.grad_norms(grad_samples))
                 yield start, gradients.flatten(grad_samples).mul_(weights[:, None]), predictions_of(losses, logits, y)
                 advance(progress, len(y))
@@ -222,13 +226,14 @@ class HeldRows(_Rows):
 
     @classmethod
     def compute(cls, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
-                device: str = "cpu", progress: tqdm | None = None) -> "HeldRows":
+                device: str = "cpu", progress: tqdm | None = None,
+                loss_fn: batches.LossFn | None = None) -> "HeldRows":
         dtype = next(model.parameters()).dtype
         spans = column_spans(parameter_count(model))
         panels = [torch.empty((len(labels), high - low), dtype=dtype, device=device) for low, high in spans]
         predictions = []
         for start, rows, chunk_predictions in transformed_gradient_chunks(model, inputs, labels, transform, device,
-                                                                          progress):
+                                                                          progress, loss_fn):
             for panel, (low, high) in zip(panels, spans):
                 panel[start:start + len(rows)] = rows[:, low:high]
             predictions.append(chunk_predictions)
@@ -287,8 +292,10 @@ class RecomputedRows(_Rows):
     """
 
     def __init__(self, model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, transform: Transform,
-                 device: str = "cpu", held: int = 0, progress: tqdm | None = None, keep: Sequence[int] = ()) -> None:
+                 device: str = "cpu", held: int = 0, progress: tqdm | None = None, keep: Sequence[int] = (),
+                 loss_fn: batches.LossFn | None = None) -> None:
         self.pass_args = (model, inputs, labels, transform, device)
+        self.loss_fn = loss_fn
         self.num_rows = len(labels)
         # Whole chunks: the recomputed chunks start where HeldRows.compute's would.
         self.held = min(held // ROW_CHUNK * ROW_CHUNK, self.num_rows)
@@ -296,14 +303,14 @@ class RecomputedRows(_Rows):
         # One pass: the held rows, every row's predictions, the column sums (chunk by chunk in
         # row order, as _Rows.column_sums) and the recomputed rows listed in `keep` (for take).
         self.rows = HeldRows.compute(model, inputs[:self.held], labels[:self.held], transform, device,
-                                     progress) if self.held else None
+                                     progress, loss_fn) if self.held else None
         self._sums = self.rows.column_sums() if self.held else None
         keep = np.unique(np.asarray(keep, dtype=np.int64))
         self._kept_index = keep[keep >= self.held]
         self._kept = torch.empty((len(self._kept_index), self.dim), dtype=self.dtype, device=device)
         # Filled in place: small arrays kept from every chunk would sit between the chunks' large blocks on the
         # heap and keep it from reusing them.
-        self.predictions = Predictions(np.empty(self.num_rows), np.empty(self.num_rows, dtype=bool))
+        self.predictions = Predictions(np.empty(self.num_rows), np.empty(self.num_rows))
         if self.held:
             self.predictions.losses[:self.held] = self.rows.predictions.losses
             self.predictions.correct[:self.held] = self.rows.predictions.correct
@@ -332,7 +339,7 @@ class RecomputedRows(_Rows):
         if count <= self.held:
             return self.rows.leading(count)
         model, inputs, labels, transform, device = self.pass_args
-        return HeldRows.compute(model, inputs[:count], labels[:count], transform, device)
+        return HeldRows.compute(model, inputs[:count], labels[:count], transform, device, loss_fn=self.loss_fn)
 
     def _recomputed(self, progress=None, start=None, stop=None):
         """(start, rows, predictions) of the chunks after the held rows (or of rows start..stop)."""
@@ -340,7 +347,7 @@ class RecomputedRows(_Rows):
         start = self.held if start is None else start
         stop = self.num_rows if stop is None else stop
         for offset, rows, predictions in transformed_gradient_chunks(model, inputs[start:stop], labels[start:stop],
-                                                                     transform, device, progress):
+                                                                     transform, device, progress, self.loss_fn):
             yield start + offset, rows, predictions
 
     def chunks(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
@@ -424,7 +431,8 @@ def held_rows(model: torch.nn.Module, num_rows: int, device: str) -> int:
 def checkpoint_gradients(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
                          point_y: torch.Tensor, point_train_rows: Sequence[int] | np.ndarray, transform: Transform,
                          device: str = "cpu", hold: bool | None = None, progress: tqdm | None = None,
-                         point_rows: bool = True) -> tuple[HeldRows | RecomputedRows, PointGradients]:
+                         point_rows: bool = True, loss_fn: batches.LossFn | None = None
+                         ) -> tuple[HeldRows | RecomputedRows, PointGradients]:
     """The training rows and the points, for the mean rule and the audit.
 
     The first rows, as many as `held_rows` allows, are held, the others recomputed on each pass
@@ -432,22 +440,23 @@ def checkpoint_gradients(model: torch.nn.Module, train_x: torch.Tensor, train_y:
     predictions from its training chunk, so that neither depends on what is held.
     `point_train_rows[p]` is point p's training row, or -1 when it is not a training point (the
     --less-point point). point_rows=False keeps only the h* of the points outside the rows (the
-    dataset statistics need no other).
+    dataset statistics need no other). loss_fn: the per-example loss (None: the cross-entropy).
     """
     point_train_rows = np.asarray(point_train_rows)
     in_training = point_train_rows >= 0
     held = held_rows(model, len(train_y), device) if hold is None else len(train_y) if hold else 0
     if held >= len(train_y):
-        rows = HeldRows.compute(model, train_x, train_y, transform, device, progress)
+        rows = HeldRows.compute(model, train_x, train_y, transform, device, progress, loss_fn)
     else:
         keep = point_train_rows[in_training] if point_rows else ()
-        rows = RecomputedRows(model, train_x, train_y, transform, device, held, progress, keep)
+        rows = RecomputedRows(model, train_x, train_y, transform, device, held, progress, keep, loss_fn)
     inside, outside = np.flatnonzero(in_training), np.flatnonzero(~in_training)
     parts = [(inside, rows.take(point_train_rows[inside]) if point_rows else None,
               rows.predictions.take(point_train_rows[inside]))]
     outside_rows = None
     if len(outside):
-        outside_rows, outside_predictions = _rows_of(model, point_x[outside], point_y[outside], transform, device)
+        outside_rows, outside_predictions = _rows_of(model, point_x[outside], point_y[outside], transform, device,
+                                                     loss_fn)
         parts.append((outside, outside_rows, outside_predictions))
     order = np.argsort(np.concatenate([positions for positions, _, _ in parts]))
     predictions = Predictions.concat([part for _, _, part in parts]).take(order)
@@ -457,6 +466,6 @@ def checkpoint_gradients(model: torch.nn.Module, train_x: torch.Tensor, train_y:
     return rows, PointGradients(point_rows, point_train_rows, predictions)
 
 
-def _rows_of(model, inputs, labels, transform, device):
-    parts = list(transformed_gradient_chunks(model, inputs, labels, transform, device))
+def _rows_of(model, inputs, labels, transform, device, loss_fn):
+    parts = list(transformed_gradient_chunks(model, inputs, labels, transform, device, loss_fn=loss_fn))
     return torch.cat([rows for _, rows, _ in parts]), Predictions.concat([part for _, _, part in parts])

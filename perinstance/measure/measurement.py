@@ -88,6 +88,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
+    loss_fn = training.loss_for_run(config)
     transform = Transform.of_run(config)
     point_x, point_y, point_rows = run.dataset.train_x[points], run.dataset.train_y[points], run.train_rows(points)
     statistics_only = request.family == COUPLING and request.num_batches == 0
@@ -108,22 +109,29 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
         workload = poisson_batches.renyi_workload(len(points), pool, request.alpha, request.num_iters,
                                                   request.num_batches)
     # The Monte Carlo's per-sample work: the checkpoint's Gram where it fits, else its gradient rows.
-    gram = workload is not None and not statistics_only and gram_route(model, _gram_size(run, point_rows), device)
+    # (The Gram's factors differentiate the cross-entropy; a loss of the run's own takes the rows.)
+    gram = (workload is not None and not statistics_only and loss_fn is None
+            and gram_route(model, _gram_size(run, point_rows), device))
     with progress_bar(len(points) if request.rule == "sum" else
                       _gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         if request.rule == "sum":
-            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar)
-        elif statistics_only:
+            norms, predictions = transformed_norms(model, point_x, point_y, transform, device, bar, loss_fn)
+        elif statistics_only and loss_fn is None:
             statistics, predictions = coupling.checkpoint_statistics(model, run.train_x, run.train_y, point_x,
                                                                      point_y, point_rows, transform, device, bar)
         elif gram:
             rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
                                                     transform, workload, device, bar)
         else:
+            # A loss of the run's own: its statistics from the rows, as the Δ_B draws take them (the two passes of
+            # checkpoint_statistics differentiate the cross-entropy in closed form along μ).
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
-                                                         point_rows, transform, device, hold=hold, progress=bar)
-    if request.rule != "sum" and not statistics_only:
+                                                         point_rows, transform, device, hold=hold, progress=bar,
+                                                         point_rows=not statistics_only, loss_fn=loss_fn)
+            if statistics_only:
+                statistics, _, _ = coupling.measure_statistics(rows, point_gradients)
+    if request.rule != "sum" and not (statistics_only and loss_fn is None):
         predictions = point_gradients.predictions
     if request.rule == "sum":
         columns = norm_columns(norms)
@@ -196,12 +204,13 @@ def jensen_columns(request: Measurement,
 def measurement_rows(rule: str, family: str, mc_seed: int | None, config: RunConfig, step: int, accuracy: float,
                      points: np.ndarray, labels: np.ndarray, predictions: Predictions, columns: dict) -> pd.DataFrame:
     """Long-format rows from `columns` (per-row arrays or one value for all; `position` is the
-    point's index in `points`) with the point's label, loss and correctness (results.result_rows)."""
+    point's index in `points`) with the point's label, loss and correctness (results.result_rows; label and
+    correctness NaN where the targets are not class labels)."""
     position = columns.pop("position")
     return results.result_rows(config, rule, step, {
         "point": points[position],
-        "label": labels[position],
-        "correct": predictions.correct.astype(int)[position],
+        "label": results.class_labels(labels)[position],
+        "correct": results.correct_column(predictions.correct)[position],
         "loss": predictions.losses[position],
         "exp": family,
         "accuracy": accuracy,
@@ -224,11 +233,13 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
+    loss_fn = training.loss_for_run(config)
     point_rows = run.train_rows(points)
     plans = [coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
                                     num_batches, mc_blocks, max_sizes)
              for analysed, size_delta in zip(configs, size_deltas)]
-    gram = gram_route(model, _gram_size(run, point_rows), device)
+    # The Gram's factors differentiate the cross-entropy; a loss of the run's own takes the rows.
+    gram = loss_fn is None and gram_route(model, _gram_size(run, point_rows), device)
     with progress_bar(_gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         arguments = (model, run.train_x, run.train_y, run.dataset.train_x[points], run.dataset.train_y[points],
@@ -237,7 +248,8 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
             rows, point_gradients = checkpoint_gram(*arguments, coupling.coupling_workload(len(points), plans), device,
                                                     bar)
         else:
-            rows, point_gradients = checkpoint_gradients(*arguments, device, hold=False, progress=bar)
+            rows, point_gradients = checkpoint_gradients(*arguments, device, hold=False, progress=bar,
+                                                         loss_fn=loss_fn)
     # The statistics come from the Gram, or from the rows' centred norms, which the first rate's pass over the rows
     # measures too.
     statistics = coupling.gram_statistics(rows, point_gradients) if gram else None

@@ -1,6 +1,7 @@
 """Per example, its loss at a checkpoint and whether it is classified correctly: what the measurement
 writes beside each point's sensitivities (perinstance/measure/gradient_rows.py computes them with the
-per-sample gradients).
+per-sample gradients). Correctness is defined where the targets are class labels
+(batches.correct_predictions); elsewhere it is NaN.
 """
 
 from collections.abc import Sequence
@@ -9,10 +10,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from perinstance.persample import batches
+
 
 @dataclass
 class Predictions:
-    """Per example: the cross-entropy loss at the checkpoint and whether it is classified correctly."""
+    """Per example: the loss at the checkpoint (the run's: cross-entropy unless a --loss of its own) and whether it
+    is classified correctly (1.0 or 0.0; NaN where the targets are not class labels)."""
 
     losses: np.ndarray
     correct: np.ndarray
@@ -25,7 +29,8 @@ class Predictions:
         return Predictions(self.losses[indices], self.correct[indices])
 
 
-
-def predictions_of(losses: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> Predictions:
-    """Predictions of a chunk from its per-example losses and logits."""
-    return Predictions(losses.double().cpu().numpy(), (logits.argmax(dim=1) == labels).cpu().numpy())
+def predictions_of(losses: torch.Tensor, outputs: object, targets: torch.Tensor) -> Predictions:
+    """Predictions of a chunk from its per-example losses and the model's outputs."""
+    correct = batches.correct_predictions(outputs, targets)
+    return Predictions(losses.double().cpu().numpy(), np.full(len(losses), np.nan) if correct is None else
+                       correct.double().cpu().numpy())

@@ -292,13 +292,13 @@ def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
             batches.map_tensors(torch.Tensor.detach, split.logits))
 
 
-def per_sample_gradients(model: nn.Module, inputs: torch.Tensor,
-                         labels: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def per_sample_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         loss_fn: batches.LossFn | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """As gradients.per_sample_gradients, for a model Opacus's hooks may not cover: every trainable parameter's
     per-sample gradients by torch.func, per-example losses, logits."""
     names = [name for name, param in model.named_parameters() if param.requires_grad]
     with _eval_mode(model):
         with torch.no_grad():
             logits = batches.apply_model(model, inputs)
-        grads = per_example_gradients(model, names, inputs, labels)
-    return grads, batches.per_example_loss(logits, labels), logits
+        grads = per_example_gradients(model, names, inputs, labels, loss_fn)
+    return grads, batches.per_example_loss(logits, labels, loss_fn), logits

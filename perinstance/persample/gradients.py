@@ -34,9 +34,9 @@ def wrap_per_sample(model: nn.Module) -> GradSampleModule:
     return GradSampleModule(model, batch_first=True, loss_reduction="sum")
 
 
-def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor,
-                         labels: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Per-sample gradients of the cross-entropy of each example.
+def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                         loss_fn: batches.LossFn | None = None) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Per-sample gradients of each example's loss (batches.per_example_loss: the cross-entropy unless `loss_fn`).
 
     Returns (list of grad_sample tensors, one per trainable parameter, shaped (n, *param.shape);
     per-example losses; logits). Parameters' `.grad` is left unset.
@@ -47,7 +47,7 @@ def per_sample_gradients(grad_sample_module: nn.Module, inputs: torch.Tensor,
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=FULL_BACKWARD_HOOK)
         logits = grad_sample_module(inputs)
-        losses = F.cross_entropy(logits, labels, reduction="none")
+        losses = batches.per_example_loss(logits, labels, loss_fn)
         losses.sum().backward()
     grad_samples = [param.grad_sample for param in params]
     for param in params:

@@ -63,37 +63,39 @@ CACHE_MIN_IMAGES = 5000
 @dataclasses.dataclass
 class Dataset:
     name: str  # canonical name, e.g. "mnist-embedded", "MNIST", "imagefolder:/abs/path"
-    train_x: torch.Tensor  # float32, N×C×H×W, normalised
-    train_y: torch.Tensor  # int64
+    train_x: torch.Tensor  # float32, N×C×H×W, normalised (a dataset spec's: any shape)
+    train_y: torch.Tensor  # int64 class indices (a dataset spec's: any targets, N × target shape)
     test_x: torch.Tensor
     test_y: torch.Tensor
-    num_classes: int
+    num_classes: int  # classes; a spec's floating targets: the values of one target (user_code.target_classes)
     class_names: list[str]
     fingerprint: str  # sha256 of the full preprocessed dataset (before less_point removal)
 
 
-def load_dataset(name: str, data_root: str = "./data", less_point: int | None = None) -> Dataset:
+def load_dataset(name: str, data_root: str = "./data", less_point: int | None = None,
+                 class_labels: bool = True) -> Dataset:
     """Load dataset `name` (see DATASET_CHOICES; case-insensitive), without training point `less_point`.
 
     `data_root` is where the torchvision datasets live. The fingerprint is always that of
-    the full dataset, so the runs with and without the point share it.
+    the full dataset, so the runs with and without the point share it. class_labels=False (a run with a --loss of
+    its own) takes a dataset spec's targets as it gives them, where the default loss needs class indices.
     """
-    dataset = _load_full_dataset(name, data_root)
+    dataset = _load_full_dataset(name, data_root, class_labels)
     if less_point is not None:
         dataset = without_point(dataset, less_point)
     return dataset
 
 
-def _load_full_dataset(name, data_root):
+def _load_full_dataset(name, data_root, class_labels):
     key = name.lower()
     if key.startswith(FIRST_PREFIX):
-        return _load_first(name[len(FIRST_PREFIX):], data_root)
+        return _load_first(name[len(FIRST_PREFIX):], data_root, class_labels)
     if key.startswith(SCATTERNET_PREFIX):
-        return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root)
+        return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root, class_labels)
     if key.startswith("imagefolder:"):
         return _load_imagefolder(name[len("imagefolder:"):])
     if user_code.is_spec(name):  # PATH.py:NAME or package.module:NAME, the user's own data
-        return _load_user_dataset(name, data_root)
+        return _load_user_dataset(name, data_root, class_labels)
     loaders = {
         "mnist-embedded": _load_embedded_mnist,
         "mnist": lambda: _load_torchvision("MNIST", data_root),
@@ -115,13 +117,19 @@ def without_point(dataset: Dataset, index: int) -> Dataset:
     return dataclasses.replace(dataset, train_x=dataset.train_x[keep], train_y=dataset.train_y[keep])
 
 
-def _load_user_dataset(spec, data_root):
-    """The Dataset of a dataset spec (user_code.py): named by the spec, its classes 0..max label, fingerprinted as
-    every dataset is."""
-    train, test, _ = user_code.load_examples(spec, data_root)
-    num_classes = int(max(train.labels.max(), test.labels.max())) + 1
-    return _make_dataset(spec, train.inputs, train.labels, test.inputs, test.labels,
+def _load_user_dataset(spec, data_root, class_labels):
+    """The Dataset of a dataset spec (user_code.py): named by the spec, its targets class indices or as the function
+    gives them (`class_labels`, user_code.load_examples), fingerprinted as every dataset is."""
+    train, test, _ = user_code.load_examples(spec, data_root, class_labels)
+    num_classes = user_code.target_classes(train.targets, test.targets)
+    return _make_dataset(spec, train.inputs, train.targets, test.inputs, test.targets,
                          [str(label) for label in range(num_classes)])
+
+
+def are_class_labels(targets: torch.Tensor) -> bool:
+    """Whether `targets` are class indices: one integer >= 0 per point."""
+    return targets.dim() == 1 and not targets.is_floating_point() and targets.dtype != torch.bool \
+        and not bool((targets < 0).any())
 
 
 def _make_dataset(name, train_x, train_y, test_x, test_y, class_names):
@@ -354,7 +362,7 @@ def _channel_stats(images):
 _scatternet_memo = {}
 
 
-def _load_scatternet(base_name, data_root):
+def _load_scatternet(base_name, data_root, class_labels):
     """The fixed ScatterNet features (nets.ScatterNet) of every image of dataset `base_name`.
 
     The transform is the same for every dataset and uses no data, so a model trained on the
@@ -365,7 +373,7 @@ def _load_scatternet(base_name, data_root):
 
     if not base_name or base_name.lower().startswith(SCATTERNET_PREFIX):
         raise UsageError("--dataset", "scatternet: needs one dataset of images, e.g. scatternet:imagefolder:PATH")
-    base = _load_full_dataset(base_name, data_root)
+    base = _load_full_dataset(base_name, data_root, class_labels)
     # The features are a fixed function of the images, so the images' fingerprint names them: hashing
     # the float features instead would tie a run to the last bits of one process's convolutions.
     fingerprint = hashlib.sha256(f"{SCATTERNET_VERSION}:{base.fingerprint}".encode()).hexdigest()
@@ -410,7 +418,7 @@ def _read_feature_cache(path, name, base, fingerprint):
 
 # --- first:N:DATASET ----------------------------------------------------------------------
 
-def _load_first(spec, data_root):
+def _load_first(spec, data_root, class_labels):
     """The first N training points of DATASET, its test set whole: a training set small enough
     that the realised-size mean rule's rare small batches are frequent (docs/audit.md).
 
@@ -425,7 +433,7 @@ def _load_first(spec, data_root):
     if count < 1 or not base_name:
         raise UsageError("--dataset", f"first:N:DATASET needs an integer N >= 1 and a dataset, e.g. "
                                       f"first:64:mnist-embedded (got first:{spec})")
-    base = _load_full_dataset(base_name, data_root)
+    base = _load_full_dataset(base_name, data_root, class_labels)
     if count > len(base.train_y):
         raise UsageError("--dataset", f"first:{count}: {base.name} has only {len(base.train_y)} training points")
     fingerprint = hashlib.sha256(f"{FIRST_PREFIX}{count}:{base.fingerprint}".encode()).hexdigest()

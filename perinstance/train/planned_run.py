@@ -24,7 +24,7 @@ def plan(training_args: run_plan.TrainingFlags) -> PlannedRun:
     written."""
     training_args = run_plan.resolve_training_args(training_args)
     name, root, less_point = training_args.dataset, training_args.data_root, training_args.less_point
-    dataset = load_dataset(name, root)
+    dataset = load_dataset(name, root, class_labels=training_args.loss is None)
     run_data = dataset if less_point is None else without_point(dataset, less_point)
     planned = run_plan.plan_run(training_args, run_data)
     run_dir = run_plan.run_dir_for(training_args)

@@ -37,7 +37,7 @@ DEFAULT_CHECKPOINTS = 10
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 # Flags added after runs were first named: left out of a run's identity while not given, so that the default
 # names of runs trained before them stay the same.
-LATER_FLAGS = {"save_steps", "canaries", "canary_norms", "input_canaries"}
+LATER_FLAGS = {"save_steps", "canaries", "canary_norms", "input_canaries", "loss"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -59,6 +59,7 @@ class TrainingFlags:
     dataset: str
     data_root: str
     model: str
+    loss: str | None
     norm_type: str
     batch_size: int
     lr: float
@@ -129,6 +130,10 @@ def resolve_training_args(args: TrainingFlags) -> TrainingFlags:
         raise UsageError("--seed", f"must be >= 0, got {args.seed}")
     _check_schedule(args)
     check_canary_flags(args.canaries, parse_canary_norms(args.canary_norms), args.dp == 1, args.input_canaries)
+    if args.loss is not None and args.input_canaries:
+        raise UsageError("--input-canaries", "crafted input canaries carry random class labels, which only the default "
+                                             "loss (cross-entropy) takes; with --loss, audit with gradient canaries "
+                                             "(--canaries)")
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -191,8 +196,9 @@ def identity_args(args: TrainingFlags) -> dict:
 def default_save_name(args: TrainingFlags) -> str:
     """Readable main flags plus a hash of all of them, so runs that differ in any flag never share a folder."""
     privacy = "nodp" if args.dp == 0 else (f"eps{args.eps:g}" if args.sigma is None else f"sigma{args.sigma:g}")
-    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model), args.reduction, args.clipping,
-             privacy, f"bs{args.batch_size}", f"seed{args.seed}"]
+    parts = [user_code.short_name(args.dataset), user_code.short_name(args.model),
+             *([] if args.loss is None else [user_code.short_name(args.loss)]), args.reduction, args.clipping, privacy,
+             f"bs{args.batch_size}", f"seed{args.seed}"]
     if args.less_point is not None:
         parts.append(f"less{args.less_point}")
     if args.canaries is not None:
@@ -236,6 +242,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         num_classes=dataset.num_classes,
         input_shape=tuple(dataset.train_x.shape[1:]),
         model=args.model,
+        loss=args.loss,
         norm_type=args.norm_type,
         dp=args.dp,
         clipping=args.clipping,
@@ -263,7 +270,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         canaries=args.canaries or 0,
         canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
         input_canaries=args.input_canaries or 0,
-        user_code=user_code.sources(args.model, args.dataset),
+        user_code=user_code.sources(args.model, args.dataset, args.loss),
     )
 
 

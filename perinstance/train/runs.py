@@ -76,9 +76,12 @@ class RunConfig:
     input_canaries: int = 0  # crafted examples audited in the same way (perinstance/train/input_canaries.py)
     # A fault planted by audit.py --self-test (PLANTED_FAULTS); None in every real run.
     planted_fault: str | None = None
-    # The files behind --model / --dataset specs, {"model"|"dataset": {spec, path, sha256}} (user_code.sources);
-    # None for built-in ones, and in run.json files written before specs existed.
+    # The files behind --model / --dataset / --loss specs, {"model"|"dataset"|"loss": {spec, path, sha256}}
+    # (user_code.sources); None for built-in ones, and in run.json files written before specs existed.
     user_code: dict | None = None
+    # The --loss spec of the per-example loss; None: cross-entropy on class indices (and in run.json files written
+    # before --loss existed).
+    loss: str | None = None
 
     @property
     def private(self) -> bool:
@@ -88,6 +91,8 @@ class RunConfig:
         fields = dataclasses.asdict(self)
         for name in ("input_shape", "checkpoint_steps", "tracked_points", "dec_lr", "canary_norms"):
             fields[name] = None if fields[name] is None else list(fields[name])
+        if fields["loss"] is None:  # the default loss: run.json as it was before --loss existed
+            del fields["loss"]
         return {"format": RUN_FORMAT, **fields}
 
     @classmethod
@@ -207,15 +212,16 @@ RUN_KEYS = {
                and all(_number(epoch) and epoch >= 0 for epoch in value)),
     "versions": ("an object", lambda value: isinstance(value, dict)),
     "user_code": ("an object or null", _optional(lambda value: isinstance(value, dict))),
+    "loss": ("a text or null", _optional(lambda value: isinstance(value, str))),
     "canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
     "input_canaries": ("an integer >= 0", lambda value: _integer(value) and value >= 0),
     "planted_fault": (f"null or one of {', '.join(PLANTED_FAULTS)}", lambda value: value is None or value in PLANTED_FAULTS),
     "canary_norms": ("a list of numbers in (0, 1] or null",
                      _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
 }
-# Runs written before canaries, or before --model / --dataset specs, existed have none.
+# Runs written before canaries, before --model / --dataset specs, or before --loss, existed have none.
 LATER_KEY_DEFAULTS = {"canaries": 0, "canary_norms": None, "user_code": None, "input_canaries": 0,
-                      "planted_fault": None}
+                      "planted_fault": None, "loss": None}
 
 
 def _json_type(value):
@@ -306,7 +312,7 @@ def open_run(name: str, models_dir: str, data_root: str, flag: str = "--run") ->
         raise UsageError(flag, f"no run {name!r}: neither a folder with {RUN_FILE} nor {run_dir} (train it with "
                                "train_dpsgd.py --save-name NAME)")
     config = load_run(run_dir)
-    dataset = load_dataset(config.dataset, data_root)
+    dataset = load_dataset(config.dataset, data_root, class_labels=config.loss is None)
     if dataset.fingerprint != config.dataset_fingerprint:
         raise UsageError("--data-root", f"the dataset {config.dataset} under {data_root} is not the one "
                                         f"{run_dir} was trained on (fingerprints differ)")

@@ -22,7 +22,7 @@ from torch import nn
 
 from perinstance.errors import UsageError
 from perinstance.files import results, tracked_rows
-from perinstance.persample import gradients
+from perinstance.persample import batches, gradients
 from perinstance.train import distributed, runs
 from perinstance.train.clipping import Transform
 
@@ -47,8 +47,9 @@ class Tracker:
     process measures them all)."""
 
     def __init__(self, run: runs.RunConfig, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
-                 device: torch.device, world: distributed.World | None = None) -> None:
-        self.run, self.model, self.world = run, model, world
+                 device: torch.device, world: distributed.World | None = None,
+                 loss_fn: batches.LossFn | None = None) -> None:
+        self.run, self.model, self.world, self.loss_fn = run, model, world, loss_fn
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
         mine = self.points if world is None else np.asarray(world.share(self.points), dtype=np.int64)
         self.indices = torch.as_tensor(mine, device=device)
@@ -76,17 +77,19 @@ class Tracker:
         self.seconds += time.perf_counter() - started
 
     def values(self) -> np.ndarray:
-        """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness."""
+        """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness (nan where the
+        targets are not class labels, batches.correct_predictions)."""
         if not len(self.indices):  # more ranks than points
             return np.zeros((len(VALUES), 0), dtype=np.float32)
         norms, losses, correct = [], [], []
         for start in range(0, len(self.indices), self.chunk):
             chunk = self.indices[start:start + self.chunk]
             inputs, labels = self.train_x.index_select(0, chunk), self.train_y.index_select(0, chunk)
-            grad_norms, chunk_losses, logits = gradients.per_sample_norms(self.model, inputs, labels)
+            grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels, self.loss_fn)
             norms.append(grad_norms if self.transform is None else self.transform.norms(grad_norms))
             losses.append(chunk_losses)
-            correct.append(logits.argmax(dim=1) == labels)
+            hits = batches.correct_predictions(outputs, labels)
+            correct.append(torch.full_like(chunk_losses, torch.nan) if hits is None else hits)
         return torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float()]).cpu().numpy()
 
     def flush(self, run_dir: str) -> None:
@@ -135,10 +138,10 @@ def table(run: runs.RunConfig, points: np.ndarray, values: np.ndarray, labels: n
     steps = len(values)
     frame = results.result_rows(run, "sum", np.repeat(np.arange(steps), len(points)), {
         "point": np.tile(points, steps),
-        "label": labels[np.tile(points, steps)],
+        "label": results.class_labels(labels)[np.tile(points, steps)],
         "value": values[:, 0, :].astype(np.float64).ravel(),
         "loss": values[:, 1, :].astype(np.float64).ravel(),
-        "correct": values[:, 2, :].ravel().astype(int),
+        "correct": results.correct_column(values[:, 2, :].ravel()),
         "exp": "tracked",
         "direction": "none",
         "target_batch": 0,

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, tracked_rows
-from perinstance.persample import gradients, layer_pass
+from perinstance.persample import batches, gradients, layer_pass
 from perinstance.train import canaries, clipping, distributed, run_plan, runs, sampling, tracking, user_code
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.input_canaries import InputCanaries
@@ -40,10 +39,11 @@ class Outcome:
     run: runs.RunConfig
     run_dir: str
     resumed_from: int  # the checkpoint it started from (T: the run was already trained)
-    final_test_accuracy: float
+    final_test_accuracy: float  # nan where the targets are not class labels (batches.correct_predictions)
     train_seconds: float
     steps_seconds: float = 0.0  # in the training steps themselves (batches, gradients, noise, update)
     tracking_seconds: float = 0.0  # measuring the tracked points (tracking.py)
+    final_test_loss: float = math.nan  # the mean test loss, where this call evaluated the final parameters
 
     @property
     def trained(self) -> bool:
@@ -60,6 +60,14 @@ def model_for_run(run: runs.RunConfig) -> nn.Module:
                                     f"{tuple(run.input_shape)}; give a network of your own (--model PATH.py:NAME)")
     channels, height, _ = run.input_shape
     return build_model(run.model, channels, height, run.num_classes, run.norm_type, dp=run.private)
+
+
+def loss_for_run(run: runs.RunConfig) -> batches.LossFn | None:
+    """The per-example loss a run is trained and measured with: None for the default (cross-entropy on class
+    indices), else its --loss spec's function, from the file the run was trained with."""
+    if run.loss is None:
+        return None
+    return user_code.load_loss(run.loss, (run.user_code or {}).get("loss"))
 
 
 def load_model(run: runs.RunConfig, run_dir: str, step: int, device: str = "cpu") -> tuple[nn.Module, dict]:
@@ -94,16 +102,18 @@ def epsilon_curve(run: runs.RunConfig) -> Callable[[int], float] | None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, device: str | torch.device,
-             chunk: int = 1024) -> tuple[float, float]:
-    """Accuracy and mean loss of `model` on a tensor dataset."""
+             chunk: int = 1024, loss_fn: batches.LossFn | None = None) -> tuple[float, float]:
+    """Accuracy and mean loss of `model` on a tensor dataset (the loss of batches.per_example_loss: the
+    cross-entropy unless `loss_fn`); the accuracy is nan where the targets are not class labels."""
     model.eval()
-    correct, loss_sum = 0, 0.0
+    correct, loss_sum = 0.0, 0.0
     for start in range(0, len(labels), chunk):
         x = inputs[start:start + chunk].to(device)
         y = labels[start:start + chunk].to(device)
-        logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(dim=1) == y).sum().item()
+        outputs = model(x)
+        loss_sum += batches.per_example_loss(outputs, y, loss_fn).sum().item()
+        hits = batches.correct_predictions(outputs, y)
+        correct += math.nan if hits is None else hits.sum().item()
     return correct / len(labels), loss_sum / len(labels)
 
 
@@ -137,6 +147,9 @@ class Trainer:
         # Set here rather than left to the first evaluation: a resumed run, which does not evaluate before its first
         # step, then steps in the same mode as an uninterrupted one.
         self.model.eval()
+        self.loss_fn = loss_for_run(run)
+        if self.loss_fn is not None:  # a loss that cannot take the model's outputs is refused before any write
+            user_code.check_loss(self.loss_fn, run.loss, self.model, self.train_x, self.train_y)
         self.params = layer_pass.trainable_parameters(self.model)
         self.optimizer = make_optimizer(run, self.params)
         # A planted fault (runs.PLANTED_FAULTS, audit.py --self-test only) is applied where the real step does the
@@ -153,7 +166,7 @@ class Trainer:
         # depend on nothing but the batch drawn.
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
         self.tracker = None if run.tracked_points is None else \
-            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, world)
+            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, world, self.loss_fn)
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
@@ -179,7 +192,7 @@ class Trainer:
         summed, losses = None, []
         for span in gradients.batch_passes(len(indices), self.chunk):
             chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(self.model, *self._examples(indices[span]),
-                                                                            self._weights)
+                                                                            self._weights, self.loss_fn)
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
             # every chunk to zeros.
             summed = chunk_sums if summed is None else [total.add_(part) for total, part in zip(summed, chunk_sums)]
@@ -193,7 +206,7 @@ class Trainer:
         losses = []
         for span in gradients.batch_passes(len(indices), self.chunk):
             inputs, labels = self._examples(indices[span])
-            chunk_losses = F.cross_entropy(self.model(inputs), labels, reduction="none")
+            chunk_losses = batches.per_example_loss(self.model(inputs), labels, self.loss_fn)
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
                 if part is not None:
@@ -292,8 +305,9 @@ class Trainer:
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(param).all()) for param in self.params)
 
-    def test_accuracy(self) -> float:
-        return evaluate(self.model, self.test_x, self.test_y, self.device)[0]
+    def evaluate(self) -> tuple[float, float]:
+        """Test accuracy (nan where the targets are not class labels) and mean test loss."""
+        return evaluate(self.model, self.test_x, self.test_y, self.device, loss_fn=self.loss_fn)
 
 
 def latest_checkpoint(run_dir: str, planned: Collection[int]) -> int | None:
@@ -306,7 +320,8 @@ def train(args: run_plan.TrainingFlags, quiet: bool = False, world: distributed.
     `world`: the ranks of a torchrun launch (its process group started) that go through this run in lockstep, each
     measuring its share of the tracked points (tracking.py); rank 0 trains and writes."""
     args = run_plan.resolve_training_args(args)
-    dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point)
+    dataset = load_dataset(args.dataset, args.data_root, less_point=args.less_point,
+                           class_labels=args.loss is None)
     run = run_plan.plan_run(args, dataset)
     run_dir = run_plan.run_dir_for(args)
     trainer = Trainer(run, dataset, args.device, world)  # builds the model: refuses a bad architecture before any write
@@ -342,8 +357,9 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     run, device, tracker = trainer.run, trainer.device, trainer.tracker
     planned = set(run.checkpoint_steps)
     resume_step = latest_checkpoint(run_dir, planned)
+    test_loss = math.nan  # known once evaluated in this call (a checkpoint keeps the accuracy alone)
     if resume_step is None:
-        accuracy = trainer.test_accuracy()
+        accuracy, test_loss = trainer.evaluate()
         checkpoints.save_checkpoint(run_dir, 0, trainer.state(0, accuracy))
         resume_step, payload = 0, {}
     else:
@@ -379,14 +395,18 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
             progress.close()
             raise diverged(run, run_dir, step, loss)
         if at_checkpoint or (eval_freq and step % eval_freq == 0):
-            accuracy = trainer.test_accuracy()
+            accuracy, test_loss = trainer.evaluate()
         if at_checkpoint:
             if tracker:
                 if step == run.total_steps:
                     tracker.measure(step)
                 tracker.flush(run_dir)
             checkpoints.save_checkpoint(run_dir, step, trainer.state(step, accuracy))
-        postfix = {"loss": "-" if loss is None else f"{loss:.3f}", "test_acc": f"{accuracy:.3f}"}
+        postfix = {"loss": "-" if loss is None else f"{loss:.3f}"}
+        if math.isnan(accuracy):  # targets that are not class labels: the test loss instead
+            postfix["test_loss"] = f"{test_loss:.4g}"
+        else:
+            postfix["test_acc"] = f"{accuracy:.3f}"
         if epsilon_spent:
             postfix["eps"] = f"{epsilon_spent(step):.2f}"
         progress.set_postfix(postfix, refresh=False)
@@ -396,7 +416,7 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     if trainer.projections:
         canaries.write_canaries(run_dir, run, trainer.canary_record(run_dir))
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
-                   train_seconds=time.time() - started, steps_seconds=steps_seconds,
+                   final_test_loss=test_loss, train_seconds=time.time() - started, steps_seconds=steps_seconds,
                    tracking_seconds=tracker.seconds if tracker else 0.0)
 
 

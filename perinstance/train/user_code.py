@@ -1,18 +1,20 @@
-"""Your own network and data from the command line: `--model PATH.py:NAME` or `--model package.module:NAME`,
-and `--dataset` alike (docs/flags.md, "Your own model and data").
+"""Your own network, data and loss from the command line: `--model PATH.py:NAME` or `--model package.module:NAME`,
+and `--dataset` and `--loss` alike (docs/flags.md, "Your own model, data and loss").
 
 A spec names a Python file (or an importable module) and an attribute of it. The model's attribute is a
 class or a factory returning an `nn.Module`, called with those of `in_channels`, `image_size`, `num_classes`
 and `input_shape` that its signature names; the dataset's is a function returning `(train, test)`, each a
-torch Dataset of `(input, label)` pairs or a pair `(inputs, labels)` of tensors, called with `data_root`
-when it names it. run.json records each spec with the sha256 of its file's text, so that a run is never
-resumed or measured with a changed file (`check_unchanged`, `build_model`).
+torch Dataset of `(input, target)` pairs or a pair `(inputs, targets)` of tensors, called with `data_root`
+when it names it; the loss's is a function (or any callable object) of `(outputs, targets)` returning one loss per
+example. run.json records each spec with the sha256 of its file's text, so that a run is never resumed or
+measured with a changed file (`check_unchanged`, `build_model`, `load_loss`).
 """
 
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import random
 import re
@@ -28,6 +30,7 @@ from torch import nn
 
 from perinstance.errors import USER_FILES, UsageError, describe
 from perinstance.persample import fallback_norms
+from perinstance.persample.batches import LossFn
 from perinstance.persample.fallback_norms import USER_MODEL_MARK
 
 # PATH.py:NAME or dotted.module:NAME. The built-in prefixes of --dataset (imagefolder:, scatternet:, first:)
@@ -121,7 +124,7 @@ def load_object(spec: str, flag: str) -> tuple[Any, Source]:
                          == module.__name__)
         raise UsageError(flag, f"{source} has no {name!r} (it defines: {', '.join(defined) or 'nothing callable'})")
     if origin.path is not None:  # an exception raised in it later (a model's forward) is told in one line
-        USER_FILES[origin.path] = (flag, spec)
+        USER_FILES.setdefault(origin.path, {})[flag] = spec
     return getattr(module, name), Source(spec=spec, path=origin.path, sha256=origin.sha256)
 
 
@@ -167,7 +170,7 @@ def build_model(spec: str, input_shape: tuple, num_classes: int, dp: bool = True
     the run was trained with. Under DP, a layer that mixes the examples of a batch is refused."""
     target, source = load_object(spec, "--model")
     if recorded is not None:
-        check_source(recorded, source, "--model", "the run was trained with")
+        check_source(recorded, source, "--model", "the run was trained with it")
     model = _call(target, model_arguments(input_shape, num_classes), spec, "--model",
                   "a class or function returning a torch.nn.Module")
     if not isinstance(model, nn.Module):
@@ -221,27 +224,80 @@ def sample_mixing(model: nn.Module) -> str | None:
     return None
 
 
+# --- losses --------------------------------------------------------------------------------------
+
+def load_loss(spec: str, recorded: dict | None = None) -> LossFn:
+    """The per-example loss that `spec` names: a function, or any callable object (an `nn.Module` loss with
+    reduction="none"), of (outputs, targets) returning one loss per example. With `recorded` (run.json's entry of
+    the run), the file must be the one the run was trained with."""
+    target, source = load_object(spec, "--loss")
+    if recorded is not None:
+        check_source(recorded, source, "--loss", "the run was trained with it")
+    if inspect.isclass(target):
+        raise UsageError("--loss", f"{spec} is a class; name a function of (outputs, targets), or an instance "
+                                   f"defined in the file (e.g. loss = {target.__name__}(...))")
+    if not callable(target):
+        raise UsageError("--loss", f"{spec} is not callable (a {type(target).__name__} object); name a function of "
+                                   "(outputs, targets)")
+    return target
+
+
+def check_loss(loss_fn: LossFn, spec: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """`loss_fn` on the model's outputs of the first two examples (without gradients): an exception raised in it,
+    or a value that is not one loss per example, is a one-line error naming the spec, before anything is trained."""
+    count = min(2, len(targets))
+    with torch.no_grad():
+        outputs = model(inputs[:count])  # an exception of the model's own is the model's (errors.user_code_error)
+        try:
+            losses = loss_fn(outputs, targets[:count])
+        except Exception as error:
+            raise UsageError("--loss", f"{spec} raised {describe(error, _code_file(loss_fn))}") from None
+    if not isinstance(losses, torch.Tensor) or losses.dim() == 0 or len(losses) != count:
+        got = f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor) else f"a {type(losses).__name__}"
+        raise UsageError("--loss", f"{spec} returned {got} for {count} examples; it must return one loss per "
+                                   f"example, shape ({count},) or ({count}, ...) summed per example (e.g. "
+                                   "reduction='none')")
+    if not losses.is_floating_point():
+        raise UsageError("--loss", f"{spec} returned {str(losses.dtype).removeprefix('torch.')} values; a loss "
+                                   "is floating point, differentiable in the outputs")
+
+
+def _code_file(function: object) -> str:
+    """The file of a function's code (of a callable object's class), "" where there is none."""
+    try:
+        return inspect.getsourcefile(function if inspect.isfunction(function) else type(function)) or ""
+    except TypeError:
+        return ""
+
+
 # --- datasets ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Examples:
-    """One split of a user's dataset as tensors: inputs (N × input shape) and integer labels."""
+    """One split of a user's dataset as tensors: inputs (N × input shape) and targets (N × target shape: class
+    indices, regression values, token ids, ...)."""
 
     inputs: torch.Tensor
-    labels: torch.Tensor
+    targets: torch.Tensor
 
 
-def load_examples(spec: str, data_root: str) -> tuple[Examples, Examples, Source]:
-    """The (train, test) splits that the dataset function of `spec` returns, as tensors, and its Source."""
+def load_examples(spec: str, data_root: str, class_labels: bool = True) -> tuple[Examples, Examples, Source]:
+    """The (train, test) splits that the dataset function of `spec` returns, as tensors, and its Source.
+    class_labels: the targets must be class indices, as the default loss (cross-entropy) takes them; False for a
+    run with a --loss of its own, whose targets are taken as the dataset gives them."""
     target, source = load_object(spec, "--dataset")
     with _seeded_generators(DATASET_SEED):
         splits = _call(target, {"data_root": data_root}, spec, "--dataset", "a function returning (train, test)")
     if not isinstance(splits, tuple | list) or len(splits) != 2:
         raise UsageError("--dataset", f"{spec} returned {_kind(splits)}, not a pair (train, test)")
-    train, test = (_examples(split, spec, name) for split, name in zip(splits, ("train", "test"), strict=True))
+    train, test = (_examples(split, spec, name, class_labels)
+                   for split, name in zip(splits, ("train", "test"), strict=True))
     if train.inputs.shape[1:] != test.inputs.shape[1:] or train.inputs.dtype != test.inputs.dtype:
         raise UsageError("--dataset", f"{spec}: train inputs are {_shape(train.inputs)} but test inputs "
                                       f"{_shape(test.inputs)}")
+    if train.targets.shape[1:] != test.targets.shape[1:] or train.targets.dtype != test.targets.dtype:
+        raise UsageError("--dataset", f"{spec}: train labels are {_shape(train.targets)} but test labels "
+                                      f"{_shape(test.targets)}")
     return train, test, source
 
 
@@ -271,55 +327,89 @@ def _shape(tensor: torch.Tensor) -> str:
     return f"{'×'.join(map(str, tensor.shape[1:])) or 'scalars'} of {str(tensor.dtype).removeprefix('torch.')}"
 
 
+def target_classes(*splits: torch.Tensor) -> int:
+    """`num_classes` of a spec's data, from the targets of its splits: the largest integer target + 1 (class
+    indices; token ids: the vocabulary the targets use), or, for floating or boolean targets, how many values one
+    target holds (1 for a scalar), the width of the output a model needs. At least 1."""
+    if splits[0].is_floating_point() or splits[0].dtype == torch.bool:
+        return max(1, math.prod(splits[0].shape[1:]))
+    return max(1, max((int(targets.max()) for targets in splits if targets.numel()), default=0) + 1)
+
+
+def describe_targets(targets: torch.Tensor) -> str:
+    """What one split's targets are, in words, for an error: "scalars of float32", "6 values of int64 per point"."""
+    shape = "×".join(map(str, targets.shape[1:]))
+    kind = str(targets.dtype).removeprefix("torch.")
+    text = f"{shape} values of {kind} per point" if shape else f"scalars of {kind}"
+    negative = targets.dtype != torch.bool and not targets.is_floating_point() and bool((targets < 0).any())
+    return text + (" with negative values" if negative else "")
+
+
 def pair_tensors(dataset: torch.utils.data.Dataset, indices: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (input, label) pairs dataset[i], i in `indices`, as (stacked inputs, int64 labels)."""
+    """The (input, target) pairs dataset[i], i in `indices`, as (stacked inputs, stacked targets)."""
     pairs = [dataset[index] for index in indices]
-    inputs = torch.stack([torch.as_tensor(pair[0]) for pair in pairs]) if pairs else torch.zeros(0)
-    return inputs, torch.as_tensor([int(pair[1]) for pair in pairs], dtype=torch.int64)
+    if not pairs:
+        return torch.zeros(0), torch.zeros(0)
+    return (torch.stack([torch.as_tensor(pair[0]) for pair in pairs]),
+            torch.stack([torch.as_tensor(pair[1]) for pair in pairs]))
 
 
-def _examples(split, spec: str, which: str) -> Examples:
-    """A split (a pair of tensors or arrays, or a Dataset of (input, label) pairs) as tensors: floating inputs
-    in torch's default dtype (float32), integer inputs (token ids) kept integer, labels int64."""
+def _examples(split, spec: str, which: str, class_labels: bool) -> Examples:
+    """A split (a pair of tensors or arrays, or a Dataset of (input, target) pairs) as tensors: floating inputs in
+    torch's default dtype (float32), integer inputs (token ids) kept integer. With `class_labels` the targets must
+    be one whole number >= 0 per point, stored int64 (the default loss's class indices); without, floating targets
+    are in torch's default dtype and integer ones (class indices, token ids) int64, any shape per point."""
     problem = f"{spec}: the {which} split must be a torch Dataset of (input, label) pairs or a pair (inputs, labels)"
     if isinstance(split, tuple | list) and len(split) == 2 and not isinstance(split[0], tuple | list):
-        inputs, labels = split
+        inputs, targets = split
     elif isinstance(split, torch.utils.data.TensorDataset) and len(split.tensors) == 2:
-        inputs, labels = split.tensors
+        inputs, targets = split.tensors
     elif isinstance(split, torch.utils.data.Dataset) and hasattr(split, "__len__"):
         try:
-            inputs, labels = pair_tensors(split, range(len(split)))
+            inputs, targets = pair_tensors(split, range(len(split)))
         except (TypeError, ValueError, IndexError, RuntimeError) as error:
             raise UsageError("--dataset", f"{problem}: {' '.join(str(error).split())}") from None
     else:
         raise UsageError("--dataset", f"{problem}, not {_kind(split)}")
     try:
-        inputs, labels = torch.as_tensor(inputs), torch.as_tensor(labels)
+        inputs, targets = torch.as_tensor(inputs), torch.as_tensor(targets)
     except (TypeError, ValueError, RuntimeError) as error:
         raise UsageError("--dataset", f"{problem}: {' '.join(str(error).split())}") from None
-    if len(inputs) == 0 or inputs.dim() == 0 or len(inputs) != len(labels) or labels.dim() != 1:
-        raise UsageError("--dataset", f"{problem}: got {tuple(inputs.shape)} inputs and {tuple(labels.shape)} "
+    if len(inputs) == 0 or inputs.dim() == 0 or targets.dim() == 0 or len(inputs) != len(targets):
+        raise UsageError("--dataset", f"{problem}: got {tuple(inputs.shape)} inputs and {tuple(targets.shape)} "
                                       "labels (need N >= 1 of each, one label per input)")
-    if (labels.is_floating_point() and not bool((labels == labels.round()).all())) or labels.is_complex() \
-            or labels.dtype == torch.bool or bool((labels < 0).any()):
-        raise UsageError("--dataset", f"{spec}: {which} labels must be class indices 0, 1, 2, ...")
+    for name, tensor in (("inputs", inputs), ("labels", targets)):
+        if tensor.is_complex():
+            raise UsageError("--dataset", f"{spec}: {which} {name} are complex; give real or integer {name}")
     if inputs.is_floating_point():
         inputs = inputs.to(torch.get_default_dtype())
-    elif inputs.is_complex():
-        raise UsageError("--dataset", f"{spec}: {which} inputs are complex; give real or integer inputs")
-    return Examples(inputs.contiguous(), labels.to(torch.int64).contiguous())
+    if class_labels:
+        if targets.dim() != 1 or targets.dtype == torch.bool or bool((targets < 0).any()) \
+                or (targets.is_floating_point() and not bool((targets == targets.round()).all())):
+            raise UsageError("--dataset", f"{spec}: {which} labels are {describe_targets(targets)}, but the default "
+                                          "loss (cross-entropy) takes class indices 0, 1, 2, ...; for other targets "
+                                          "name your loss (--loss PATH.py:NAME)")
+        targets = targets.to(torch.int64)
+    elif targets.is_floating_point():
+        targets = targets.to(torch.get_default_dtype())
+    elif targets.dtype != torch.bool:
+        targets = targets.to(torch.int64)
+    return Examples(inputs.contiguous(), targets.contiguous())
 
 
 # --- run.json --------------------------------------------------------------------------------------
 
-def sources(model: str, dataset: str) -> dict | None:
-    """run.json's record of the files behind the --model and --dataset specs of a run (None: neither is one)."""
+def sources(model: str, dataset: str, loss: str | None = None) -> dict | None:
+    """run.json's record of the files behind the --model, --dataset and --loss specs of a run (None: none is
+    one)."""
     record = {}
     if is_spec(model):
         record["model"] = load_object(model, "--model")[1].to_json()
     dataset_spec = dataset_spec_of(dataset)
     if dataset_spec is not None:
         record["dataset"] = load_object(dataset_spec, "--dataset")[1].to_json()
+    if loss is not None:
+        record["loss"] = load_object(loss, "--loss")[1].to_json()
     return record or None
 
 
@@ -343,9 +433,9 @@ def check_source(recorded: dict, current: Source, flag: str, when: str) -> None:
 
 
 def check_unchanged(recorded: dict | None, planned: dict | None, run_dir: str) -> None:
-    """A run folder's recorded files against those of the run about to resume in it: a changed model or data
+    """A run folder's recorded files against those of the run about to resume in it: a changed model, data or loss
     file is a one-line error naming it, never a run that mixes two versions."""
-    for key, flag in (("model", "--model"), ("dataset", "--dataset")):
+    for key, flag in (("model", "--model"), ("dataset", "--dataset"), ("loss", "--loss")):
         before, now = (recorded or {}).get(key), (planned or {}).get(key)
         if before is not None and now is not None and before.get("spec") == now.get("spec"):
             check_source(before, Source(**now), flag, f"{run_dir} was trained with it")
