@@ -14,7 +14,8 @@ from test_distributed import torchrun
 
 from perinstance.cli import options
 from perinstance.files import checkpoints, storage, tracked_rows
-from perinstance.train import run_plan, tracking, training
+from perinstance.persample.layer_pass import eval_mode
+from perinstance.train import run_plan, training
 
 SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--sigma", "1.0",
              "--clipping", "psac"]
@@ -68,7 +69,7 @@ def test_tracking_measures_in_eval_mode_and_restores_the_mode(tmp_path):
     first, second = trainer.tracker.held
     np.testing.assert_array_equal(first, second)
     assert not np.array_equal(first, trainer.tracker.values())  # in training mode, dropout draws
-    with tracking.evaluation(trainer.model):
+    with eval_mode(trainer.model):
         np.testing.assert_array_equal(first, trainer.tracker.values())
 
 

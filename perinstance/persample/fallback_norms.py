@@ -23,13 +23,13 @@ mode (dropout off), in training as in measurement.
 import sys
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from perinstance.persample import batches, layer_forms, layer_pass, sequence_forms
+from perinstance.persample.layer_pass import eval_mode
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
 # result is exact, the warning is about speed only.
@@ -73,16 +73,6 @@ def engine_covers(owners: list) -> bool:
     shared = any(len(params) < len(layer_pass.own_trainable_parameters(module)) for module, params in owners)
     return not shared and all(type(module) in layer_pass.SQUARED_NORMS and layer_pass.closed_form_applies(module)
                               for module, _ in owners)
-
-
-@contextmanager
-def _eval_mode(model):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _covered(layer, application, count):
@@ -261,7 +251,7 @@ def _squared(layer_norms, fallback, losses):
 def per_sample_norms(model: nn.Module, inputs: object, labels: object,
                      loss_fn: batches.LossFn | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
     """As gradients.per_sample_norms: ||g_i||, per-example losses, logits."""
-    with _eval_mode(model):
+    with eval_mode(model):
         split = _split_forward(model, inputs, labels, loss_fn=loss_fn)
         _, layer_norms = split.layer_norms()
         fallback = per_example_gradients(model, split.fallback, inputs, labels, loss_fn)
@@ -276,7 +266,7 @@ def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
                          ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]:
     """As gradients.clipped_gradient_sum: (Σ_i w_i·g_i per trainable parameter, losses, ||g_i||, logits); the
     covered layers' sums as the engine takes them (layer_pass.weighted_layer_gradients)."""
-    with _eval_mode(model):
+    with eval_mode(model):
         split = _split_forward(model, inputs, labels, loss_fn=loss_fn)
         grad_outputs, layer_norms = split.layer_norms()
         fallback = per_example_gradients(model, split.fallback, inputs, labels, loss_fn)
@@ -297,7 +287,7 @@ def per_sample_gradients(model: nn.Module, inputs: torch.Tensor, labels: torch.T
     """As gradients.per_sample_gradients, for a model Opacus's hooks may not cover: every trainable parameter's
     per-sample gradients by torch.func, per-example losses, logits."""
     names = [name for name, param in model.named_parameters() if param.requires_grad]
-    with _eval_mode(model):
+    with eval_mode(model):
         with torch.no_grad():
             logits = batches.apply_model(model, inputs)
         grads = per_example_gradients(model, names, inputs, labels, loss_fn)

@@ -3,7 +3,8 @@ and the per-layer work of one backward over their outputs (each layer's ||g_i||Â
 gradient sum, by the closed forms of layer_forms.py and sequence_forms.py): what the engine (gradients.py) and
 its fallback for the layers it does not cover (fallback_norms.py) are both built from."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,18 @@ from perinstance.persample.layer_forms import LayerNorms
 
 # The layers with a closed form, and how each takes its per-sample norms from its input and output gradient.
 SQUARED_NORMS = {**layer_forms.SQUARED_NORMS, **sequence_forms.SQUARED_NORMS}
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode within the block (per-sample gradients are taken in eval mode, as a measurement
+    loads a checkpoint), its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -12,8 +12,6 @@ i mod W), and rank 0 gathers the shares and writes them.
 """
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
@@ -23,22 +21,12 @@ from torch import nn
 from perinstance.errors import UsageError
 from perinstance.files import results, tracked_rows
 from perinstance.persample import batches, gradients
+from perinstance.persample.layer_pass import eval_mode
 from perinstance.train import distributed, runs
 from perinstance.train.clipping import Transform
 
 # The values recorded per point and step, in the order of a segment's second axis.
 VALUES = ("value", "loss", "correct")
-
-
-@contextmanager
-def evaluation(model: nn.Module) -> Iterator[None]:
-    """The model in eval mode within the block (as compute_sensitivity.py loads it), its mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class Tracker:
@@ -71,7 +59,7 @@ class Tracker:
         if self.world is not None:
             distributed.rank0_says_go(self.world)
             distributed.broadcast_from_rank0(self.model.state_dict().values())
-        with evaluation(self.model):
+        with eval_mode(self.model):
             self.held.append(self.values())
         self.first = step if self.first is None else self.first
         self.seconds += time.perf_counter() - started
