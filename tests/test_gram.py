@@ -108,6 +108,36 @@ def test_gram_is_the_centred_products_of_the_gradients(data, name, split, monkey
     np.testing.assert_allclose(points.predictions.losses, losses, rtol=1e-10)
 
 
+def smoothed_loss(outputs, targets):
+    """A loss of the run's own (--loss): cross-entropy with label smoothing, one value per example."""
+    return nn.functional.cross_entropy(outputs, targets, reduction="none", label_smoothing=0.3)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gram_of_a_loss_of_the_runs_own_is_the_centred_products_of_its_gradients(data, name, monkeypatch):
+    """With `loss_fn`, the Gram is built from the gradients of that loss: here against one backward per example
+    of the smoothed loss, written out (the mixed split: factors in the Gram and kept as rows)."""
+    inputs, labels = data
+    model = MODELS[name]()
+    rows = []
+    for index in range(len(labels)):
+        model.zero_grad()
+        smoothed_loss(model(inputs[index:index + 1]), labels[index:index + 1]).sum().backward()
+        gradient = torch.cat([param.grad.reshape(-1) for param in model.parameters() if param.requires_grad])
+        rows.append((PSAC.weights(gradient.norm()[None]) * gradient).detach().numpy())
+    rows = np.stack(rows)
+    centred = rows - rows[:TRAIN_SIZE].mean(axis=0)
+    alternate(monkeypatch)
+    point_rows = [2, -1]
+    checkpoint, points = gram.checkpoint_gram(MODELS[name](), inputs[:TRAIN_SIZE], labels[:TRAIN_SIZE],
+                                              inputs[[2, TRAIN_SIZE]], labels[[2, TRAIN_SIZE]], point_rows, PSAC,
+                                              ALL_GRAM, loss_fn=smoothed_loss)
+    np.testing.assert_allclose(checkpoint.products(np.arange(TRAIN_SIZE + 1)).numpy(), centred @ centred.T,
+                               rtol=1e-10, atol=1e-13)
+    losses = smoothed_loss(MODELS[name]()(inputs[[2, TRAIN_SIZE]]), labels[[2, TRAIN_SIZE]]).detach().numpy()
+    np.testing.assert_allclose(points.predictions.losses, losses, rtol=1e-10)
+
+
 def test_the_engine_covers_its_layers_and_not_a_layer_norm():
     assert gram_forms.gram_covers(tiny_convnet()) and gram_forms.gram_covers(ghost_convnet())
     assert not gram_forms.gram_covers(layer_norm_net())

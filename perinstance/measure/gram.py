@@ -42,6 +42,7 @@ from perinstance.measure.gradient_rows import (
 )
 from perinstance.measure.predictions import Predictions, predictions_of
 from perinstance.persample import gradients, gram_forms
+from perinstance.persample.batches import LossFn
 from perinstance.persample.gram_forms import GramFactor
 from perinstance.train.clipping import Transform
 
@@ -206,7 +207,8 @@ class _Piece:
 
 def checkpoint_gram(model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor, point_x: torch.Tensor,
                     point_y: torch.Tensor, point_train_rows: np.ndarray, transform: Transform, workload: Workload,
-                    device: str = "cpu", progress: tqdm | None = None) -> tuple[CheckpointGram, PointGradients]:
+                    device: str = "cpu", progress: tqdm | None = None, loss_fn: LossFn | None = None
+                    ) -> tuple[CheckpointGram, PointGradients]:
     """The CheckpointGram of the training rows and of the points outside them (point_train_rows −1, in their
     order; arguments as gradient_rows.checkpoint_gradients) for `workload`, and the points' PointGradients
     (without rows). `progress` advances by the examples of the first pass."""
@@ -215,22 +217,24 @@ def checkpoint_gram(model: torch.nn.Module, train_x: torch.Tensor, train_y: torc
     inputs, labels = train_x, train_y
     if len(outside):
         inputs, labels = torch.cat([train_x, point_x[outside]]), torch.cat([train_y, point_y[outside]])
-    gram = _build(model, inputs, labels, len(train_y), transform, workload, device, progress)
+    gram = _build(model, inputs, labels, len(train_y), transform, workload, device, progress, loss_fn)
     points = PointGradients(None, point_train_rows, Predictions(np.empty(0), np.empty(0, dtype=bool)))
     points.predictions = gram.predictions.take(gram.rows_of(points))
     return gram, points
 
 
-def _factor_passes(model, inputs, labels, transform, device, wanted):
+def _factor_passes(model, inputs, labels, transform, device, wanted, loss_fn=None):
     """(start, the chunk's factors by layer, Predictions) of every chunk: the engine's GramFactors where
-    gram_forms covers the model, else the materialised h_i as one rows factor."""
+    gram_forms covers the model, else the materialised h_i as one rows factor (g_i the gradient of the example's
+    loss: the cross-entropy unless `loss_fn`)."""
     if gram_forms.gram_covers(model):
         chunk = gradients.examples_per_pass(model, inputs, device)
         for start, x, y in example_chunks(inputs, labels, device, chunk):
-            gram_pass = gram_forms.gram_factors(model, x, y, transform.weights, wanted)
+            gram_pass = gram_forms.gram_factors(model, x, y, transform.weights, wanted, loss_fn)
             yield start, gram_pass.factors, predictions_of(gram_pass.losses, gram_pass.logits, y)
     else:
-        for start, rows, predictions in transformed_gradient_chunks(model, inputs, labels, transform, device):
+        for start, rows, predictions in transformed_gradient_chunks(model, inputs, labels, transform, device,
+                                                                    loss_fn=loss_fn):
             yield start, [GramFactor(rows=rows)], predictions
 
 
@@ -247,11 +251,11 @@ def _in_gram(factor: GramFactor, count: int, workload: Workload) -> bool:
     return gram < rows
 
 
-def _plan(model, inputs, labels, transform, workload, device, count):
+def _plan(model, inputs, labels, transform, workload, device, count, loss_fn=None):
     """The layers kept as materialised rows (held together, within FACTOR_BYTES: the widest go to the Gram
     otherwise), and the pieces of the Gram's layers, in groups that each fit FACTOR_BYTES for `count` rows (one
     pass over the examples each)."""
-    _, factors, _ = next(_factor_passes(model, inputs[:2], labels[:2], transform, device, None))
+    _, factors, _ = next(_factor_passes(model, inputs[:2], labels[:2], transform, device, None, loss_fn))
     itemsize = next(model.parameters()).element_size()
     budget = FACTOR_BYTES[device_kind(device)]
     held = [layer for layer, factor in enumerate(factors) if not _in_gram(factor, count, workload)]
@@ -277,9 +281,9 @@ def _plan(model, inputs, labels, transform, workload, device, count):
     return held, groups + [current] if current else groups
 
 
-def _build(model, inputs, labels, num_rows, transform, workload, device, progress):
+def _build(model, inputs, labels, num_rows, transform, workload, device, progress, loss_fn):
     count, dtype = len(labels), next(model.parameters()).dtype
-    held, groups = _plan(model, inputs, labels, transform, workload, device, count)
+    held, groups = _plan(model, inputs, labels, transform, workload, device, count, loss_fn)
     width = panel_width(count, dtype.itemsize, device)
     panels = torch.zeros((-(-count // width), count, width), dtype=dtype, device=device) if groups else None
     centred_square = torch.zeros(count, dtype=torch.float64, device=device)
@@ -288,7 +292,7 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
     for group in groups or [[]]:
         rows, outers, kept, chunk_predictions = _hold(model, inputs, labels, transform, device, group,
                                                       held if predictions is None else [],
-                                                      progress if predictions is None else None)
+                                                      progress if predictions is None else None, loss_fn)
         parts = [_centre_rows(rows, num_rows)] if rows is not None else []
         parts += [_centre_outer(*outer, num_rows) for outer in outers]
         if predictions is None:
@@ -324,7 +328,7 @@ def _as_panels(matrix):
     return panels
 
 
-def _hold(model, inputs, labels, transform, device, group, held, progress):
+def _hold(model, inputs, labels, transform, device, group, held, progress, loss_fn):
     """One pass: the group's rows pieces as one (count, width) matrix in the model's dtype (None without any), its
     outer factors as float64 (inputs, outputs) pairs, the `held` layers' materialised rows as one matrix (None
     without any), and every chunk's Predictions."""
@@ -335,7 +339,7 @@ def _hold(model, inputs, labels, transform, device, group, held, progress):
     outers = {piece.layer: None for piece in group if piece.columns is None}
     predictions = []
     for start, factors, chunk_predictions in _factor_passes(model, inputs, labels, transform, device,
-                                                            {piece.layer for piece in group} | set(held)):
+                                                            {piece.layer for piece in group} | set(held), loss_fn):
         end = start + len(chunk_predictions.losses)
         if rows is not None:
             rows.fill(start, [factors[piece.layer].rows[:, piece.columns] for piece in row_pieces])

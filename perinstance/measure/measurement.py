@@ -109,9 +109,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
         workload = poisson_batches.renyi_workload(len(points), pool, request.alpha, request.num_iters,
                                                   request.num_batches)
     # The Monte Carlo's per-sample work: the checkpoint's Gram where it fits, else its gradient rows.
-    # (The Gram's factors differentiate the cross-entropy; a loss of the run's own takes the rows.)
-    gram = (workload is not None and not statistics_only and loss_fn is None
-            and gram_route(model, _gram_size(run, point_rows), device))
+    gram = workload is not None and not statistics_only and gram_route(model, _gram_size(run, point_rows), device)
     with progress_bar(len(points) if request.rule == "sum" else
                       _gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
@@ -122,7 +120,7 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
                                                                      point_y, point_rows, transform, device, bar)
         elif gram:
             rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
-                                                    transform, workload, device, bar)
+                                                    transform, workload, device, bar, loss_fn)
         else:
             # A loss of the run's own: its statistics from the rows, as the Δ_B draws take them (the two passes of
             # checkpoint_statistics differentiate the cross-entropy in closed form along μ).
@@ -238,15 +236,14 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     plans = [coupling.coupling_plan(mc_seed, step, analysed.dataset_size - 1, analysed.sample_rate, size_delta,
                                     num_batches, mc_blocks, max_sizes)
              for analysed, size_delta in zip(configs, size_deltas)]
-    # The Gram's factors differentiate the cross-entropy; a loss of the run's own takes the rows.
-    gram = loss_fn is None and gram_route(model, _gram_size(run, point_rows), device)
+    gram = gram_route(model, _gram_size(run, point_rows), device)
     with progress_bar(_gram_size(run, point_rows) if gram else len(run.train_y),
                       f"per-sample gradients, step {step}") as bar:
         arguments = (model, run.train_x, run.train_y, run.dataset.train_x[points], run.dataset.train_y[points],
                      point_rows, Transform.of_run(config))
         if gram:
             rows, point_gradients = checkpoint_gram(*arguments, coupling.coupling_workload(len(points), plans), device,
-                                                    bar)
+                                                    bar, loss_fn)
         else:
             rows, point_gradients = checkpoint_gradients(*arguments, device, hold=False, progress=bar,
                                                          loss_fn=loss_fn)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from perinstance.persample import fallback_norms, gradients, layer_forms
+from perinstance.persample import batches, fallback_norms, gradients, layer_forms
 from perinstance.persample.layer_pass import own_trainable_parameters, parameter_owners
 
 # The layer types with a Gram factor here; a model with another trainable layer type takes its materialised
@@ -64,12 +64,12 @@ def gram_covers(model: nn.Module) -> bool:
 
 def gram_factors(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                  weights_of_norms: Callable[[torch.Tensor], torch.Tensor],
-                 wanted: Collection[int] | None = None) -> GramPass:
+                 wanted: Collection[int] | None = None, loss_fn: batches.LossFn | None = None) -> GramPass:
     """The GramFactor of h_i = w_i·g_i, w = weights_of_norms(||g_i||), of every parameter layer (in the order the
     forward applies them; only the layers at positions `wanted`, when given, the others None): one forward and
     one backward to the layer outputs (gradients._forward), the norms from the engine's forms.
     The model must be one gram_covers takes."""
-    forward = gradients._forward(model, inputs, labels)
+    forward = gradients._forward(model, inputs, labels, loss_fn=loss_fn)
     grad_outputs, norms_by_layer = forward.layer_norms()
     with torch.no_grad():
         norms_by_layer = list(norms_by_layer)
