@@ -131,7 +131,11 @@ def canary_directions(seed: int, count: int, dimension: int) -> tuple[np.ndarray
     carrying k canaries as the rows of a k×k Hadamard matrix with a random sign per coordinate, 1/√k each. Each
     canary then spreads over k coordinates, so what the other points' gradients put on its direction is nearly the
     same for every canary. With more canaries than coordinates, each takes CANARY_SUPPORT random coordinates."""
-    blocks = canary_blocks(seed, count, dimension)
+    return directions_of(seed, count, dimension, canary_blocks(seed, count, dimension))
+
+
+def directions_of(seed: int, count: int, dimension: int, blocks: CanaryBlocks | None) -> tuple[np.ndarray, np.ndarray]:
+    """canary_directions from the run's canary_blocks (None: more canaries than coordinates)."""
     if blocks is None:
         rng = sampling.stream_rng(seed, sampling.CANARY_STREAM, SETUP_KEY, 1)
         support = min(CANARY_SUPPORT, dimension)
@@ -155,12 +159,12 @@ class Canaries:
         self.norms = canary_norms(run.canaries, run.canary_norms)
         self.included = canary_inclusions(run.seed, run.canaries)
         dimension = sum(param.numel() for param in params)
-        coordinates, weights = canary_directions(run.seed, run.canaries, dimension)
+        blocks = canary_blocks(run.seed, run.canaries, dimension)
+        coordinates, weights = directions_of(run.seed, run.canaries, dimension, blocks)
         self.coordinates = torch.as_tensor(coordinates, device=device)
         self.weights = torch.as_tensor(weights, dtype=torch.float32, device=device)
         # With orthogonal directions the projections are a Hadamard transform of each block's coordinates: k times
         # fewer values gathered than one gather per canary and coordinate.
-        blocks = canary_blocks(run.seed, run.canaries, dimension)
         self.blocks = None if blocks is None else (
             torch.as_tensor(blocks.coordinates, device=device),
             torch.as_tensor(blocks.signs, dtype=torch.float32, device=device),

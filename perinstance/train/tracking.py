@@ -35,7 +35,7 @@ class Tracker:
     process measures them all)."""
 
     def __init__(self, run: runs.RunConfig, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
-                 device: torch.device, world: distributed.World | None = None,
+                 device: torch.device, per_pass: int, world: distributed.World | None = None,
                  loss_fn: batches.LossFn | None = None) -> None:
         self.run, self.model, self.world, self.loss_fn = run, model, world, loss_fn
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
@@ -43,7 +43,7 @@ class Tracker:
         self.indices = torch.as_tensor(mine, device=device)
         self.train_x, self.train_y = train_x, train_y
         self.transform = Transform.of_run(run) if run.private else None
-        self.chunk = gradients.examples_per_pass(model, train_x, device)
+        self.chunk = per_pass  # the trainer's examples per pass (gradients.examples_per_pass)
         self.held, self.first = [], None
         self.seconds = 0.0
         self.following = False  # rank 0: the other ranks are in the lockstep and wait for it
@@ -79,6 +79,12 @@ class Tracker:
             hits = batches.correct_predictions(outputs, labels)
             correct.append(torch.full_like(chunk_losses, torch.nan) if hits is None else hits)
         return torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float()]).cpu().numpy()
+
+    def checkpoint(self, run_dir: str, step: int) -> None:
+        """At checkpoint `step`: the values of θ_T too if it is the last, then the segment written (flush)."""
+        if step == self.run.total_steps:
+            self.measure(step)
+        self.flush(run_dir)
 
     def flush(self, run_dir: str) -> None:
         """Write the values held as one segment (rank 0 gathers the others' shares first) and let them go."""
@@ -147,7 +153,5 @@ def follow(tracker: Tracker, resumed_from: int) -> int:
     for step in range(resumed_from + 1, run.total_steps + 1):
         tracker.measure(step - 1)
         if step in planned:
-            if step == run.total_steps:
-                tracker.measure(step)
-            tracker.flush("")
+            tracker.checkpoint("", step)
     return resumed_from

@@ -166,7 +166,7 @@ class Trainer:
         # depend on nothing but the batch drawn.
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
         self.tracker = None if run.tracked_points is None else \
-            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, world, self.loss_fn)
+            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, self.chunk, world, self.loss_fn)
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
@@ -398,9 +398,7 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
             accuracy, test_loss = trainer.evaluate()
         if at_checkpoint:
             if tracker:
-                if step == run.total_steps:
-                    tracker.measure(step)
-                tracker.flush(run_dir)
+                tracker.checkpoint(run_dir, step)
             checkpoints.save_checkpoint(run_dir, step, trainer.state(step, accuracy))
         postfix = {"loss": "-" if loss is None else f"{loss:.3f}"}
         if math.isnan(accuracy):  # targets that are not class labels: the test loss instead
