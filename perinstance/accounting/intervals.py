@@ -112,10 +112,9 @@ def median_interval(values: np.ndarray, *, resamples: int = RESAMPLES, seed: int
 
 def share_interval(holds: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,
                    confidence: float = CONFIDENCE) -> Interval:
-    """§10: the share of the points where `holds` (booleans) is true, with its percentile-bootstrap interval."""
-    points = _as_points(np.asarray(holds, dtype=bool))
-    replicates = bootstrap(_mean, points, paired=False, resamples=resamples, seed=seed)
-    return _percentile_interval(np.mean(points), replicates, len(points), confidence)
+    """§10: the share of the points where `holds` (booleans) is true, with its percentile-bootstrap interval: the
+    mean of their 0/1 values, resampled as block_mean_interval resamples blocks."""
+    return block_mean_interval(np.asarray(holds, dtype=bool), resamples=resamples, seed=seed, confidence=confidence)
 
 
 def maximum_interval(values: np.ndarray, *, resamples: int = RESAMPLES, seed: int = 0,

@@ -65,12 +65,7 @@ def roc_frontier(in_scores: np.ndarray, out_scores: np.ndarray) -> Frontier:
     curve (below it or on it) is dominated by randomising between the chord's ends and is dropped,
     so the Bonferroni split counts only the thresholds that can matter.
     """
-    members = np.sort(np.asarray(in_scores, dtype=float))
-    non_members = np.sort(np.asarray(out_scores, dtype=float))
-    if members.size == 0 or non_members.size == 0:
-        raise ValueError("need at least one in-score and one out-score")
-    if not (np.all(np.isfinite(members)) and np.all(np.isfinite(non_members))):
-        raise ValueError("scores must be finite numbers")
+    members, non_members = np.sort(_finite(in_scores)), np.sort(_finite(out_scores))
     thresholds = np.concatenate([[np.inf], np.unique(np.concatenate([members, non_members]))[::-1]])
     true_positives = members.size - np.searchsorted(members, thresholds, side="left")
     false_positives = non_members.size - np.searchsorted(non_members, thresholds, side="left")

@@ -190,14 +190,19 @@ def _deltas_on_grid(loss: ComposedLoss, interval: float, stride: int, count: int
 
 
 def curve_rejected(curve: TradeOffCurve, in_scores: ArrayLike, out_scores: ArrayLike, *,
-                   significance: float, fractions: tuple[float, ...] = GUESS_FRACTIONS) -> bool:
+                   significance: float) -> bool:
     """§11.8: whether the scores reject "the run is f-DP for this curve" at `significance` (Bonferroni over the
     guess counts)."""
     check_probability("significance", significance)
-    guesses, correct = top_guesses(in_scores, out_scores, fractions)
+    return _rejects(curve, in_scores, out_scores, *top_guesses(in_scores, out_scores), significance)
+
+
+def _rejects(curve: TradeOffCurve, in_scores: ArrayLike, out_scores: ArrayLike, guesses: np.ndarray,
+             correct: np.ndarray, significance: float) -> bool:
+    """§11.8's test of the grid's guesses (top_guesses of the scores), Bonferroni over the guess counts."""
     canaries = np.size(in_scores) + np.size(out_scores)
     return bool(np.any(fdp_margins(curve.inverse_blow_up, canaries, guesses, correct,
-                                   significance / len(fractions)) > 0))
+                                   significance / len(GUESS_FRACTIONS)) > 0))
 
 
 @dataclass(frozen=True)
@@ -215,19 +220,16 @@ class FamilyBound:
 
 
 def family_lower_bound(in_scores: ArrayLike, out_scores: ArrayLike, *, sample_rate: float, steps: int,
-                       delta: float, significance: float, fractions: tuple[float, ...] = GUESS_FRACTIONS,
-                       interval: float = DEFAULT_INTERVAL) -> FamilyBound:
+                       delta: float, significance: float, interval: float = DEFAULT_INTERVAL) -> FamilyBound:
     """§11.9: the smallest z_k = FAMILY_RATIO^k whose curve (T steps at q) the scores reject: down from the top
     of FAMILY_RANGE by halving z while it is rejected (large z are cheap to compose), then bisection in k."""
     check_probability("significance", significance)
     check_probability("delta", delta)
-    guesses, correct = top_guesses(in_scores, out_scores, fractions)
-    canaries = np.size(in_scores) + np.size(out_scores)
-    level = significance / len(fractions)
+    guesses, correct = top_guesses(in_scores, out_scores)
 
     def rejected(index: int) -> bool:
         curve = subsampled_gaussian_curve(FAMILY_RATIO ** index, sample_rate, steps, interval).curve
-        return bool(np.any(fdp_margins(curve.inverse_blow_up, canaries, guesses, correct, level) > 0))
+        return _rejects(curve, in_scores, out_scores, guesses, correct, significance)
 
     floor, high = (round(math.log(end) / math.log(FAMILY_RATIO)) for end in FAMILY_RANGE)
     if not rejected(high):

@@ -9,7 +9,7 @@ when the canary is in the run (0 when it is out) and n_t what the other points p
   "out" when n_t = 0 (the most powerful statistic there, by Neyman and Pearson);
 - summed_scores: Σ_t x_t, the last-iterate statistic (plain SGD at a constant learning rate: (θ_0 − θ_T)/η);
 - simulated_projections: x for the idealised mechanism (n_t = 0) with the run's m, q, T and σ/c;
-- ideal_lower_bound: the audit's family bound (§11.9) on that simulation, the median over replicates;
+- statistics: both statistics' scores, by the suffix of their result columns;
 - false_alarm_rate: how often the audit flags an idealised run that meets the claim (the test's level).
 """
 
@@ -43,21 +43,13 @@ def simulated_projections(rng: np.random.Generator, included: ArrayLike, *, step
     return norm * sampled + noise_multiplier * rng.standard_normal((*included.shape, steps))
 
 
-def ideal_lower_bound(rng: np.random.Generator, included: ArrayLike, *, steps: int, norm: float,
-                      noise_multiplier: float, sample_rate: float, delta: float, significance: float,
-                      replicates: int) -> float:
-    """§11.11: the median over `replicates` simulations of the idealised mechanism (the run's canaries in and out,
-    q, T, σ/c) of the family bound (§11.9) of the likelihood-ratio scores at `significance`."""
-    included = np.asarray(included, dtype=bool)
-    bounds = []
-    for _ in range(replicates):
-        scores = likelihood_ratio_scores(simulated_projections(rng, included, steps=steps, norm=norm,
-                                                               noise_multiplier=noise_multiplier,
-                                                               sample_rate=sample_rate),
-                                         norm=norm, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-        bounds.append(one_run_fdp.family_lower_bound(scores[included], scores[~included], sample_rate=sample_rate,
-                                                     steps=steps, delta=delta, significance=significance).epsilon)
-    return float(np.median(bounds))
+def statistics(projections: ArrayLike, *, norm: float, noise_multiplier: float,
+               sample_rate: float) -> dict[str, np.ndarray]:
+    """§11.10: the scores of both statistics, by the suffix of their result columns: "" the likelihood ratio,
+    "_summed" the summed projection."""
+    return {"": likelihood_ratio_scores(projections, norm=norm, noise_multiplier=noise_multiplier,
+                                        sample_rate=sample_rate),
+            "_summed": summed_scores(projections)}
 
 
 def false_alarm_rate(rng: np.random.Generator, groups: ArrayLike, members: ArrayLike, *, steps: int,

@@ -56,9 +56,7 @@ def audit_group(config: runs.RunConfig, projections: np.ndarray, included: np.nd
                 level: float, delta: float, rng: np.random.Generator) -> dict:
     """One group's bounds and verdict at significance `level` (its share of α); projections: canaries × steps."""
     sigma, rate, steps = config.noise_multiplier, config.sample_rate, config.total_steps
-    statistics = {"": one_run_ideal.likelihood_ratio_scores(projections, norm=norm, noise_multiplier=sigma,
-                                                           sample_rate=rate),
-                  "_summed": one_run_ideal.summed_scores(projections)}
+    statistics = one_run_ideal.statistics(projections, norm=norm, noise_multiplier=sigma, sample_rate=rate)
     family = dict(sample_rate=rate, steps=steps, delta=delta, significance=level)
     row = {}
     for suffix, scores in statistics.items():
@@ -70,9 +68,10 @@ def audit_group(config: runs.RunConfig, projections: np.ndarray, included: np.nd
     row["violated"] = one_run_fdp.curve_rejected(claim.curve, statistics[""][included], statistics[""][~included],
                                                  significance=level)
     row.update(ideal_bounds(rng, included, norm=norm, noise_multiplier=sigma, **family))
-    separated = np.ones(int(included.sum())), np.zeros(int((~included).sum()))
-    row["fdp_cap"] = one_run_fdp.family_lower_bound(*separated, **family).epsilon
-    row["steinke_cap"] = one_run_audit.one_run_epsilon(*separated, significance=level, delta=delta)
+    row["fdp_cap"] = one_run_fdp.family_lower_bound(np.ones(int(included.sum())), np.zeros(int((~included).sum())),
+                                                    **family).epsilon
+    row["steinke_cap"] = one_run_audit.one_run_cap(members=int(included.sum()), non_members=int((~included).sum()),
+                                                   significance=level, delta=delta, thresholds="grid")
     return row
 
 
@@ -84,9 +83,8 @@ def ideal_bounds(rng: np.random.Generator, included: np.ndarray, *, norm: float,
     for _ in range(IDEAL_REPLICATES):
         projections = one_run_ideal.simulated_projections(rng, included, steps=steps, norm=norm,
                                                           noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-        for suffix, scores in (("", one_run_ideal.likelihood_ratio_scores(
-                projections, norm=norm, noise_multiplier=noise_multiplier, sample_rate=sample_rate)),
-                               ("_summed", one_run_ideal.summed_scores(projections))):
+        for suffix, scores in one_run_ideal.statistics(projections, norm=norm, noise_multiplier=noise_multiplier,
+                                                       sample_rate=sample_rate).items():
             bounds[suffix].append(one_run_fdp.family_lower_bound(
                 scores[included], scores[~included], sample_rate=sample_rate, steps=steps, delta=delta,
                 significance=significance).epsilon)
