@@ -17,8 +17,10 @@ from opacus.utils.uniform_sampler import DistributedUniformWithReplacementSample
 from torch import nn
 from torch.utils.data import DataLoader
 
+from perinstance.api import arguments
 from perinstance.api.examples import examples
-from perinstance.api.sensitivity import check_model, sensitivities
+from perinstance.api.sensitivity import check_loss_fn, check_model, measured_sensitivities
+from perinstance.train.clipping import Transform
 
 
 class Attached:
@@ -56,6 +58,7 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
     if isinstance(optimizer, DPPerLayerOptimizer | AdaClipDPOptimizer) or isinstance(optimizer.max_grad_norm, list):
         raise ValueError(f"optimizer: {type(optimizer).__name__} does not clip every gradient to one fixed bound; "
                          "make it private with clipping='flat'")
+    check_loss_fn(loss_fn)
     check_model(model)
     if {id(param) for param in optimizer.params} != {id(param) for param in model.parameters() if param.requires_grad}:
         raise ValueError("model: its trainable parameters are not those the optimizer updates; give the model "
@@ -78,8 +81,8 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
     def hook(optim):
         due = state["steps"] % every == 0
         if due:
-            clip_bound = optim.max_grad_norm
-            state["ratios"] = sensitivities(model, data, clip_bound, points=points, loss_fn=loss_fn) / clip_bound
+            clip_bound = arguments.positive_finite("clip_bound", optim.max_grad_norm)
+            state["ratios"] = measured_sensitivities(model, chosen, Transform("flat", clip_bound), loss_fn) / clip_bound
         if previous is not None:
             previous(optim)
         accountant.step(noise_multiplier=optim.noise_multiplier, sample_rate=sample_rate * optim.accumulated_iterations,

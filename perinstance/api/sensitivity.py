@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from perinstance.api import arguments
-from perinstance.api.examples import examples
+from perinstance.api.examples import Examples, examples
 from perinstance.persample import batches, gradients
 from perinstance.train import user_code
 from perinstance.train.clipping import CLIPPING_CHOICES, Transform
@@ -71,11 +71,16 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
         scale_r = arguments.positive_finite("scale_r", scale_r if scale_r is not None else math.nan)
     if clipping == "psasc":
         scale_s = arguments.positive_finite("scale_s", scale_s if scale_s is not None else math.nan)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be a function of (outputs, targets), not {type(loss_fn).__name__}")
+    check_loss_fn(loss_fn)
     check_model(model)
-    transform = Transform(clipping, clip_bound, scale_r, scale_s)
-    chosen = examples(data, points)
+    return measured_sensitivities(model, examples(data, points), Transform(clipping, clip_bound, scale_r, scale_s),
+                                  loss_fn)
+
+
+def measured_sensitivities(model: nn.Module, chosen: Examples, transform: Transform,
+                           loss_fn: batches.LossFn | None) -> torch.Tensor:
+    """`sensitivities` of the points `chosen` (api/examples.py) under `transform`, its arguments already checked
+    (IndividualAccountant.attach checks them once, then measures at every due step)."""
     if chosen.first is None:  # no point chosen
         return torch.zeros(0, dtype=torch.float64)
     norms = []
@@ -92,6 +97,12 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
             grad_norms, _, _ = gradients.per_sample_norms(network, inputs, targets, loss_fn)
             norms.append(transform.norms(grad_norms).double().cpu())
     return torch.cat(norms)
+
+
+def check_loss_fn(loss_fn: object) -> None:
+    """A one-line TypeError where `loss_fn` is neither None nor callable."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function of (outputs, targets), not {type(loss_fn).__name__}")
 
 
 def check_model(model: object) -> None:
@@ -130,8 +141,7 @@ def _classes(outputs):
 
 def _class_labels(labels, classes):
     """`labels` as int64 class indices in [0, classes), one per example, for the default loss."""
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.is_floating_point() \
-            or labels.is_complex() or labels.dtype == torch.bool:
+    if not batches.class_indices(labels):
         raise ValueError("data: the default loss (cross-entropy) needs one class index per example as targets; "
                          "give loss_fn for other targets (regression, sequences, ...)")
     outside = labels[(labels < 0) | (labels >= classes)]

@@ -77,13 +77,17 @@ def per_example_loss(outputs: object, targets: object, loss_fn: LossFn | None = 
     return losses.reshape(examples, -1).sum(dim=1) if losses.dim() > 1 else losses
 
 
+def class_indices(targets: object) -> bool:
+    """Whether `targets` are one class index per example: a 1-d tensor of integers (not bool, float or complex)."""
+    return isinstance(targets, torch.Tensor) and targets.dim() == 1 and not targets.is_floating_point() \
+        and not targets.is_complex() and targets.dtype != torch.bool
+
+
 def correct_predictions(outputs: object, targets: object) -> torch.Tensor | None:
     """1.0 where an example's largest output is its target class, 0.0 elsewhere: where outputs are logits
     (n, classes >= 2) and targets one class index per example; None for any other outputs or targets (regression
     values, even whole-numbered ones against one output, token sequences), whose correctness is not defined."""
     classes = isinstance(outputs, torch.Tensor) and outputs.dim() == 2 and outputs.shape[1] >= 2
-    labels = isinstance(targets, torch.Tensor) and targets.dim() == 1 and not targets.is_floating_point() \
-        and not targets.is_complex() and targets.dtype != torch.bool
-    if not (classes and labels and len(outputs) == len(targets)):
+    if not (classes and class_indices(targets) and len(outputs) == len(targets)):
         return None
     return (outputs.argmax(dim=1) == targets).float()
