@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from perinstance.persample import batches, layer_forms, layer_pass, sequence_forms
+from perinstance.persample import batches, layer_forms, layer_pass
 from perinstance.persample.layer_pass import eval_mode
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
@@ -140,7 +140,7 @@ def _split_forward(model, inputs, labels, check=True, loss_fn=None):
             (None, None, None) if layer in rows else layer_pass.record_application(layer_inputs[0], output))
 
     modules = [module for _, module, _ in owners]
-    with layer_forms.group_norm_rows(modules, rows), sequence_forms.attention_projections(model, modules, record):
+    with layer_forms.group_norm_rows(modules, rows):
         logits = layer_pass.forward_with_hook(model, modules, record, inputs)
     structure = (type(model), tuple(name for name, _ in model.named_parameters()))
     if check and structure not in _wrongly_covered:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from opacus import GradSampleModule
 from torch import nn
 
-from perinstance.persample import batches, fallback_norms, layer_forms, sequence_forms
+from perinstance.persample import batches, fallback_norms, layer_forms
 from perinstance.persample.layer_forms import conv2d_norm_form, group_norm_rows, linear_norm_form
 from perinstance.persample.layer_pass import (
     SQUARED_NORMS,
@@ -133,7 +133,7 @@ def _forward(model, inputs, labels, owners=None, loss_fn=None):
             raise ValueError(f"{type(layer).__name__} is applied in a way its closed form does not take "
                              "(attention to other keys than its queries, or unbatched inputs)")
 
-    with group_norm_rows(layers, rows), sequence_forms.attention_projections(model, layers, record):
+    with group_norm_rows(layers, rows):
         logits = forward_with_hook(model, layers, record, inputs)
     unapplied = [layer for layer in layers if layer not in recorded]
     if any(isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear) for layer in unapplied):
@@ -164,7 +164,7 @@ def layer_shapes(model: nn.Module, example: object) -> list:
         if isinstance(layer_inputs[0], torch.Tensor) and isinstance(output, torch.Tensor):
             shapes.append((layer, layer_inputs[0].shape, output.shape))
 
-    with torch.no_grad(), sequence_forms.attention_projections(model, layers, record):
+    with torch.no_grad():
         forward_with_hook(model, layers, record, example)
     return shapes
 
@@ -265,6 +265,20 @@ def _detached(outputs):
     return batches.map_tensors(torch.Tensor.detach, outputs)
 
 
+def weighted_pass(model: nn.Module, inputs: object, labels: object,
+                  weights_of_norms: Callable[[torch.Tensor], torch.Tensor], owners: list | None = None,
+                  loss_fn: batches.LossFn | None = None) -> tuple:
+    """One forward and one backward to the layer outputs (the engine's closed forms; the model must need no
+    fallback): (the pass, each layer's output gradient, each layer's LayerNorms, ||g_i||, w = weights_of_norms(||g_i||)),
+    what the clipped sum and the Gram's factors (gram_forms.py) are built from."""
+    forward = _forward(model, inputs, labels, owners, loss_fn)
+    grad_outputs, norms_by_layer = forward.layer_norms()
+    with torch.no_grad():
+        norms_by_layer = list(norms_by_layer)
+        norms = sum(norms.squared for norms in norms_by_layer).sqrt()
+        return forward, grad_outputs, norms_by_layer, norms, weights_of_norms(norms)
+
+
 def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
                          weights_of_norms: Callable[[torch.Tensor], torch.Tensor],
                          loss_fn: batches.LossFn | None = None
@@ -278,13 +292,10 @@ def clipped_gradient_sum(model: nn.Module, inputs: object, labels: object,
     owners = parameter_owners(model)
     if fallback_norms.needs_fallback(model, owners):  # layers without a closed form here: torch.func, layer by layer
         return fallback_norms.clipped_gradient_sum(model, inputs, labels, weights_of_norms, loss_fn)
-    forward = _forward(model, inputs, labels, owners, loss_fn)
-    grad_outputs, norms_by_layer = forward.layer_norms()
+    forward, grad_outputs, norms_by_layer, norms, weights = weighted_pass(model, inputs, labels, weights_of_norms,
+                                                                         owners, loss_fn)
     with torch.no_grad():
-        norms_by_layer = list(norms_by_layer)
-        norms = sum(norms.squared for norms in norms_by_layer).sqrt()
-        summed = weighted_layer_gradients(forward.layers, forward.inputs, grad_outputs, norms_by_layer,
-                                          weights_of_norms(norms))
+        summed = weighted_layer_gradients(forward.layers, forward.inputs, grad_outputs, norms_by_layer, weights)
     # A layer the forward never applied has zero gradient.
     return ([summed[param] if param in summed else torch.zeros_like(param) for _, params in owners for param in params],
             forward.losses.detach(), norms, _detached(forward.logits))

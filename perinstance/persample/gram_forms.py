@@ -46,10 +46,9 @@ class GramFactor:
 @dataclass
 class GramPass:
     """One pass over a chunk: each parameter layer's GramFactor of h_i = w_i·g_i (None for a layer not asked
-    for), and the examples' gradient norms ||g_i||, losses and logits."""
+    for), and the examples' losses and logits."""
 
     factors: list
-    grad_norms: torch.Tensor
     losses: torch.Tensor
     logits: torch.Tensor
 
@@ -67,19 +66,16 @@ def gram_factors(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                  wanted: Collection[int] | None = None, loss_fn: batches.LossFn | None = None) -> GramPass:
     """The GramFactor of h_i = w_i·g_i, w = weights_of_norms(||g_i||), of every parameter layer (in the order the
     forward applies them; only the layers at positions `wanted`, when given, the others None): one forward and
-    one backward to the layer outputs (gradients._forward), the norms from the engine's forms.
+    one backward to the layer outputs (gradients.weighted_pass), the norms from the engine's forms.
     The model must be one gram_covers takes."""
-    forward = gradients._forward(model, inputs, labels, loss_fn=loss_fn)
-    grad_outputs, norms_by_layer = forward.layer_norms()
+    forward, grad_outputs, norms_by_layer, _, weights = gradients.weighted_pass(model, inputs, labels,
+                                                                               weights_of_norms, loss_fn=loss_fn)
     with torch.no_grad():
-        norms_by_layer = list(norms_by_layer)
-        grad_norms = sum(norms.squared for norms in norms_by_layer).sqrt()
-        weights = weights_of_norms(grad_norms)
         factors = [None if wanted is not None and index not in wanted else
                    _weighted(_layer_factor(layer, layer_inputs, grad_output, norms), weights)
                    for index, (layer, layer_inputs, grad_output, norms)
                    in enumerate(zip(forward.layers, forward.inputs, grad_outputs, norms_by_layer, strict=True))]
-    return GramPass(factors, grad_norms, forward.losses.detach(), forward.logits.detach())
+    return GramPass(factors, forward.losses.detach(), forward.logits.detach())
 
 
 def _weighted(factor, weights):
@@ -101,9 +97,8 @@ def _layer_factor(layer, inputs, grad_output, norms):
     # A convolution whose weight gradient the norms did not form: one output position, or the ghost form.
     if layer_forms.conv2d_norm_form(layer, inputs.shape[2:], grad_output.shape[2:]) == "single":
         return _outer(layer_forms._patches(layer, inputs).reshape(count, -1), grad_output.reshape(count, -1), bias)
-    patch_values = layer.in_channels // layer.groups * layer.kernel_size[0] * layer.kernel_size[1]
-    form = "patches" if layer.groups == 1 and patch_values < layer_forms.PATCH_VALUES else "grouped"
-    parts = [layer_forms._materialised(layer, form, inputs, grad_output).reshape(count, -1)]
+    parts = [layer_forms._materialised(layer, layer_forms.materialised_form(layer), inputs, grad_output)
+             .reshape(count, -1)]
     if bias:
         parts.append(norms.per_sample[layer.bias])
     return GramFactor(rows=torch.cat(parts, dim=1))

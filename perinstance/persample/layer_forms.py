@@ -167,6 +167,12 @@ def conv2d_norm_form(layer: nn.Conv2d, input_size: tuple, output_size: tuple) ->
                               input_size, output_size)
     if layer.groups == 1 and costs["ghost"] < costs["materialised"]:
         return "ghost"
+    return materialised_form(layer)
+
+
+def materialised_form(layer: nn.Conv2d) -> str:
+    """How a convolution's per-sample weight gradients are materialised: "patches" (one group, patches of fewer than
+    PATCH_VALUES values) or "grouped"."""
     if layer.groups == 1 and layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1] < PATCH_VALUES:
         return "patches"
     return "grouped"

@@ -104,11 +104,12 @@ def modified_in_place(layer_input: torch.Tensor | None, version: int | None) -> 
 
 def forward_with_hook(model: nn.Module, layers: Sequence[nn.Module], hook: Callable, inputs: object) -> object:
     """batches.apply_model(model, inputs) with `hook` registered as a forward hook of each of `layers` for this
-    call only (an attention layer calls it itself, within sequence_forms.attention_projections)."""
+    call only (an attention layer calls it itself, within sequence_forms.attention_projections, entered here)."""
     handles = [layer.register_forward_hook(hook) for layer in layers
                if not isinstance(layer, sequence_forms.SELF_RECORDING)]
     try:
-        return batches.apply_model(model, inputs)
+        with sequence_forms.attention_projections(model, layers, hook):
+            return batches.apply_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
