@@ -121,16 +121,16 @@ def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
         elif gram:
             rows, point_gradients = checkpoint_gram(model, run.train_x, run.train_y, point_x, point_y, point_rows,
                                                     transform, workload, device, bar, loss_fn)
+            predictions = point_gradients.predictions
         else:
             # A loss of the run's own: its statistics from the rows, as the Δ_B draws take them (the two passes of
             # checkpoint_statistics differentiate the cross-entropy in closed form along μ).
             rows, point_gradients = checkpoint_gradients(model, run.train_x, run.train_y, point_x, point_y,
                                                          point_rows, transform, device, hold=hold, progress=bar,
                                                          point_rows=not statistics_only, loss_fn=loss_fn)
+            predictions = point_gradients.predictions
             if statistics_only:
                 statistics, _, _ = coupling.measure_statistics(rows, point_gradients)
-    if request.rule != "sum" and not (statistics_only and loss_fn is None):
-        predictions = point_gradients.predictions
     if request.rule == "sum":
         columns = norm_columns(norms)
     elif request.family == COUPLING:
