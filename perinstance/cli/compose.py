@@ -73,7 +73,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> CompositionRequest:
     args = build_parser(prog).parse_args(argv)
-    options.check_delta(args.delta)
     orders = options.check_orders(args.alpha)
     if not 0 <= args.rounding <= 1:
         raise UsageError("--rounding", f"must be in [0, 1] (a fraction of the clip bound), not {args.rounding:g}")

@@ -55,7 +55,6 @@ def build_parser(prog: str | None = None) -> Parser:
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> EpsDeltaRequest:
     args = build_parser(prog).parse_args(argv)
-    options.check_delta(args.delta)
     for flag, value in (("--holder-p", args.holder_p), ("--gaussian", args.gaussian)):
         if value is not None and args.method != "holder":
             raise UsageError(flag, "belongs to GLA's Hölder formula: add --method holder (the exact method has no "

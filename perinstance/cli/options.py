@@ -319,12 +319,6 @@ def add_failure_argument(parser: argparse.ArgumentParser) -> None:
                              "k_min = 0)")
 
 
-def check_delta(delta: float) -> None:
-    """--delta: a probability strictly between 0 and 1 (NaN is not)."""
-    if not 0 < delta < 1:
-        raise UsageError("--delta", f"must be in (0, 1), not {delta:g}")
-
-
 def check_orders(orders: ArrayLike) -> np.ndarray:
     """--alpha: finite orders > 1; returned sorted and without repeats."""
     orders = np.asarray(orders, dtype=float)

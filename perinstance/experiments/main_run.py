@@ -101,13 +101,15 @@ def account_main_run(commands: Commands, config: ReproduceConfig, main: MainRun)
     """The accountants on the main run. Every-step source: the tracked table; checkpoint source: the same table at
     the checkpoint steps (--steps) when it holds every point, else compute_sensitivity.py's result file."""
     total_steps = main.run.total_steps
-    every_step = (main.tracked_path, ["--res-file", main.tracked_path])
+    tracked = ["--res-file", main.tracked_path]
+    # The other composition beside the headline one, from the tracked table: at the checkpoints only (the estimate)
+    # where the headline is every step's, or every step of the tracked points (their bound) otherwise.
     if main.every_point:
-        checkpoints = (main.tracked_path, ["--res-file", main.tracked_path, "--steps",
-                                           ",".join(map(str, main.checkpoint_steps))])
+        source, flags = main.tracked_path, tracked
+        other_flags, other_suffix = [*tracked, "--steps", ",".join(map(str, main.checkpoint_steps))], "-checkpoints_compo"
     else:
-        checkpoints = (result_file(main.name), ["--res-name", main.name])
-    source, flags = every_step if main.every_point else checkpoints
+        source, flags = result_file(main.name), ["--res-name", main.name]
+        other_flags, other_suffix = tracked, "-tracked_compo"
     delta = ["--delta", str(config.delta)]
     compose = ["--holder-b", holder_text(COMPOSITION_HOLDER_B).replace("∞", "inf"), *delta]
 
@@ -119,12 +121,8 @@ def account_main_run(commands: Commands, config: ReproduceConfig, main: MainRun)
     composed = account("renyi_per_instance_sum_compo.py", [*flags, *compose], "_compo", source)
     composed_pld = account("renyi_per_instance_sum_compo.py", [*flags, *compose, "--accountant", "pld"], "_compo_pld",
                            source)
-    if main.every_point:
-        bound, estimate = composed, account("renyi_per_instance_sum_compo.py", [*checkpoints[1], *compose],
-                                            "-checkpoints_compo", checkpoints[0])
-    else:
-        bound, estimate = account("renyi_per_instance_sum_compo.py", [*every_step[1], *compose], "-tracked_compo",
-                                  every_step[0]), composed
+    other = account("renyi_per_instance_sum_compo.py", [*other_flags, *compose], other_suffix, main.tracked_path)
+    bound, estimate = (composed, other) if main.every_point else (other, composed)
     return Accounted(guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]),
                      guarantees(composed_pld, ["point"]), guarantees(bound, ["point"]), guarantees(estimate, ["point"]))
 

@@ -55,9 +55,10 @@ HEADLINE = {True: "a bound along the observed run (Δ* of every point at every s
             False: "an estimate (Δ* held between checkpoints; the bound covers the tracked points only, finding 10)"}
 
 
-def percent_text(interval: Interval) -> str:
-    """'+0.12% [−0.05%, +0.3%]': a relative value with its 95% interval."""
-    return f"{100 * interval.estimate:+.3g}% [{100 * interval.low:+.3g}%, {100 * interval.high:+.3g}%]"
+def percent_text(interval: Interval, sign: str = "+") -> str:
+    """'+0.12% [−0.05%, +0.3%]': a relative value with its 95% interval (sign "": without the plus signs)."""
+    return (f"{100 * interval.estimate:{sign}.3g}% [{100 * interval.low:{sign}.3g}%, "
+            f"{100 * interval.high:{sign}.3g}%]")
 
 
 def estimate_line(estimate: dict) -> str:
@@ -70,12 +71,10 @@ def estimate_line(estimate: dict) -> str:
     return (f"the checkpoint estimate (Δ* held between the {estimate['checkpoints']} checkpoints) against the bound "
             f"(Δ* at every step), {estimate['points']} points: relative error (estimate − bound)/bound median "
             f"{percent_text(estimate['relative_median'])} (95% interval), largest |relative error| "
-            f"{100 * largest.estimate:.3g}% [{100 * largest.low:.3g}%, {100 * largest.high:.3g}%] ({side} its bound); "
-            f"the estimate is below the bound for {estimate['count_below']} points, {100 * share.estimate:.3g}% "
-            f"[{100 * share.low:.3g}%, {100 * share.high:.3g}%]"
+            f"{percent_text(largest, sign='')} ({side} its bound); "
+            f"the estimate is below the bound for {estimate['count_below']} points, {percent_text(share, sign='')}"
             + ("" if estimate["shortfall_largest"] is None else
-               f", by up to {100 * estimate['shortfall_largest'].estimate:.3g}% "
-               f"[{100 * estimate['shortfall_largest'].low:.3g}%, {100 * estimate['shortfall_largest'].high:.3g}%]")
+               f", by up to {percent_text(estimate['shortfall_largest'], sign='')}")
             + " (a composition over checkpoints is an estimate, not a bound); "
             f"Pearson r = {r_text(estimate['pearson'], estimate['pearson_interval'])}, mean |error| "
             f"{estimate['mean_abs_error']:.3g}, max |error| {estimate['max_abs_error']:.3g}")

@@ -86,6 +86,18 @@ def at_order(table: pd.DataFrame, alpha: float) -> np.ndarray:
     return table[alpha].to_numpy()
 
 
+def rate_mechanisms(main_run: RunConfig, sample_rates: tuple[float, ...], epochs: float,
+                    eps: float) -> tuple[list[int], list[RunConfig], list[float]]:
+    """The fixed-checkpoint design's mechanism per sampling rate q: a run at q lasts T_q = epochs/q steps, and its
+    RunConfig (B_exp = qN, σ_q for `eps` over T_q steps, run_plan.analysed_config) and δ_size = δ/(10·T_q) (§3.4)
+    are that run's. Returns (T_q, the RunConfigs, the δ_size), in the order of `sample_rates`."""
+    size = main_run.dataset_size
+    run_steps = [max(1, round(epochs / rate)) for rate in sample_rates]
+    analysed = [run_plan.analysed_config(main_run, max(1, round(rate * size)), steps_at_rate, eps)
+                for rate, steps_at_rate in zip(sample_rates, run_steps)]
+    return run_steps, analysed, [main_run.delta / (10 * steps_at_rate) for steps_at_rate in run_steps]
+
+
 def fixed_checkpoint_design(commands: Commands, config: ReproduceConfig, main_name: str, mean_name: str,
                             main_run: RunConfig, sensitivities: pd.DataFrame, device: str) -> dict[str, dict[float,
                             tuple[dict, dict, dict]]]:
@@ -100,11 +112,7 @@ def fixed_checkpoint_design(commands: Commands, config: ReproduceConfig, main_na
     checkpoint_of = {"early": min(saved, key=lambda step: (abs(step - config.early_stage * total), step)),
                      "final": total}
     size = main_run.dataset_size
-    # A run at rate q lasts epochs/q steps; its σ_q and δ_size = δ/(10·T_q) (§3.4) are that run's.
-    run_steps = [max(1, round(config.epochs / rate)) for rate in config.fixed_sample_rates]
-    analysed = [run_plan.analysed_config(main_run, max(1, round(rate * size)), steps_at_rate, config.eps)
-                for rate, steps_at_rate in zip(config.fixed_sample_rates, run_steps)]
-    size_deltas = [main_run.delta / (10 * steps_at_rate) for steps_at_rate in run_steps]
+    run_steps, analysed, size_deltas = rate_mechanisms(main_run, config.fixed_sample_rates, config.epochs, config.eps)
     points = parse_points(config.mean_points, size, main_run.seed)
     by_rate = {}
     for label, step in checkpoint_of.items():
