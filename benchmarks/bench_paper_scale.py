@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _workloads import device_name, random_cifar_dataset, require_device, timer  # noqa: E402
 
 from perinstance.cli.options import parse_training_flags  # noqa: E402
+from perinstance.experiments.config import PRESETS  # noqa: E402
+from perinstance.experiments.sampling_rates import FIXED_MAX_SIZES, FIXED_MC_BLOCKS, rate_mechanisms  # noqa: E402
 from perinstance.files import storage  # noqa: E402
 from perinstance.measure import coupling, measurement  # noqa: E402
 from perinstance.measure import gram as gram_module  # noqa: E402
@@ -44,18 +46,17 @@ from perinstance.train.clipping import Transform  # noqa: E402
 from perinstance.train.nets import build_model  # noqa: E402
 
 # The cifar10 preset (experiments/config.py) and its fixed-checkpoint design (experiments/sampling_rates.py).
-PRESET_SIZE, PRESET_POINTS, PRESET_DRAWS = 50_000, 1_000, 10_000
-PRESET_RATES = (0.008, 0.032, 0.128, 0.5)
-PRESET_EPOCHS, PRESET_BATCH, PRESET_EPS, DELTA = 40.0, 512, 10.0, 1e-5
-MC_BLOCKS, MAX_SIZES = 4, 32
+PRESET = PRESETS["cifar10"]
+PRESET_SIZE = 50_000  # CIFAR-10's training set
+PRESET_POINTS = int(PRESET.mean_points.removeprefix("random:"))
 SMOKE = {"train_size": 64, "points": 4, "num_batches": 64}
 
 
 def preset_run(dataset, device):
     """The preset's main run as its RunConfig (run.json), without training it."""
     args = run_plan.resolve_training_args(parse_training_flags([
-        "--model", "resnet20", "--batch-size", str(min(PRESET_BATCH, len(dataset.train_y))), "--epochs",
-        str(PRESET_EPOCHS), "--eps", str(PRESET_EPS), "--models-dir", tempfile.gettempdir(), "--device", device]))
+        "--model", PRESET.model, "--batch-size", str(min(PRESET.batch_size, len(dataset.train_y))), "--epochs",
+        str(PRESET.epochs), "--eps", str(PRESET.eps), "--models-dir", tempfile.gettempdir(), "--device", device]))
     return run_plan.plan_run(args, dataset)
 
 
@@ -63,7 +64,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-size", type=int, default=PRESET_SIZE, help="N, the training points")
     parser.add_argument("--points", type=int, default=PRESET_POINTS, help="points measured")
-    parser.add_argument("--num-batches", type=int, default=PRESET_DRAWS, help="Δ_B draws per point and rate")
+    parser.add_argument("--num-batches", type=int, default=PRESET.num_batches, help="Δ_B draws per point and rate")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--smoke", action="store_true", help=f"seconds: {SMOKE}")
     args = parser.parse_args()
@@ -74,14 +75,12 @@ def main():
     dataset = random_cifar_dataset(args.train_size)
     size = args.train_size
     torch.manual_seed(0)
-    model = build_model("resnet20", 3, 32, 10).to(device)
+    model = build_model(PRESET.model, 3, 32, 10).to(device)
     main_run = preset_run(dataset, device)
-    run_steps = [max(1, round(PRESET_EPOCHS / rate)) for rate in PRESET_RATES]
-    analysed = [run_plan.analysed_config(main_run, max(1, round(rate * size)), steps, PRESET_EPS)
-                for rate, steps in zip(PRESET_RATES, run_steps)]
-    plans = [coupling.coupling_plan(0, main_run.total_steps, size - 1, mechanism.sample_rate, DELTA / (10 * steps),
-                                    args.num_batches, MC_BLOCKS, MAX_SIZES)
-             for mechanism, steps in zip(analysed, run_steps)]
+    _, analysed, size_deltas = rate_mechanisms(main_run, PRESET.fixed_sample_rates, PRESET.epochs, PRESET.eps)
+    plans = [coupling.coupling_plan(0, main_run.total_steps, size - 1, mechanism.sample_rate, size_delta,
+                                    args.num_batches, FIXED_MC_BLOCKS, FIXED_MAX_SIZES)
+             for mechanism, size_delta in zip(analysed, size_deltas)]
     points = np.sort(np.random.default_rng(0).choice(size, args.points, replace=False))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"{device_name(device)}, load average before: {os.getloadavg()[0]:.2f}")
@@ -133,7 +132,7 @@ def main():
                   "points × draws")
     total = sum(seconds for _, seconds, _ in timings)
     scale = {"N": PRESET_SIZE / size, "N²": (PRESET_SIZE / size) ** 2,
-             "points × draws": PRESET_POINTS * PRESET_DRAWS / (args.points * args.num_batches)}
+             "points × draws": PRESET_POINTS * PRESET.num_batches / (args.points * args.num_batches)}
     at_preset = all(value == 1 for value in scale.values())
     print("\n| part | seconds, measured | grows with | " + ("" if at_preset else "× factor | seconds at the preset |"))
     print("| --- | ---: | --- | " + ("" if at_preset else "---: | ---: |"))
@@ -144,7 +143,7 @@ def main():
         print(f"| {name} | {seconds:.2f} | {growth} | {extra}")
     print(f"| **one checkpoint** | **{total:.1f}** | | " + ("" if at_preset else f"| **{extrapolated:.0f}** |"))
     if not at_preset:
-        print(f"\nextrapolated to the preset (N = {PRESET_SIZE:,}, {PRESET_POINTS:,} points × {PRESET_DRAWS:,} "
+        print(f"\nextrapolated to the preset (N = {PRESET_SIZE:,}, {PRESET_POINTS:,} points × {PRESET.num_batches:,} "
               f"draws) on this device: {extrapolated:.0f} s per checkpoint, {2 * extrapolated:.0f} s for the design's "
               "two checkpoints (an estimate from the growth of each part; the split of layers between the Gram and "
               "kept rows is the measured size's)")

@@ -37,9 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the reference is the tests' oracle
 
 from _workloads import (  # noqa: E402
-    add_timing_arguments,
     device_name,
-    require_device,
+    parse_timed,
     same_round_ratios,
     timer,
     transformer_workload,
@@ -255,17 +254,10 @@ def main():
     parser.add_argument("--resnet-points", type=int, default=512)
     parser.add_argument("--transformer-points", type=int, default=1024)
     parser.add_argument("--reference-sets", type=int, default=5)
-    add_timing_arguments(parser)
     parser.add_argument("--part", type=int, choices=(1, 2), help="only part 1 (Δ*) or part 2 (the Rényi mean "
                                                                    "experiment); both by default")
-    parser.add_argument("--smoke", action="store_true",
-                        help="synthetic data, one round, one reference set and a small Monte Carlo, for CI")
-    args = parser.parse_args()
-    require_device(parser, args.device)
-    if args.smoke:
-        args.rounds, args.reference_sets, args.resnet_points, args.threads = 1, 1, SMOKE_RESNET_POINTS, 1
-        args.transformer_points = SMOKE_TRANSFORMER_POINTS
-    torch.set_num_threads(args.threads)
+    args = parse_timed(parser, {"rounds": 1, "reference_sets": 1, "resnet_points": SMOKE_RESNET_POINTS, "threads": 1,
+                                "transformer_points": SMOKE_TRANSFORMER_POINTS})
     lenet, resnet = workloads(args.smoke, args.resnet_points)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, {device_name(args.device)}, "
           f"load average before: {os.getloadavg()[0]:.2f}")

@@ -26,12 +26,15 @@ from _smoke import synthetic_lenet_dataset  # noqa: E402
 from _workloads import device_name, parse_timed, timer  # noqa: E402
 
 from perinstance.cli import options  # noqa: E402
+from perinstance.experiments.config import PRESETS  # noqa: E402
 from perinstance.train import run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
 
 warnings.filterwarnings("ignore")
 # The quick preset's main run (perinstance/experiments/config.py), its checkpoints aside.
-QUICK = ["--model", "lenet5", "--batch-size", "256", "--lr", "2.0", "--epochs", "4.0", "--eps", "10.0"]
+QUICK_PRESET = PRESETS["quick"]
+QUICK = ["--model", QUICK_PRESET.model, "--batch-size", str(QUICK_PRESET.batch_size), "--lr", str(QUICK_PRESET.lr),
+         "--epochs", str(QUICK_PRESET.epochs), "--eps", str(QUICK_PRESET.eps)]
 SMOKE_SIZES = {"steps": 2, "repeats": 1}
 SMOKE_BATCH = 32
 # The tracking pass's chunk sizes timed against tracking.py's, as multiples of it.

@@ -44,6 +44,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _workloads import device_name  # noqa: E402
+
 from perinstance.experiments.config import PRESETS, apply_overrides, check_config  # noqa: E402
 from perinstance.train.run_plan import checkpoint_schedule  # noqa: E402
 
@@ -76,6 +78,10 @@ class Part:
     returncode: int | None = None
     timed_out: bool = False
     stdout: str = ""
+
+    @property
+    def state(self) -> str:
+        return "cut short by its time share" if self.timed_out else f"exit {self.returncode}"
 
 
 def run_part(part: Part, timeout: float, out: str) -> Part:
@@ -213,9 +219,8 @@ def checkpoint_seconds(stdout: str) -> float | None:
 # --- the run -----------------------------------------------------------------------------------------------
 
 def header(device: str) -> list[str]:
-    card = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "CPU"
     cuda = f", CUDA {torch.version.cuda}" if torch.device(device).type == "cuda" else ""
-    return [f"device check: {card}, torch {torch.__version__}{cuda}, {os.cpu_count()} CPU cores, "
+    return [f"device check: {device_name(device)}, torch {torch.__version__}{cuda}, {os.cpu_count()} CPU cores, "
             f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load average "
             f"{os.getloadavg()[0]:.2f}"]
 
@@ -278,13 +283,11 @@ def main():
             continue
         share = left if args.smoke else SHARES[part.name] * args.budget / sum(SHARES.values())
         run_part(part, min(share, left), out)
-        state = "cut short by its time share" if part.timed_out else f"exit {part.returncode}"
-        print(f"{part.name}: {part.seconds:.0f} s, {state}", flush=True)
+        print(f"{part.name}: {part.seconds:.0f} s, {part.state}", flush=True)
         done.append(part)
 
-    lines += [f"\n## {part.name}: {part.seconds:.0f} s, " + ("cut short by its time share" if part.timed_out else
-                                                            f"exit {part.returncode}") + f"\n$ {' '.join(part.argv)}\n"
-              + part.stdout.strip() for part in done]
+    lines += [f"\n## {part.name}: {part.seconds:.0f} s, {part.state}\n$ {' '.join(part.argv)}\n" + part.stdout.strip()
+              for part in done]
     lines += extrapolation_lines(done, SMOKE_TIMINGS if args.smoke else None)
     report = os.path.join(work, "preset", "figures", "report.md")
     if os.path.exists(report):
