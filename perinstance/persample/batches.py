@@ -54,13 +54,20 @@ def to_device(batch: object, device: str | torch.device) -> object:
     return map_tensors(lambda tensor: tensor.to(device), batch)
 
 
+def call_arguments(inputs: object) -> tuple[tuple, dict]:
+    """(positional, keyword) arguments of the model's call on `inputs`: a mapping as keywords, a tuple or list as
+    positional arguments, anything else as the one argument."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, tuple | list):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
 def apply_model(model: nn.Module, inputs: object) -> object:
     """model(x), model(*x) or model(**x) for a tensor, a tuple or list, or a mapping of inputs."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple | list):
-        return model(*inputs)
-    return model(inputs)
+    args, kwargs = call_arguments(inputs)
+    return model(*args, **kwargs)
 
 
 def per_example_loss(outputs: object, targets: object, loss_fn: LossFn | None = None) -> torch.Tensor:

@@ -223,12 +223,7 @@ def per_example_gradients(model: nn.Module, names: list, inputs: object, labels:
         return batches.map_tensors(lambda tensor: tensor.unsqueeze(0), batch)
 
     def loss(params, example, label):
-        example = one(example)
-        if isinstance(example, dict):
-            outputs = torch.func.functional_call(model, params, (), example)
-        else:
-            outputs = torch.func.functional_call(model, params, tuple(example) if isinstance(example, tuple | list)
-                                                 else (example,))
+        outputs = torch.func.functional_call(model, params, *batches.call_arguments(one(example)))
         return batches.per_example_loss(outputs, one(label), loss_fn).sum()
 
     # torch.func.grad differentiates inside; nothing outside needs a graph.

@@ -385,6 +385,14 @@ def weight_gradients(layer: nn.Module, inputs: torch.Tensor, grad_outputs: torch
         view = conv1d_as_conv2d(layer)
         grads = weight_gradients(view, inputs.unsqueeze(2), grad_outputs.unsqueeze(2), [view.weight])
         return {layer.weight: grads[view.weight].reshape(layer.weight.shape)}
+    return affine_gradients(layer.weight, inputs, grad_outputs, params)
+
+
+def affine_gradients(weight: torch.Tensor, inputs: torch.Tensor, grad_outputs: torch.Tensor,
+                     params: Sequence[nn.Parameter]) -> dict:
+    """The summed gradients of `params` (`weight` and a bias) of an affine map applied to every row (token) of
+    `inputs`, for the gradient `grad_outputs` of its outputs: Σ_rows grad·inputᵀ for the weight, Σ_rows grad for
+    the bias."""
     grad_rows = grad_outputs.reshape(-1, grad_outputs.shape[-1])
-    return {param: grad_rows.T @ inputs.reshape(-1, inputs.shape[-1]) if param is layer.weight else grad_rows.sum(dim=0)
+    return {param: grad_rows.T @ inputs.reshape(-1, inputs.shape[-1]) if param is weight else grad_rows.sum(dim=0)
             for param in params}

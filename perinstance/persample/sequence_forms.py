@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perinstance.persample.layer_forms import LayerNorms, linear_parts
+from perinstance.persample.layer_forms import LayerNorms, affine_gradients, linear_parts
 
 
 def embedding_squared_norms(layer: nn.Embedding, ids: torch.Tensor, grad_outputs: torch.Tensor) -> LayerNorms:
@@ -96,9 +96,7 @@ def weight_gradients(layer: nn.Module, inputs: torch.Tensor, grad_outputs: torch
         keys, rows = _keyed_rows(layer, inputs, grad_outputs)
         ids = keys % layer.num_embeddings
         return {layer.weight: rows.new_zeros(layer.weight.shape).index_add_(0, ids, rows)}
-    grad_rows = grad_outputs.reshape(-1, grad_outputs.shape[-1])
-    return {param: grad_rows.T @ inputs.reshape(-1, inputs.shape[-1]) if param is layer.in_proj_weight
-            else grad_rows.sum(dim=0) for param in params}
+    return affine_gradients(layer.in_proj_weight, inputs, grad_outputs, params)
 
 
 @contextmanager
