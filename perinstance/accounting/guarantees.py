@@ -16,8 +16,10 @@ from perinstance.accounting import exact_eps_delta
 class Kind(enum.StrEnum):
     """How a number was obtained (§3.5)."""
 
-    ESTIMATE = "estimate"  # Monte Carlo: not a bound
+    ESTIMATE = "estimate"  # Monte Carlo, with its spread: not a bound
+    HELD_ESTIMATE = "held_estimate"  # a composition that holds Δ* between measurements (§4): not a bound
     CERTIFIED = "certified"  # a bound, with probability 1 − delta_fail where it has one
+    GUARANTEE = "guarantee"  # an individual filter's budget (§12.3): holds over every trajectory, not only this one
     BASELINE = "baseline"  # the data-independent bound
     GLA_STATISTIC = "gla_statistic"  # GLA's statistic, for reproducing the paper
 

@@ -23,10 +23,12 @@ from perinstance.files import fileio, storage
 
 TABLE_ROWS = 20
 PROVENANCE_FORMAT = 1
-KIND_LABEL = {Kind.ESTIMATE: "estimate (Monte Carlo, not a bound)", Kind.CERTIFIED: "certified bound",
+KIND_LABEL = {Kind.ESTIMATE: "estimate (Monte Carlo, not a bound)",
+              Kind.HELD_ESTIMATE: "held estimate (Δ* held between measurements, not a bound)",
+              Kind.CERTIFIED: "certified bound", Kind.GUARANTEE: "guarantee (the filter's budget, every trajectory)",
               Kind.BASELINE: "data-independent baseline", Kind.GLA_STATISTIC: "GLA statistic (loose)"}
-# The kind a summary is about: a bound when there is one.
-MAIN_KINDS = (Kind.CERTIFIED, Kind.ESTIMATE, Kind.GLA_STATISTIC, Kind.BASELINE)
+# The kind a summary is about: a guarantee or a bound when there is one.
+MAIN_KINDS = (Kind.GUARANTEE, Kind.CERTIFIED, Kind.HELD_ESTIMATE, Kind.ESTIMATE, Kind.GLA_STATISTIC, Kind.BASELINE)
 
 
 @dataclass(frozen=True)
