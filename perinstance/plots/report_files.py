@@ -49,13 +49,18 @@ def markdown_table(table: Table) -> list[str]:
     return lines
 
 
-def _figure_links(finding: Finding, figures: dict[str, Figure], markdown: bool) -> str:
+def _links_line(finding: Finding, figures: dict[str, Figure], markdown: bool) -> str:
+    """"Figure: <links to its figures>. More: <link>." under a finding, in Markdown or HTML ("" without links)."""
     links = []
-    for file in finding.figures:
-        title = figures[file].title if file in figures else file
-        links.append(f"[{title}](#{figure_anchor(file)})" if markdown else
-                     f'<a href="#{figure_anchor(file)}">{html.escape(title)}</a>')
-    return ", ".join(links)
+    if finding.figures:
+        named = [(f"#{figure_anchor(file)}", figures[file].title if file in figures else file)
+                 for file in finding.figures]
+        links.append("Figure: " + ", ".join(f"[{title}]({target})" if markdown else
+                                            f'<a href="{target}">{html.escape(title)}</a>' for target, title in named))
+    if finding.more:
+        links.append(f"More: [{finding.more}]({finding.more})" if markdown else
+                     f'More: <a href="{html.escape(finding.more)}">{html.escape(finding.more)}</a>')
+    return ". ".join(links) + "." if links else ""
 
 
 def render_markdown(report: Report) -> str:
@@ -70,13 +75,9 @@ def render_markdown(report: Report) -> str:
             lines += [*markdown_table(finding.table), ""]
         if finding.note:
             lines += [finding.note, ""]
-        links = []
-        if finding.figures:
-            links.append("Figure: " + _figure_links(finding, figures, markdown=True))
-        if finding.more:
-            links.append(f"More: [{finding.more}]({finding.more})")
+        links = _links_line(finding, figures, markdown=True)
         if links:
-            lines += [". ".join(links) + ".", ""]
+            lines += [links, ""]
     if report.figures:
         lines += ["## Figures", ""]
         for figure in report.figures:
@@ -132,13 +133,9 @@ def render_html(report: Report, folder: str) -> str:
             parts.append(_html_table(finding.table))
         if finding.note:
             parts.append(f'<p class="note">{_inline_markdown(finding.note)}</p>')
-        links = []
-        if finding.figures:
-            links.append("Figure: " + _figure_links(finding, figures, markdown=False))
-        if finding.more:
-            links.append(f'More: <a href="{html.escape(finding.more)}">{html.escape(finding.more)}</a>')
+        links = _links_line(finding, figures, markdown=False)
         if links:
-            parts.append(f'<p class="more">{". ".join(links)}.</p>')
+            parts.append(f'<p class="more">{links}</p>')
         parts.append("</section>")
     if report.figures:
         parts.append('<h2 id="figures">Figures</h2>')
