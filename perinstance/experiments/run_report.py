@@ -185,11 +185,15 @@ def _breakdown(members: list[np.ndarray], eps: np.ndarray) -> list[Interval]:
 
 
 def _extremes(kind_of_group: str, names: list[str], medians: list[Interval]) -> str:
+    """The takeaway of a breakdown: the groups of highest and of lowest median, each with its interval."""
     estimates = np.array([median.estimate for median in medians])
     high, low = int(np.argmax(estimates)), int(np.argmin(estimates))
-    return (f"{kind_of_group.capitalize()} {names[high]} has the highest median composed ε, "
-            f"{interval_text(medians[high], 3)}, and {kind_of_group} {names[low]} the lowest, "
-            f"{interval_text(medians[low], 3)}; each interval is over that {kind_of_group}'s own points.")
+    if estimates[high] == estimates[low]:
+        return (f"Every {kind_of_group} has the same median composed ε, {estimates[high]:.4g}, with its 95% interval "
+                f"over the {kind_of_group}'s own points in the table.")
+    return (f"By median composed ε, the highest {kind_of_group} is {names[high]} ({interval_text(medians[high], 3)}) "
+            f"and the lowest {names[low]} ({interval_text(medians[low], 3)}); each interval is over that "
+            f"{kind_of_group}'s own points.")
 
 
 def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: list[str], class_accuracy: list[float],
@@ -248,6 +252,21 @@ def points_finding(points_path: str, table: pd.DataFrame) -> Finding:
                          tuple((column, COLUMN_MEANINGS[column]) for column in table.columns)))
 
 
+def span_text(values: np.ndarray) -> str:
+    """'runs from 2.9 to 3.1', or 'is 3.343' for equal values."""
+    low, high = f"{values.min():.4g}", f"{values.max():.4g}"
+    return f"is {low}" if low == high else f"runs from {low} to {high}"
+
+
+def extreme_rows(eps: np.ndarray, losses: np.ndarray, points: np.ndarray, key: str,
+                 size: int = GALLERY_SIZE) -> np.ndarray:
+    """The rows of the `size` points of highest (`key` "highest") or lowest ("lowest") ε, in that order. Points of
+    equal ε (many share the worst case: Δ* at Γ at every step) go by their final loss, the highest loss first among
+    the highest ε and the lowest among the lowest, then by point index."""
+    sign = -1 if key == "highest" else 1
+    return np.lexsort((points, sign * np.asarray(losses), sign * np.asarray(eps)))[:size]
+
+
 class Gallery:
     """The galleries of one run: the points picked by their composed ε, drawn as images (`images`, from
     display_images) or, for other data (`images` None), listed in a table."""
@@ -282,13 +301,8 @@ class Gallery:
         return None, Figure(FIGURES[key], title, caption)
 
     def extreme(self, key: str) -> tuple[Finding, Figure | None]:
-        """The GALLERY_SIZE points of highest (`key` "highest") or lowest ("lowest") composed ε. Points of equal ε
-        (many share the worst case: Δ* at Γ at every step) go by their final loss, the highest loss first among the
-        highest ε and the lowest among the lowest, then by index."""
-        points, losses = self.table["point"].to_numpy(), self.table["loss"].to_numpy()
-        sign = -1 if key == "highest" else 1
-        order = np.lexsort((points, sign * losses, sign * self.eps))
-        chosen = order[:GALLERY_SIZE]
+        """The GALLERY_SIZE points of highest (`key` "highest") or lowest ("lowest") composed ε (extreme_rows)."""
+        chosen = extreme_rows(self.eps, self.table["loss"].to_numpy(), self.table["point"].to_numpy(), key)
         picked = self.eps[chosen]
         ties = int(np.sum(self.eps == picked[-1]))
         bound = "bound" if self.kind == Kind.CERTIFIED.value else "held estimate"
@@ -300,8 +314,8 @@ class Gallery:
         tie_note = (f" {ties:,} points share the last ε shown, {picked[-1]:.4g}: of them, those of {key} final loss "
                     "are shown." if ties > 1 and ties > int(np.sum(picked == picked[-1])) else "")
         finding = Finding(f"{key}-eps", f"The {len(chosen)} points of {key} composed ε",
-                          f"Their composed ε runs from {picked.min():.4g} to {picked.max():.4g}; {wrong} of the "
-                          f"{len(chosen)} are misclassified by the final model.{tie_note}",
+                          f"Their composed ε {span_text(picked)}; {wrong} of the {len(chosen)} are misclassified by "
+                          f"the final model.{tie_note}",
                           table, figures=() if figure is None else (figure.file,))
         return finding, figure
 
@@ -317,18 +331,19 @@ class Gallery:
         rows_of = pd.Series(np.arange(len(self.table)), index=self.table["point"].to_numpy())
         order = np.lexsort((both.to_numpy(), -shortfall))
         chosen_points = both.to_numpy()[order][:GALLERY_SIZE][below[order][:GALLERY_SIZE]]
-        title = f"The {len(chosen_points)} points whose held estimate falls furthest below their bound"
+        title = "The held estimate against the bound"
         takeaway = (f"Holding Δ* between the {checkpoints} checkpoints gives an ε below the every-step bound for "
                     f"{percent_text(share)} of the {len(both):,} points that have both")
         if not len(chosen_points):
-            return Finding("held-below-bound", title, takeaway + ": for none.", more=MORE), None
+            return Finding("held-below-bound", title, takeaway + ".", more=MORE), None
         rows = rows_of.loc[chosen_points].to_numpy()
         full_bound = np.full(len(self.table), np.nan)
         full_held = np.full(len(self.table), np.nan)
         full_bound[rows_of.loc[both].to_numpy()] = bound.loc[both].to_numpy()
         full_held[rows_of.loc[both].to_numpy()] = held.loc[both].to_numpy()
         largest = intervals.maximum_interval(shortfall)
-        table, figure = self._draw("held_below", rows, {"bound": full_bound, "held": full_held}, title,
+        table, figure = self._draw("held_below", rows, {"bound": full_bound, "held": full_held},
+                                   f"The {len(rows)} points whose held estimate falls furthest below their bound",
                                    "Each image with its point index, label→prediction, final loss, its composed ε "
                                    "from Δ* at every step (bound) and with Δ* held between checkpoints (held): the "
                                    "held estimate is not a bound, and here it falls below it.")
