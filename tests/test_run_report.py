@@ -3,6 +3,7 @@ points.csv against independent computations (the API's IndividualAccountant fed 
 losses, the dataset's labels), the galleries' points against a sort of points.csv, --groups and its refusals, the
 tables that stand in for images on other data, the mean rule refused, and report.html in a real headless browser."""
 
+import dataclasses
 import html
 import json
 import os
@@ -14,6 +15,7 @@ import dp_accounting
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from conftest import assert_usage_error, run_in_process, snapshot
 from dp_accounting.pld import pld_privacy_accountant
 
@@ -24,13 +26,13 @@ from perinstance.experiments import point_table, run_report
 from perinstance.files import storage, tracked_rows
 from perinstance.plots.report_files import prose_words
 from perinstance.train import runs
-from perinstance.train.data import load_dataset
+from perinstance.train.data import display_images, load_dataset
 
 # LeNet-5 on 256 MNIST digits, T = 8 steps, checkpoints at 0, 3, 6 and 8, every point tracked at every step.
 LENET = ["--dataset", "first:256:mnist-embedded", "--model", "lenet5", "--batch-size", "32", "--lr", "0.5", "--cn", "3",
          "--sigma", "1.0", "--epochs", "1", "--save-freq", "3"]
 # The MLP on the synthetic points (not images), T = 16, 50 of the 512 points tracked.
-SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--sigma", "1.0",
+SYNTHETIC = ["--dataset", "synthetic", "--model", "mlp", "--batch-size", "32", "--lr", "0.5", "--sigma", "1.0", "--cn", "3",
              "--epochs", "1", "--save-freq", "4"]
 PROSE_LIMIT = 60
 
@@ -137,7 +139,7 @@ def test_groups_go_to_points_csv_and_the_report(lenet):
     workdir, _, document = lenet
     points = points_of(workdir, "lenet")
     assert list(points["group"].iloc[:4]) == ["even", "odd", "even", "odd"] and points["group"].iloc[200:].isna().all()
-    finding = next(finding for finding in document.findings if finding.key == "per-group")
+    finding = next(finding for finding in document.findings if finding.key == "points-per-group")
     rows = {row[0]: row for row in finding.table.rows}
     assert set(rows) == {"even", "odd"} and rows["even"][1] == "100" and rows["odd"][1] == "100"
     even = points.loc[points["group"] == "even", "eps_rdp"].median()
@@ -152,7 +154,7 @@ def test_image_data_get_galleries_and_every_finding_stays_short(lenet):
     for key in ("highest", "lowest", "held_below", "class", "group"):
         assert (folder / run_report.FIGURES[key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", key
     findings = {finding.key: finding for finding in document.findings}
-    assert findings["highest-eps"].table is None and findings["highest-eps"].figures == (
+    assert findings["points-highest-eps"].table is None and findings["points-highest-eps"].figures == (
         run_report.FIGURES["highest"],)
     for finding in document.findings:
         assert prose_words(finding) <= PROSE_LIMIT, (finding.key, prose_words(finding))
@@ -188,7 +190,7 @@ def test_other_data_get_tables_of_the_same_points(synthetic):
         expected = points["point"].to_numpy()[run_report.extreme_rows(points["eps_held"].to_numpy(),
                                                                       points["loss"].to_numpy(),
                                                                       points["point"].to_numpy(), key)]
-        assert markdown_rows(markdown, f"{key}-eps") == [str(point) for point in expected]
+        assert markdown_rows(markdown, f"points-{key}-eps") == [str(point) for point in expected]
     for finding in document.findings:
         assert prose_words(finding) <= PROSE_LIMIT, (finding.key, prose_words(finding))
 
@@ -209,7 +211,11 @@ def test_tracked_points_get_their_bound_and_the_others_the_held_estimate(synthet
                                rtol=1e-6)
     summary = dict(document.summary.rows)
     assert summary["what each point's composed ε is"].startswith("held estimate")
-    assert "held-below-bound" in {finding.key for finding in document.findings}
+    # The held-below table: the tracked points whose held estimate falls furthest below their bound, relative to it.
+    held_below = next(finding for finding in document.findings if finding.key == "points-held-below-bound")
+    shortfall = ((points["eps_rdp"] - points["eps_held"]) / points["eps_rdp"])[tracked]
+    expected = shortfall[shortfall > 0].sort_values(ascending=False, kind="stable").index[:16]
+    assert len(expected) and [int(row[0]) for row in held_below.table.rows] == list(expected)
 
 
 @pytest.mark.parametrize("content,fragment", [
@@ -275,3 +281,16 @@ def test_report_html_loads_every_image_in_a_headless_browser(lenet, tmp_path):
     assert probe["images"] == len(document.figures) >= 5
     assert probe["loaded"] == probe["images"]
     assert probe["summary"] and probe["summaryRows"] == len(document.summary.rows)
+
+
+def test_display_images_undo_the_normalisation_and_find_the_images_of_features():
+    digits = load_dataset("mnist-embedded")
+    shown = display_images(digits, np.array([0, 5]))
+    assert shown.shape == (2, 32, 32, 1) and shown.min() >= 0 and shown.max() <= 1
+    # The padding around each digit is black: pixel 0 before the normalisation, 0 again after it is undone.
+    np.testing.assert_allclose(shown[:, :2], 0, atol=1e-6)
+    assert shown.max() > 0.99  # and the strokes white
+    features = dataclasses.replace(digits, name="first:100:scatternet:mnist-embedded", pixel_scale=None,
+                                   train_x=torch.zeros(100, 81, 8, 8))
+    np.testing.assert_array_equal(display_images(features, np.array([0, 5])), shown)
+    assert display_images(load_dataset("synthetic"), np.array([0])) is None

@@ -7,6 +7,7 @@ of their own (cli/report.py); `perinstance reproduce` writes them for its main r
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,7 +88,9 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     model, payload = training.load_model(config, main.run_dir, config.total_steps, device)
     dataset = opened.dataset
     targets = dataset.train_y[points]
-    predicted, losses, correct = training.example_outputs(model, dataset.train_x[points], targets, device,
+    # Every point of the dataset but a --less-point one: then the dataset's tensor itself, not a copy of it.
+    inputs = dataset.train_x if np.array_equal(points, np.arange(len(dataset.train_y))) else dataset.train_x[points]
+    predicted, losses, correct = training.example_outputs(model, inputs, targets, device,
                                                           loss_fn=training.loss_for_run(config))
     class_labels = batches.class_indices(targets)
     labels = targets.numpy().astype(float) if class_labels else np.full(len(points), np.nan)
@@ -101,7 +104,6 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     delta = float(headline["delta"].iloc[0])
     eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held estimate'})"
     names = [str(name) for name in dataset.class_names]
-    images = display_images(dataset, points, data_root)
 
     def path(key):
         return os.path.join(out_dir, FIGURES[key])
@@ -115,7 +117,8 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
         finding, figure = group_finding(table, eps, worst, path("group"), eps_label)
         findings.append(finding)
         figures.append(figure)
-    gallery = Gallery(table, eps, kind, names, images, delta, out_dir)
+    gallery = Gallery(table, eps, kind, names, lambda rows: display_images(dataset, points[rows], data_root), delta,
+                      out_dir)
     for key in ("highest", "lowest"):
         finding, figure = gallery.extreme(key)
         findings.append(finding)
@@ -171,7 +174,7 @@ def composed_finding(main: MainRun, accounted: Accounted, points: np.ndarray) ->
     median = intervals.median_interval(rdp["eps"].to_numpy(dtype=float))
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
     return Finding(
-        "composed-eps", "Composed ε of every point",
+        "points-composed-eps", "Composed ε of every point",
         f"The median point's composed ε is {interval_text(median, 4)} by RDP ({KIND_TEXT[kind]}), against a worst "
         f"case of {float(rdp['baseline_eps'].iloc[0]):.4g}.",
         Table(("composition", "kind", "points", "median ε [95% interval]", "10% – 90% of the points", "worst case ε",
@@ -209,7 +212,7 @@ def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: lis
                  for label, member, median in zip(present, members, medians, strict=True))
     class_names = [names[label] for label in present]
     plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label)
-    finding = Finding("per-class", "Per class", _extremes("class", class_names, medians),
+    finding = Finding("points-per-class", "Per class", _extremes("class", class_names, medians),
                       Table(("class", "training points", "median composed ε [95% interval]",
                              "misclassified by the final model", "test accuracy"), rows),
                       figures=(os.path.basename(path),))
@@ -231,7 +234,7 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
                  for name, member, median in zip(names, members, medians, strict=True))
     outside = int(grouped.isna().sum())
     plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label)
-    finding = Finding("per-group", "Per group", _extremes("group", names, medians),
+    finding = Finding("points-per-group", "Per group", _extremes("group", names, medians),
                       Table(("group", "points", "median composed ε [95% interval]",
                              "points at the worst case [95% interval]"), rows),
                       figures=(os.path.basename(path),),
@@ -268,13 +271,14 @@ def extreme_rows(eps: np.ndarray, losses: np.ndarray, points: np.ndarray, key: s
 
 
 class Gallery:
-    """The galleries of one run: the points picked by their composed ε, drawn as images (`images`, from
-    display_images) or, for other data (`images` None), listed in a table."""
+    """The galleries of one run: the points picked by their composed ε, drawn as images (`images_of(rows)`: the
+    images of these rows of `table`, display_images) or, for other data (`images_of` gives None), listed in a
+    table."""
 
     def __init__(self, table: pd.DataFrame, eps: np.ndarray, kind: str, class_names: list[str],
-                 images: np.ndarray | None, delta: float, out_dir: str) -> None:
+                 images_of: Callable[[np.ndarray], np.ndarray | None], delta: float, out_dir: str) -> None:
         self.table, self.eps, self.kind, self.class_names = table, eps, kind, class_names
-        self.images, self.delta, self.out_dir = images, delta, out_dir
+        self.images_of, self.delta, self.out_dir = images_of, delta, out_dir
 
     def _class(self, value: float) -> str:
         return "–" if np.isnan(value) else self.class_names[int(value)]
@@ -288,7 +292,8 @@ class Gallery:
     def _draw(self, key: str, chosen: np.ndarray, values: dict[str, np.ndarray], title: str,
               caption: str) -> tuple[Table | None, Figure | None]:
         """The chosen rows as a figure of their images, or as a table for other data."""
-        if self.images is None:
+        images = self.images_of(chosen)
+        if images is None:
             headings = (name if name == "ε" else f"{name} ε" for name in values)
             return Table(("point", "label", "prediction", "final loss", *headings), self._rows(chosen, values)), None
         table = self.table
@@ -296,7 +301,7 @@ class Gallery:
                     f"{self._class(table['prediction'].iloc[row])}\nloss {table['loss'].iloc[row]:.3g}\n"
                     + "\n".join(f"{name} {column[row]:.3g}" for name, column in values.items()) for row in chosen]
         flagged = [table["correct"].iloc[row] == 0 for row in chosen]
-        plot_gallery(self.images[chosen], captions, flagged, f"{title}; δ = {self.delta:g}; red frame: misclassified "
+        plot_gallery(images, captions, flagged, f"{title}; δ = {self.delta:g}; red frame: misclassified "
                      "by the final model", os.path.join(self.out_dir, FIGURES[key]))
         return None, Figure(FIGURES[key], title, caption)
 
@@ -313,7 +318,7 @@ class Gallery:
                                    f"and composed ε ({bound}); a red frame marks a misclassified point.")
         tie_note = (f" {ties:,} points share the last ε shown, {picked[-1]:.4g}: of them, those of {key} final loss "
                     "are shown." if ties > 1 and ties > int(np.sum(picked == picked[-1])) else "")
-        finding = Finding(f"{key}-eps", f"The {len(chosen)} points of {key} composed ε",
+        finding = Finding(f"points-{key}-eps", f"The {len(chosen)} points of {key} composed ε",
                           f"Their composed ε {span_text(picked)}; {wrong} of the {len(chosen)} are misclassified by "
                           f"the final model.{tie_note}",
                           table, figures=() if figure is None else (figure.file,))
@@ -335,7 +340,7 @@ class Gallery:
         takeaway = (f"Holding Δ* between the {checkpoints} checkpoints gives an ε below the every-step bound for "
                     f"{percent_text(share)} of the {len(both):,} points that have both")
         if not len(chosen_points):
-            return Finding("held-below-bound", title, takeaway + ".", more=MORE), None
+            return Finding("points-held-below-bound", title, takeaway + ".", more=MORE), None
         rows = rows_of.loc[chosen_points].to_numpy()
         full_bound = np.full(len(self.table), np.nan)
         full_held = np.full(len(self.table), np.nan)
@@ -347,7 +352,7 @@ class Gallery:
                                    "Each image with its point index, label→prediction, final loss, its composed ε "
                                    "from Δ* at every step (bound) and with Δ* held between checkpoints (held): the "
                                    "held estimate is not a bound, and here it falls below it.")
-        finding = Finding("held-below-bound", title,
+        finding = Finding("points-held-below-bound", title,
                           f"{takeaway}, by up to {percent_text(largest)} of the bound: a composition over "
                           "checkpoints is an estimate, not a bound.",
                           table, figures=() if figure is None else (figure.file,), more=MORE)
