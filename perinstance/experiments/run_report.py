@@ -299,7 +299,7 @@ class Gallery:
         table = self.table
         captions = [f"#{table['point'].iloc[row]}  {self._class(table['label'].iloc[row])}→"
                     f"{self._class(table['prediction'].iloc[row])}\nloss {table['loss'].iloc[row]:.3g}\n"
-                    + "\n".join(f"{name} {column[row]:.3g}" for name, column in values.items()) for row in chosen]
+                    + "\n".join(f"{name} {column[row]:.4g}" for name, column in values.items()) for row in chosen]
         flagged = [table["correct"].iloc[row] == 0 for row in chosen]
         plot_gallery(images, captions, flagged, f"{title}; δ = {self.delta:g}; red frame: misclassified "
                      "by the final model", os.path.join(self.out_dir, FIGURES[key]))
