@@ -25,7 +25,7 @@ from perinstance.errors import UsageError  # noqa: E402
 
 SCRIPTS = ["train_dpsgd.py", "compute_sensitivity.py", "eps_delta.py", "renyi_per_instance_sum.py",
            "renyi_per_instance_mean.py", "renyi_per_instance_sum_compo.py", "reproduce.py", "audit.py",
-           "membership_inference.py"]
+           "membership_inference.py", "report.py"]
 DOC = os.path.join(ROOT, "docs", "flags.md")
 TRAINING = ("train_dpsgd.py", "compute_sensitivity.py")
 
@@ -205,7 +205,10 @@ MEANINGS = {
     "--preset": Meaning("the configuration reproduced", "preset", "configuration", closed=True),
     "--set": Meaning("FIELD=VALUE: replace a field of the preset (repeatable)", "set", "field of the preset",
                      action="append", defaults=LIST),
-    "--out-dir": Meaning("folder of the figures and report.md", "out_dir", "report.md"),
+    # report.py's None: figures/<run>/, named by the run.
+    "--out-dir": Meaning("folder of the figures and report.md", "out_dir", "report.md", defaults=("str", "NoneType")),
+    "--groups": Meaning("a CSV of columns point and group: the composed ε per group beside the per-class breakdown, "
+                        "and each point's group in points.csv", "groups", "columns point and group", defaults=NONE),
     # --- audit.py and membership_inference.py -----------------------------------------------------
     "--rule": Meaning("update rule audited (default: the run's)", "rule", "update rule audited", defaults=NONE,
                       closed=True),

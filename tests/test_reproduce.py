@@ -13,7 +13,7 @@ from scipy.stats import binom
 
 from perinstance.accounting import one_run_audit
 from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
-from perinstance.experiments import main_run, one_run
+from perinstance.experiments import main_run, one_run, run_report
 from perinstance.experiments.commands import FIGURES, ONE_RUN_FIGURE
 from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
@@ -86,6 +86,17 @@ def test_tiny_preset_writes_every_figure(image_runs):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
         image = matplotlib.image.imread(workdir / "out" / name)
         assert image.shape[0] > 200 and image.shape[1] > 200
+
+
+def test_the_main_runs_points_csv_and_galleries(image_runs):
+    workdir, _, runs = image_runs
+    points = pd.read_csv(workdir / "out" / "points.csv")
+    # 3 classes of 32 training images; 16 points tracked at every step (a bound), the others held between checkpoints.
+    assert list(points["point"]) == list(range(96))
+    assert (points["eps_rdp_kind"] == "certified").sum() == 16 and set(points["eps_pld_kind"]) == {"held_estimate"}
+    for name in (run_report.FIGURES["highest"], run_report.FIGURES["lowest"], run_report.FIGURES["class"]):
+        assert (workdir / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "points.csv" in runs["first"][0].stdout
 
 
 def test_report_states_findings_with_numbers(image_runs):
@@ -348,6 +359,7 @@ def test_tiny_preset_without_canaries(tmp_path):
     (["--set", "canary_norms=0.1,2"], "--set", ["canary_norms=0.1,2.0", "(0, 1]"]),
     (["--set", "audit_significance=1.5"], "--set", ["audit_significance=1.5", "(0, 1)"]),
     (["--set", "gap_canaries=1"], "--set", ["gap_canaries=1", "at least 2"]),
+    (["--groups", "missing.csv"], "--groups", ["missing.csv", "point and group"]),
 ])
 def test_bad_input(tmp_path, run, flags, flag, fragments):
     before = snapshot(tmp_path)

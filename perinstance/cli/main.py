@@ -46,6 +46,7 @@ COMMANDS = {
     "compose": Subcommand("perinstance.cli.compose", "renyi_per_instance_sum_compo.py"),
     "audit": Subcommand("perinstance.cli.audit", "audit.py"),
     "membership": Subcommand("perinstance.cli.membership", "membership_inference.py"),
+    "report": Subcommand("perinstance.cli.report", "report.py"),
     "reproduce": Subcommand("perinstance.cli.reproduce", "reproduce.py"),
 }
 

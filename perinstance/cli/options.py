@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -132,6 +133,18 @@ def add_device_argument(parser: Arguments) -> None:
     parser.add_argument("--device", default="cpu", type=device_flag, metavar="{cpu,cuda,cuda:N,auto}",
                         help="cpu, cuda, cuda:N, or auto (CUDA when present, else CPU); under torchrun, "
                              "cuda and auto mean the rank's own GPU cuda:LOCAL_RANK")
+
+
+def check_out_dir(out_dir: str) -> None:
+    """--out-dir: a folder that exists (created if missing) and is writable."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError("--out-dir", f"{out_dir} is a file, not a folder")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:
+        raise UsageError("--out-dir", f"cannot create {out_dir}: {error.strerror}") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UsageError("--out-dir", f"{out_dir} is not writable")
 
 
 def parse_stages(tokens: Sequence[str]) -> list[str | float]:
@@ -311,6 +324,14 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_delta_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ of the reported guarantee (default 1e-5)")
+
+
+def add_groups_argument(parser: argparse.ArgumentParser) -> None:
+    """--groups, the same in `report` and `reproduce`: the points' groups for the per-group breakdown."""
+    parser.add_argument("--groups", default=None, metavar="PATH.csv",
+                        help="a CSV with columns point and group: the composed ε of each group (median with its 95%% "
+                             "interval, and a figure) beside the per-class breakdown, and each point's group in "
+                             "points.csv")
 
 
 def add_failure_argument(parser: argparse.ArgumentParser) -> None:

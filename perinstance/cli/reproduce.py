@@ -13,15 +13,14 @@ figures and report.md to --out-dir (default figures/). report.md lists the confi
 every command that produced its numbers.
 """
 
-import os
 import re
 import sys
 import time
 from collections.abc import Sequence
 
+from perinstance.cli import options
 from perinstance.cli.main import script_mains
-from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
-from perinstance.errors import UsageError
+from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument, check_out_dir
 from perinstance.experiments import (
     audits,
     figures,
@@ -29,11 +28,14 @@ from perinstance.experiments import (
     membership,
     nonprivate_run,
     one_run,
+    point_table,
     report,
+    run_report,
     sampling_rates,
 )
 from perinstance.experiments.commands import Commands, peak_resident_bytes
 from perinstance.experiments.config import (
+    DATA_ROOT,
     GAP_CANARY_RUN_FIELDS,
     GAP_RUN_FIELDS,
     MAIN_RUN_FIELDS,
@@ -46,17 +48,7 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
-
-
-def check_out_dir(out_dir: str) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError("--out-dir", f"{out_dir} is a file, not a folder")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as error:
-        raise UsageError("--out-dir", f"cannot create {out_dir}: {error.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UsageError("--out-dir", f"{out_dir} is not writable")
+from perinstance.train import runs
 
 
 def slug(text: str) -> str:
@@ -71,24 +63,27 @@ def build_parser(prog: str | None = None) -> Parser:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help=f"override a field of the preset (repeatable); fields: {', '.join(field_types())}")
     parser.add_argument("--out-dir", default="figures", help="where the figures and report.md go")
+    options.add_groups_argument(parser)
     add_device_argument(parser)
     return parser
 
 
-def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> tuple[str, ReproduceConfig, str, str]:
-    """(preset name, configuration with every override applied, device, out_dir)."""
+def parse_args(argv: Sequence[str] | None,
+               prog: str | None = None) -> tuple[str, ReproduceConfig, str, str, point_table.Groups | None]:
+    """(preset name, configuration with every override applied, device, out_dir, the groups of --groups)."""
     args = build_parser(prog).parse_args(argv)
     assignments = ([f"dataset={args.dataset}"] if args.dataset is not None else []) + args.set
     config = apply_overrides(PRESETS[args.preset], assignments)
     check_config(config)
     check_dataset(config, args.preset, "--dataset" if args.dataset is not None else "--set")
+    groups = None if args.groups is None else point_table.read_groups(args.groups)
     check_out_dir(args.out_dir)
-    return args.preset, config, args.device, args.out_dir
+    return args.preset, config, args.device, args.out_dir, groups
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    preset, config, device, out_dir = parse_args(argv, prog)
+    preset, config, device, out_dir, groups = parse_args(argv, prog)
     name = f"{preset}-{slug(config.dataset)}"
     commands = Commands(script_mains())
     started = time.time()
@@ -124,12 +119,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     # 7. Figures and report.
     with commands.timed("figures 1-6 and their numbers"):
         findings = figures.draw_figures(out_dir, config, main, accounted, mean_results, device)
+    # The main run's points: points.csv, the galleries, ε per class and per group (run_report.PointReport).
+    with commands.timed("points.csv and the galleries"):
+        findings["points"] = run_report.per_point_report(out_dir, runs.open_run(main.run_dir, "models", DATA_ROOT),
+                                                         main, accounted, groups, device, DATA_ROOT)
     findings.update(attack_findings)
     findings["headlines"] = report.finding_lines(config, findings)
     written = report.write_report(out_dir, preset, config, argv, commands, run, findings, time.time() - started)
     print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
     print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures and {written} written in "
-          f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
+          f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB; one row per "
+          f"training point in {findings['points'].points_path}")
     for line in findings["headlines"]:
         print(f"  - {line}")
 

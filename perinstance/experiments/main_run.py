@@ -60,12 +60,13 @@ class MainRun:
 class Accounted:
     """The accountants' outputs on the main run, one row per point (guarantees()): the per-step (ε, δ) at the final
     checkpoint; the headline composition of every point by RDP and by PLD; the composition from every-step Δ*
-    (`bound`, the tracked points) and the one holding Δ* between checkpoints (`estimate`, every point)."""
+    (`bound`, the tracked points; None for a run without them) and the one holding Δ* between checkpoints
+    (`estimate`, every point)."""
 
     per_step: pd.DataFrame
     composed: pd.DataFrame
     composed_pld: pd.DataFrame
-    bound: pd.DataFrame
+    bound: pd.DataFrame | None
     estimate: pd.DataFrame
 
 
@@ -74,18 +75,28 @@ def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, 
     checkpoint, from the tracked table when it holds every point, else measured by compute_sensitivity.py."""
     main_name, main_flags = main_run_flags(config, preset, name, device)
     commands.run("train_dpsgd.py", main_flags)
-    run_dir = os.path.join("models", main_name)
-    main_run = runs.load_run(run_dir)
-    tracked_path = tracked_rows.table_path(run_dir)
-    tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
-    every_point = tracked["point"].nunique() == main_run.dataset_size
-    if every_point:
-        sensitivities = tracked[tracked["step"].isin(main_run.checkpoint_steps)].reset_index(drop=True)
+    return measured_run(commands, os.path.join("models", main_name), main_flags)
+
+
+def measured_run(commands: Commands, run_dir: str, run_flags: list[str]) -> MainRun:
+    """The trained run of `run_dir` with Δ* of every training point at every checkpoint: from its tracked table when
+    that holds every point, else measured by compute_sensitivity.py (`run_flags` name the run to it; a rerun skips
+    what an earlier measurement wrote). A run trained without --track-points has no tracked table (tracked_path
+    None, no point tracked)."""
+    run = runs.load_run(run_dir)
+    if tracked_rows.has_table(run_dir):
+        tracked_path = tracked_rows.table_path(run_dir)
+        tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
     else:
-        commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points",
-                                                "all", "--stage", "all", "--res-name", main_name, "--no-train"])
-        sensitivities = storage.read_frame(result_file(main_name))
-    return MainRun(main_name, run_dir, main_run, sensitivities, tracked, tracked_path, every_point)
+        tracked_path, tracked = None, pd.DataFrame({column: [] for column in TRACKED_COLUMNS})
+    every_point = tracked["point"].nunique() == run.dataset_size
+    if every_point:
+        sensitivities = tracked[tracked["step"].isin(run.checkpoint_steps)].reset_index(drop=True)
+    else:
+        commands.run("compute_sensitivity.py", [*run_flags, "--exp", "eps_delta", "--reduction", "sum", "--points",
+                                                "all", "--stage", "all", "--res-name", run.run, "--no-train"])
+        sensitivities = storage.read_frame(result_file(run.run))
+    return MainRun(run.run, run_dir, run, sensitivities, tracked, tracked_path, every_point)
 
 
 def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str) -> tuple[str, list[str]]:
@@ -98,8 +109,14 @@ def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str)
 
 
 def account_main_run(commands: Commands, config: ReproduceConfig, main: MainRun) -> Accounted:
-    """The accountants on the main run. Every-step source: the tracked table; checkpoint source: the same table at
-    the checkpoint steps (--steps) when it holds every point, else compute_sensitivity.py's result file."""
+    """The accountants on the main run at the preset's δ and per-step method (account_run)."""
+    return account_run(commands, main, config.delta, config.per_step_method)
+
+
+def account_run(commands: Commands, main: MainRun, delta: float, per_step_method: str = "exact") -> Accounted:
+    """The accountants on a measured run (measured_run). Every-step source: the tracked table; checkpoint source: the
+    same table at the checkpoint steps (--steps) when it holds every point, else compute_sensitivity.py's result
+    file. Without a tracked table there is no bound (Accounted.bound None)."""
     total_steps = main.run.total_steps
     tracked = ["--res-file", main.tracked_path]
     # The other composition beside the headline one, from the tracked table: at the checkpoints only (the estimate)
@@ -110,21 +127,23 @@ def account_main_run(commands: Commands, config: ReproduceConfig, main: MainRun)
     else:
         source, flags = result_file(main.name), ["--res-name", main.name]
         other_flags, other_suffix = tracked, "-tracked_compo"
-    delta = ["--delta", str(config.delta)]
-    compose = ["--holder-b", holder_text(COMPOSITION_HOLDER_B).replace("∞", "inf"), *delta]
+    delta_flags = ["--delta", str(delta)]
+    compose = ["--holder-b", holder_text(COMPOSITION_HOLDER_B).replace("∞", "inf"), *delta_flags]
 
     def account(script, argv, suffix, input_path):
         return commands.account(script, argv, os.path.join(RES_DIR, f"{main.name}{suffix}.csv"), input_path)
 
-    per_step = account("eps_delta.py", [*flags, *delta, "--method", config.per_step_method, "--filter",
+    per_step = account("eps_delta.py", [*flags, *delta_flags, "--method", per_step_method, "--filter",
                                         f"step={total_steps}"], "_eps_delta", source)
     composed = account("renyi_per_instance_sum_compo.py", [*flags, *compose], "_compo", source)
     composed_pld = account("renyi_per_instance_sum_compo.py", [*flags, *compose, "--accountant", "pld"], "_compo_pld",
                            source)
-    other = account("renyi_per_instance_sum_compo.py", [*other_flags, *compose], other_suffix, main.tracked_path)
+    other = None if main.tracked_path is None else \
+        account("renyi_per_instance_sum_compo.py", [*other_flags, *compose], other_suffix, main.tracked_path)
     bound, estimate = (composed, other) if main.every_point else (other, composed)
     return Accounted(guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]),
-                     guarantees(composed_pld, ["point"]), guarantees(bound, ["point"]), guarantees(estimate, ["point"]))
+                     guarantees(composed_pld, ["point"]), None if bound is None else guarantees(bound, ["point"]),
+                     guarantees(estimate, ["point"]))
 
 
 def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
@@ -134,7 +153,7 @@ def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     if "direction" in rows:
         rows = rows[rows["direction"] == "max"]
     table = rows.pivot_table(index=index, columns="kind", values="eps", aggfunc="first")
-    kind = next(kind for kind in ("certified", "estimate") if kind in table.columns)
+    kind = next(kind for kind in ("certified", "held_estimate", "estimate") if kind in table.columns)
     table = table.rename(columns={kind: "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
     return table.join(rows.groupby(index)["delta"].first()).reset_index().assign(kind=kind)
 

@@ -77,6 +77,17 @@ def format_paths(res_name: str, res_dir: str = "res") -> tuple[str, str]:
     return tuple(os.path.join(res_dir, res_name + ending) for ending in (storage.CSV, storage.PARQUET))
 
 
+def write_sized(name: str, folder: str, frame: pd.DataFrame, flag: str | None = None) -> str:
+    """Write `frame` as <folder>/<name>.csv, or .parquet past storage.AUTO_PARQUET_ROWS rows, atomically; remove the
+    other format's file (an earlier, smaller or larger, write of the same table) and return the path written."""
+    csv_path, parquet_path = format_paths(name, folder)
+    path, other = (parquet_path, csv_path) if len(frame) > storage.AUTO_PARQUET_ROWS else (csv_path, parquet_path)
+    storage.write_frame(path, frame, flag)
+    if os.path.exists(other):
+        os.remove(other)
+    return path
+
+
 # Columns every row needs as a finite number: the accounting reads them (accounting.md §1, §2).
 REQUIRED_NUMBERS = ["seed", "step", "point", "value", "total_steps", "sigma", "clip_bound", "sample_rate",
                     "batch_size", "dataset_size", "noise_std"]

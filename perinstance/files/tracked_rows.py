@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from perinstance.errors import UsageError
-from perinstance.files import fileio, results, storage
+from perinstance.files import fileio, results
 
 FOLDER = "tracked"
 TABLE = "tracked_norms"
@@ -104,11 +104,7 @@ def table_path(run_dir: str) -> str:
 def write_table(run_dir: str, frame: pd.DataFrame) -> str:
     """Write the tracked table (CSV up to storage.AUTO_PARQUET_ROWS rows, Parquet beyond), remove the other
     format's file and the segments, and return its path."""
-    csv_path, parquet_path = results.format_paths(TABLE, run_dir)
-    path, other = (parquet_path, csv_path) if len(frame) > storage.AUTO_PARQUET_ROWS else (csv_path, parquet_path)
-    storage.write_frame(path, frame, "--models-dir")
-    if os.path.exists(other):
-        os.remove(other)
+    path = results.write_sized(TABLE, run_dir, frame, "--models-dir")
     shutil.rmtree(os.path.join(run_dir, FOLDER), ignore_errors=True)
     return path
 

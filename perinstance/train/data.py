@@ -70,6 +70,9 @@ class Dataset:
     num_classes: int  # classes; a spec's floating targets: the values of one target (user_code.target_classes)
     class_names: list[str]
     fingerprint: str  # sha256 of the full preprocessed dataset (before less_point removal)
+    # Images: the per-channel (mean, std) of the [0, 1] pixels that train_x is standardised by (display_images undoes
+    # it); None for inputs that are not images (synthetic points, features, a dataset spec's inputs).
+    pixel_scale: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
 
 def load_dataset(name: str, data_root: str = "./data", less_point: int | None = None,
@@ -126,16 +129,40 @@ def _load_user_dataset(spec, data_root, class_labels):
                          [str(label) for label in range(num_classes)])
 
 
+def display_images(dataset: Dataset, points: np.ndarray, data_root: str = "./data") -> np.ndarray | None:
+    """The training images `points` (indices into dataset.train_x) as they look, for a figure: n×H×W×C floats in
+    [0, 1], train_x's standardisation undone by its pixel_scale; for ScatterNet features, the images they were
+    computed from (loaded from `data_root`). None for inputs that are not images (synthetic points, a dataset spec's
+    inputs)."""
+    if dataset.pixel_scale is None:
+        images_of = _feature_images(dataset.name)
+        return None if images_of is None else display_images(_load_full_dataset(images_of, data_root, True), points,
+                                                               data_root)
+    mean, std = (torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1) for values in dataset.pixel_scale)
+    images = dataset.train_x[torch.as_tensor(np.asarray(points), dtype=torch.int64)] * std + mean
+    return images.clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def _feature_images(name):
+    """The dataset whose images the ScatterNet features `name` (scatternet:X, first:N:scatternet:X) were computed
+    from, training point for training point (X, first:N:X); None for any other dataset."""
+    prefix = ""
+    if name.lower().startswith(FIRST_PREFIX):
+        count, _, name = name[len(FIRST_PREFIX):].partition(":")
+        prefix = f"{FIRST_PREFIX}{count}:"
+    return prefix + name[len(SCATTERNET_PREFIX):] if name.lower().startswith(SCATTERNET_PREFIX) else None
+
+
 def are_class_labels(targets: torch.Tensor) -> bool:
     """Whether `targets` are class indices: one integer >= 0 per point."""
     return targets.dim() == 1 and not targets.is_floating_point() and targets.dtype != torch.bool \
         and not bool((targets < 0).any())
 
 
-def _make_dataset(name, train_x, train_y, test_x, test_y, class_names):
+def _make_dataset(name, train_x, train_y, test_x, test_y, class_names, pixel_scale=None):
     return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
                    num_classes=len(class_names), class_names=list(class_names),
-                   fingerprint=_fingerprint(train_x, train_y, test_x, test_y))
+                   fingerprint=_fingerprint(train_x, train_y, test_x, test_y), pixel_scale=pixel_scale)
 
 
 def _fingerprint(*tensors):
@@ -173,7 +200,8 @@ def _load_embedded_mnist():
     x, y = _digit_tensors(images, labels, MNIST_MEAN, MNIST_STD)
     order = torch.from_numpy(np.random.default_rng(EMBEDDED_SPLIT_SEED).permutation(len(y)))
     train, test = order[:EMBEDDED_TRAIN_SIZE], order[EMBEDDED_TRAIN_SIZE:]
-    return _make_dataset("mnist-embedded", x[train], y[train], x[test], y[test], [str(d) for d in range(10)])
+    return _make_dataset("mnist-embedded", x[train], y[train], x[test], y[test], [str(d) for d in range(10)],
+                         (MNIST_MEAN, MNIST_STD))
 
 
 def _read_idx(path, magic):
@@ -212,11 +240,12 @@ def _load_torchvision(name, data_root):
     if name == "CIFAR10":
         train_x, train_y = _cifar_tensors(train)
         test_x, test_y = _cifar_tensors(test)
+        mean, std = CIFAR10_MEAN, CIFAR10_STD
     else:
         mean, std = (MNIST_MEAN, MNIST_STD) if name == "MNIST" else (FASHION_MNIST_MEAN, FASHION_MNIST_STD)
         train_x, train_y = _digit_tensors(train.data, train.targets, mean, std)
         test_x, test_y = _digit_tensors(test.data, test.targets, mean, std)
-    return _make_dataset(name, train_x, train_y, test_x, test_y, train.classes)
+    return _make_dataset(name, train_x, train_y, test_x, test_y, train.classes, (mean, std))
 
 
 def _cifar_tensors(dataset):
@@ -271,7 +300,7 @@ def _decode_imagefolder(root, train_files, test_files, class_names):
     train_images, test_images = _to_nchw(train_images, grayscale), _to_nchw(test_images, grayscale)
     mean, std = _channel_stats(train_images)
     return _make_dataset(f"imagefolder:{root}", _normalise(train_images, mean, std), _labels(train_files),
-                         _normalise(test_images, mean, std), _labels(test_files), class_names)
+                         _normalise(test_images, mean, std), _labels(test_files), class_names, (mean, std))
 
 
 def _list_images(folder):
@@ -439,7 +468,8 @@ def _load_first(spec, data_root, class_labels):
     fingerprint = hashlib.sha256(f"{FIRST_PREFIX}{count}:{base.fingerprint}".encode()).hexdigest()
     return Dataset(name=f"{FIRST_PREFIX}{count}:{base.name}", train_x=base.train_x[:count].clone(),
                    train_y=base.train_y[:count].clone(), test_x=base.test_x, test_y=base.test_y,
-                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint)
+                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint,
+                   pixel_scale=base.pixel_scale)
 
 
 # --- synthetic --------------------------------------------------------------------------

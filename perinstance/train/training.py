@@ -129,6 +129,25 @@ def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Ten
     return (hits / counts).tolist()
 
 
+@torch.no_grad()
+def example_outputs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, device: str | torch.device,
+                    chunk: int = 1024, loss_fn: batches.LossFn | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                                       np.ndarray]:
+    """Per example of a tensor dataset: the predicted class (the largest output; NaN where the targets are not class
+    labels), the loss (batches.per_example_loss: the cross-entropy unless `loss_fn`) and whether the prediction is
+    correct (1.0 or 0.0; NaN where the targets are not class labels)."""
+    model.eval()
+    predicted, losses, correct = [], [], []
+    for start in range(0, len(targets), chunk):
+        x, y = inputs[start:start + chunk].to(device), targets[start:start + chunk].to(device)
+        outputs = model(x)
+        losses.append(batches.per_example_loss(outputs, y, loss_fn).double().cpu().numpy())
+        hits = batches.correct_predictions(outputs, y)
+        predicted.append(np.full(len(y), np.nan) if hits is None else outputs.argmax(dim=1).double().cpu().numpy())
+        correct.append(np.full(len(y), np.nan) if hits is None else hits.double().cpu().numpy())
+    return np.concatenate(predicted), np.concatenate(losses), np.concatenate(correct)
+
+
 class Trainer:
     """One DP-SGD run: the model, its optimizer, and the step function of accounting.md §1; `tracker` measures the
     tracked points (tracking.py; under torchrun in lockstep with the ranks of `world`)."""
