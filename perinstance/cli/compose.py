@@ -17,7 +17,8 @@ both directions: eps is the larger of eps_remove and eps_add).
 
 A composition is `certified` (a bound along the observed run) only when the rows give every point a
 value at every step 0..T-1, as train_dpsgd.py --track-points records them; from checkpoints it holds
-each value until the next one and is an `estimate` ("Δ* held between checkpoints", accounting.md §4).
+each value until the next one and is a `held_estimate` ("Δ* held between checkpoints", accounting.md §4; the
+mean rule's Monte Carlo values compose to an `estimate` either way).
 """
 
 from collections.abc import Sequence
