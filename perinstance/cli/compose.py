@@ -56,7 +56,8 @@ def build_parser(prog: str | None = None) -> Parser:
                        "Rényi orders α > 1 to convert from (default 1.25..256, 47 orders)")
     parser.add_argument("--holder-b", default=None,
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
-                             "number of steps T such as 3T (default 3T for the sum rule; the mean rule takes inf only)")
+                             "number of steps T such as 3T (default 3T for the sum rule by Rényi DP, inf for the mean "
+                             "rule and --accountant pld, which take inf only)")
     parser.add_argument("--rounding", type=non_negative_float, default=composition.SUM_RULE_ROUNDING,
                         help="sum rule: round Δ* up to multiples of ROUNDING·Γ before the RDP or PLD lookup "
                              f"(default {composition.SUM_RULE_ROUNDING:g}; 0: exact)")
