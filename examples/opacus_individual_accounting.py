@@ -9,7 +9,7 @@ docs/accounting.md §1) in physical batches of at most --max-physical-batch-size
 perinstance.IndividualAccountant.attach records every real step (not BatchMemoryManager's skipped ones) with
 Δ* of every training point measured at the step's parameters every --every steps (§2, §4). Each epoch prints
 the per-point ε (median, 10%-90%, max) beside Opacus's own ε, which attach leaves as it is; with --every 1 the
-per-point ε are bounds along the observed run, otherwise estimates (Δ* held between measurements).
+per-point ε are bounds along the observed run, otherwise held-Δ* estimates (Δ* held between measurements).
 --save writes the accountant's state_dict, the run's settings and the ε per point (torch.save; loads with
 torch.load(weights_only=True)).
 """
@@ -80,7 +80,7 @@ def build_parser() -> Parser:
                              "default 64)")
     parser.add_argument("--every", type=positive_int, default=1,
                         help="measure Δ* of every point every K steps, from the first (default 1: every step, so that "
-                             "the per-point ε are bounds; K > 1 holds Δ* between measurements: estimates)")
+                             "the per-point ε are bounds; K > 1 holds Δ* between measurements: held-Δ* estimates)")
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ (default 1e-5)")
     parser.add_argument("--accountant", choices=["rdp", "pld"], default="rdp",
                         help="compose by Rényi DP (§4, default) or privacy loss distributions (§8)")
@@ -116,10 +116,10 @@ def spread(eps: np.ndarray) -> str:
 
 
 def what(accountant: IndividualAccountant, every: int) -> str:
-    """What the per-point ε are: bounds along the observed run, or estimates (docs/accounting.md §4)."""
+    """What the per-point ε are: bounds along the observed run, or held-Δ* estimates (docs/accounting.md §4)."""
     if accountant.kind == "certified":
         return "bounds along the observed run (Δ* measured at every step)"
-    return f"estimates (Δ* measured every {every} steps, held between measurements)"
+    return f"held-Δ* estimates (Δ* measured every {every} steps, held between measurements)"
 
 
 def main(argv=None):

@@ -125,6 +125,7 @@ def output(tmp_path, name):
 def values_of(frame, kind, direction=None, value="eps"):
     """One kind's (and direction's) values of a long output, indexed by its keys."""
     chosen = frame[(frame["kind"] == kind) & ((frame["direction"] == direction) if direction else True)]
+    assert len(chosen), f"no {kind} rows (kinds: {sorted(set(frame['kind']))})"  # a comparison of nothing passes
     # alpha is a key of the per-step Rényi outputs; in the composition it is the best order, a value.
     keys = [key for key in ("point", "step") if key in frame.columns] + (["alpha"] if "rdp" in frame.columns else [])
     return chosen.set_index(keys)[value]
@@ -626,7 +627,7 @@ def test_composition_worst_case_is_the_baseline(tmp_path, run, results):
 
 def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
     # Norms constant between checkpoints: a file with every step gives the same numbers, certified, where the
-    # checkpoints' composition holds Δ* between them and is an estimate (§4).
+    # checkpoints' composition holds Δ* between them and is a held-Δ* estimate (§4).
     checkpoints = [row(step=step, point=point, value=norm_of(point, step))
                    for step in (0, 20, 40) for point in range(4)]
     every_step = [row(step=step, point=point, value=norm_of(point, step // 20 * 20))
@@ -636,8 +637,8 @@ def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
     for flags in [("--holder-b", "inf"), ("--holder-b", "3T")]:
         sparse, _ = compo(run, tmp_path, "checkpoints", *flags)
         dense, _ = compo(run, tmp_path, "every_step", *flags)
-        assert set(dense["kind"]) == {"certified", "baseline"} and set(sparse["kind"]) == {"estimate", "baseline"}
-        np.testing.assert_allclose(values_of(dense, "certified"), values_of(sparse, "estimate"), rtol=1e-8)
+        assert set(dense["kind"]) == {"certified", "baseline"} and set(sparse["kind"]) == {"held_estimate", "baseline"}
+        np.testing.assert_allclose(values_of(dense, "certified"), values_of(sparse, "held_estimate"), rtol=1e-8)
     certified = values_of(dense, "certified")
     assert certified.loc[1] < certified.loc[2] < certified.loc[0]
     # b = inf with one run, no rounding: Σ_t ρ_t(λ), 20 steps at each checkpoint's Δ*.
@@ -645,7 +646,7 @@ def test_composition_per_step_norms_equal_checkpoints(tmp_path, run, results):
     for point in range(4):
         rdp = sum(20 * renyi_step.rdp_sum_rule([norm_of(point, step)], CLIP, SIGMA, RATE, ORDERS)[0]
                   for step in (0, 20, 40))
-        assert values_of(inf, "estimate").loc[point] == pytest.approx(opacus_eps(rdp, ORDERS, 1e-5), rel=1e-9)
+        assert values_of(inf, "held_estimate").loc[point] == pytest.approx(opacus_eps(rdp, ORDERS, 1e-5), rel=1e-9)
 
 
 def test_composition_without_step_zero_uses_worst_case(tmp_path, run, results):
@@ -656,11 +657,11 @@ def test_composition_without_step_zero_uses_worst_case(tmp_path, run, results):
     assert "no checkpoint at step 0" in result.stderr
     early, _ = compo(run, tmp_path, "early", "--holder-b", "inf")
     # Steps 1..10 at Γ in both files, zero cost afterwards.
-    np.testing.assert_allclose(values_of(frame, "estimate"), values_of(early, "estimate"), rtol=1e-8)
+    np.testing.assert_allclose(values_of(frame, "held_estimate"), values_of(early, "held_estimate"), rtol=1e-8)
     expected = opacus_eps(opacus_rdp.compute_rdp(q=RATE, noise_multiplier=SIGMA, steps=10, orders=ORDERS),
                           ORDERS, 1e-5)
-    np.testing.assert_allclose(values_of(frame, "estimate"), expected, rtol=1e-9)
-    assert np.all(values_of(frame, "estimate") < values_of(frame, "baseline"))
+    np.testing.assert_allclose(values_of(frame, "held_estimate"), expected, rtol=1e-9)
+    assert np.all(values_of(frame, "held_estimate") < values_of(frame, "baseline"))
 
 
 def test_composition_several_runs(tmp_path, run, results):
@@ -668,15 +669,15 @@ def test_composition_several_runs(tmp_path, run, results):
     results("runs", rows)
     both, result = compo(run, tmp_path, "runs", "--holder-b", "inf")
     assert "2 run(s)" in result.stdout
-    single = [values_of(compo(run, tmp_path, "runs", "--holder-b", "inf", "--filter", f"run={name}")[0], "estimate")
+    single = [values_of(compo(run, tmp_path, "runs", "--holder-b", "inf", "--filter", f"run={name}")[0], "held_estimate")
               for name in ("a", "bb")]
     # b = ∞ takes the max over runs at every step: at least each run's own value.
-    assert len(single[0]) == 6 and np.all(values_of(both, "estimate") >= np.maximum(single[0], single[1]) - 1e-12)
+    assert len(single[0]) == 6 and np.all(values_of(both, "held_estimate") >= np.maximum(single[0], single[1]) - 1e-12)
     finite, _ = compo(run, tmp_path, "runs", "--holder-b", "100")
     assert np.all(np.isfinite(finite["eps"]))
     exact, _ = compo(run, tmp_path, "runs", "--holder-b", "inf", "--rounding", "0")
-    assert len(values_of(exact, "estimate")) == 6
-    assert np.all(values_of(exact, "estimate") <= values_of(both, "estimate") + 1e-12)
+    assert len(values_of(exact, "held_estimate")) == 6
+    assert np.all(values_of(exact, "held_estimate") <= values_of(both, "held_estimate") + 1e-12)
 
 
 # --- composition over a run: mean rule ------------------------------------------------------
@@ -698,12 +699,12 @@ def test_composition_of_the_mean_rule(tmp_path, run, results):
     n, rate, noise = COMPO_COUNT - 1, COMPO_BATCH / COMPO_COUNT, SIGMA * CLIP / COMPO_BATCH
     k_min = rows[0]["k_min"]
     delta_size = stats.binom.cdf(k_min - 1, n, rate)
-    # Certified per step, held between the two checkpoints: an estimate (§4).
-    assert set(frame["kind"]) == {"estimate", "baseline"} and set(frame["reduction"]) == {"mean"}
+    # Certified per step, held between the two checkpoints: a held estimate (§4).
+    assert set(frame["kind"]) == {"held_estimate", "baseline"} and set(frame["reduction"]) == {"mean"}
     assert "per-step values at 2 checkpoints, held between them" in result.stdout
-    assert "estimate = estimate (certified per step, held between checkpoints; not a bound)" in result.stdout
+    assert "held_estimate = held_estimate (certified per step, held between checkpoints; not a bound)" in result.stdout
     assert set(frame["k_min"]) == {k_min} and set(frame["steps"]) == {STEPS} and np.all(frame["delta"] == 1e-5)
-    np.testing.assert_allclose(frame.loc[frame["kind"] == "estimate", "delta_fail"], 2 * delta_size, rtol=1e-9)
+    np.testing.assert_allclose(frame.loc[frame["kind"] == "held_estimate", "delta_fail"], 2 * delta_size, rtol=1e-9)
     np.testing.assert_allclose(frame.loc[frame["kind"] == "baseline", "delta_fail"], delta_size, rtol=1e-9)
     assert "converted at delta - T·delta_fail" in result.stdout and STEPS * 2 * delta_size > 0.2e-5
     # The script evaluates its 64 sizes (each taking the probability of the sizes up to the next one) at Δ̄
@@ -722,7 +723,7 @@ def test_composition_of_the_mean_rule(tmp_path, run, results):
             rdp = rdp + count * mixture_rdp(log_moments(rate, noise, scale * bound, orders), weights, 1 - fail, orders)
         return opacus_eps(rdp, orders, 1e-5 - STEPS * fail)
 
-    certified = values_of(frame, "estimate")
+    certified = values_of(frame, "held_estimate")
     for point in (0, 1):
         def components(sizes, probabilities, step, point=point):
             return certified_components(statistics_of(rows, point, step), sizes, probabilities, delta_size)

@@ -106,20 +106,20 @@ def test_attach_measures_at_the_parameters_each_step_starts_from():
     assert not np.allclose(before[-1], after, rtol=1e-3)  # the last step moved the parameters
 
 
-def test_measuring_every_k_steps_holds_sensitivities_and_labels_estimates():
+def test_measuring_every_k_steps_holds_sensitivities_and_labels_held_estimates():
     engine, model, optimizer, loader = private_loop()
     accountant = IndividualAccountant(POINTS)
     with accountant.attach(optimizer, model, loader, every=3):
         train(model, optimizer, loader)
     steps = accountant.num_steps
-    assert accountant.held_steps == steps - math.ceil(steps / 3) and accountant.kind == "estimate"
+    assert accountant.held_steps == steps - math.ceil(steps / 3) and accountant.kind == "held_estimate"
     # The same steps fed by hand, measured=False where held: the same accountant.
     again = IndividualAccountant(POINTS)
     for noise_multiplier, sample_rate, num_steps, ratios in accountant.history:
         for step in range(num_steps):
             again.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate, sensitivity_ratios=ratios,
                        measured=step == 0)
-    assert again.held_steps == accountant.held_steps and again.kind == "estimate"
+    assert again.held_steps == accountant.held_steps and again.kind == "held_estimate"
     np.testing.assert_array_equal(again.get_epsilon(DELTA), accountant.get_epsilon(DELTA))
 
 
@@ -142,7 +142,7 @@ def test_dropout_in_training_makes_every_step_held():
     with pytest.warns(UserWarning, match="dropout"):
         accountant.attach(optimizer, model, loader)
     train(model, optimizer, loader, epochs=1)
-    assert accountant.kind == "estimate" and accountant.held_steps == accountant.num_steps
+    assert accountant.kind == "held_estimate" and accountant.held_steps == accountant.num_steps
 
 
 def refused(call, name, kind=ValueError):
@@ -217,8 +217,8 @@ def test_dp_event_gives_dp_accountings_epsilon():
     assert isinstance(IndividualAccountant(2).dp_event(0), dp_accounting.NoOpDpEvent)
 
 
-def test_held_sensitivities_make_an_estimate_except_at_the_worst_case():
-    """§4: values reused from an earlier measurement are an estimate; a point held at Δ*/Γ = 1 (the worst case,
+def test_held_sensitivities_make_a_held_estimate_except_at_the_worst_case():
+    """§4: values reused from an earlier measurement are a held-Δ* estimate; a point held at Δ*/Γ = 1 (the worst case,
     Δ* <= Γ always) stays a bound; steps without sensitivities are bounds."""
     accountant = IndividualAccountant(2)
     accountant.step(noise_multiplier=1.0, sample_rate=0.1)
@@ -227,12 +227,12 @@ def test_held_sensitivities_make_an_estimate_except_at_the_worst_case():
     accountant.step(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.4, 1.0])
     assert accountant.kind == "certified" and accountant.held_steps == 0
     accountant.step(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.4, 1.0])  # the same values: held
-    assert accountant.kind == "estimate" and accountant.held_steps == 1
+    assert accountant.kind == "held_estimate" and accountant.held_steps == 1
     assert accountant.certified.tolist() == [False, True]
     measured = IndividualAccountant(2)
     for _ in range(2):
         measured.step(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.4, 1.0], measured=True)
     assert measured.kind == "certified"
     measured.step(noise_multiplier=1.0, sample_rate=0.1, sensitivity_ratios=[0.3, 1.0], measured=False)
-    assert measured.kind == "estimate"
+    assert measured.kind == "held_estimate"
     refused(lambda: measured.step(noise_multiplier=1.0, sample_rate=0.1, measured="yes"), "measured")

@@ -99,16 +99,16 @@ def test_every_step_rows_compose_to_a_certified_bound(tmp_path, run):
         assert bound[point] == pytest.approx(opacus_eps([rising(step, point) for step in range(STEPS)]), rel=1e-9)
 
 
-def test_checkpoints_hold_delta_between_them_an_estimate_that_can_fall_below_the_bound(tmp_path, run):
+def test_checkpoints_hold_delta_between_them_a_held_estimate_that_can_fall_below_the_bound(tmp_path, run):
     write(tmp_path, "every", rows(norms_at(range(STEPS + 1))))
     write(tmp_path, "checkpoints", rows(norms_at(CHECKPOINTS)))
     bound = compose(run, tmp_path, "every")[0].query("kind == 'certified'").set_index("point")["eps"]
     estimate, result = compose(run, tmp_path, "checkpoints")
-    assert set(estimate["kind"]) == {"estimate", "baseline"}
-    assert "Δ* at 4 checkpoints, held between them (an estimate, not a bound" in result.stdout
-    assert "estimate = estimate (Δ* held between checkpoints, not a bound)" in result.stdout
-    assert "summary of eps (estimate: Δ* held between checkpoints, not a bound;" in result.stdout
-    held = estimate[estimate["kind"] == "estimate"].set_index("point")["eps"]
+    assert set(estimate["kind"]) == {"held_estimate", "baseline"}
+    assert "Δ* at 4 checkpoints, held between them (not a bound" in result.stdout
+    assert "held_estimate = held_estimate (Δ* held between checkpoints, not a bound)" in result.stdout
+    assert "summary of eps (held_estimate: Δ* held between checkpoints, not a bound;" in result.stdout
+    held = estimate[estimate["kind"] == "held_estimate"].set_index("point")["eps"]
     for point in range(3):
         charged = [rising(max(c for c in CHECKPOINTS if c <= step), point) for step in range(STEPS)]
         assert held[point] == pytest.approx(opacus_eps(charged), rel=1e-9)
@@ -136,7 +136,7 @@ def test_pld_follows_the_same_rule(tmp_path, run):
     write(tmp_path, "checkpoints", rows(norms_at(CHECKPOINTS)))
     every, _ = compose(run, tmp_path, "every", "--accountant", "pld")
     held, result = compose(run, tmp_path, "checkpoints", "--accountant", "pld")
-    assert set(every["kind"]) == {"certified", "baseline"} and set(held["kind"]) == {"estimate", "baseline"}
+    assert set(every["kind"]) == {"certified", "baseline"} and set(held["kind"]) == {"held_estimate", "baseline"}
     assert "Δ* held between checkpoints" in result.stdout
     # PLD is the tighter accountant of the same pairs (§8).
     rdp = compose(run, tmp_path, "every")[0]

@@ -11,6 +11,7 @@ parsers) is updated on purpose:
 import argparse
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -338,6 +339,26 @@ def default_text(value):
     return str(value)
 
 
+# Where a parser's default is None the value is decided later ("3T for the sum rule ...", "the run's seed"), and the
+# help states it: "(default X)", "(default: X)" or "(WHAT, default X; ...)".
+STATED_DEFAULT = re.compile(r"(?:\(|;\s|,\s)(?:(?P<qualifier>[\w-]+),\s)?default:?\s+(?P<value>(?:[^;()]|\([^()]*\))+)")
+
+
+def stated_default(action):
+    """The default a flag's help states ("" when it states none), each with what it is for where it says."""
+    return "; ".join(match["value"].strip() + (f" ({match['qualifier']})" if match["qualifier"] else "")
+                     for match in STATED_DEFAULT.finditer(action.help or ""))
+
+
+def effective_default(action):
+    """docs/flags.md's default of an action: the parser's, or where that is None the one its help states."""
+    if action.nargs in (0, "?"):
+        return "off"
+    if action.default is None or action.default == []:
+        return stated_default(action) or "none"
+    return default_text(action.default)
+
+
 def table_rows(parsers):
     """One row per flag name: (flag, aliases, meaning, value, default, scripts), sorted by flag."""
     uses = {}
@@ -349,8 +370,7 @@ def table_rows(parsers):
         scripts = [script for script, _ in uses[flag]]
         actions = [action for _, action in uses[flag]]
         aliases = sorted({alias for action in actions for alias in action.option_strings[1:]})
-        defaults = {script: "off" if action.nargs in (0, "?") else default_text(action.default)
-                    for script, action in uses[flag]}
+        defaults = {script: effective_default(action) for script, action in uses[flag]}
         # The most common default, then the scripts that differ from it.
         usual = max(defaults.values(), key=list(defaults.values()).count)
         default = "; ".join([usual] + [f"{script}: {text}" for script, text in defaults.items() if text != usual])

@@ -234,7 +234,7 @@ def test_composed_over_training_draws_the_bound_and_the_checkpoint_estimate(tmp_
     assert result["estimate_final"] == pytest.approx({"easy (point 12)": 1.8, "hard (point 7)": 5.0})
     legend = panels[0][0]["legend"]
     assert "easy (point 12), bound (Δ* at every step): final ε = 2" in legend
-    assert "easy (point 12), estimate (Δ* held between checkpoints): final ε = 1.8" in legend
+    assert "easy (point 12), held-Δ* estimate: final ε = 1.8" in legend
     assert_baseline_in_legend(panels[0][0])
 
 
@@ -294,9 +294,9 @@ def test_individual_accounting_by_accountant_panel(tmp_path, rng, panels):
     held = np.minimum(eps * 0.97, 7.8)
     result = draw_checked(tmp_path / "held", lambda path: plots.plot_individual_accounting(
         eps, loss, labels, CLASS_NAMES, accuracy, 7.8, path, by_accountant={
-            "RDP": (eps, 7.8), "PLD": (tighter, 6.9), "RDP, Δ* held between checkpoints (estimate)": (held, 7.8)},
+            "RDP": (eps, 7.8), "PLD": (tighter, 6.9), "RDP, Δ* held between checkpoints (held-Δ* estimate)": (held, 7.8)},
         eps_label="per-instance composed ε (bound: Δ* at every step)"))
-    assert result["accountants"]["RDP, Δ* held between checkpoints (estimate)"]["median"] == pytest.approx(
+    assert result["accountants"]["RDP, Δ* held between checkpoints (held-Δ* estimate)"]["median"] == pytest.approx(
         np.median(held))
     legend = panels[-1][2]["legend"]
     assert sum("worst case" in text for text in legend) == 2 and any("estimate): median" in text for text in legend)
@@ -341,7 +341,8 @@ def test_estimate_accuracy_says_how_far_the_estimate_is_from_the_bound(tmp_path,
     assert result["share_below"].estimate == pytest.approx(0.4) and result["count_below"] == 2
     assert result["relative_largest"].high == pytest.approx(0.25)  # a resampled maximum is one of the points
     legend = panels[0][0]["legend"]
-    assert "2 points: estimate BELOW the bound" in legend and "3 points: estimate at or above the bound" in legend
+    assert ("2 points: held-Δ* estimate BELOW the bound" in legend
+            and "3 points: held-Δ* estimate at or above the bound" in legend)
 
 
 def test_estimate_accuracy_constant_input(tmp_path):

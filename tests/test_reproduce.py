@@ -318,7 +318,7 @@ def test_tiny_preset_without_canaries(tmp_path):
     # Every point tracked at every step: the headline is a bound, the estimate over the checkpoints is compared with
     # it, and Δ* at the checkpoints is read from the tracked table instead of measured again.
     assert "a bound along the observed run (Δ* of every point at every step)" in findings[6]
-    assert "RDP, Δ* held between checkpoints (estimate): median" in findings[7]
+    assert "RDP, Δ* held between checkpoints (held-Δ* estimate): median" in findings[7]
     assert "the checkpoint estimate (Δ* held between the 8 checkpoints) against the bound (Δ* at every step), 512 " \
            "points" in findings[9]
     commands = report_commands(report)

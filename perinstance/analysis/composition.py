@@ -38,8 +38,8 @@ COLUMNS = ["point", "kind", "eps", "alpha", "delta", "delta_fail", "steps", "k_m
            "eps_add", "accountant", "discretization"]
 RDP_COLUMNS = dict(eps_remove=math.nan, eps_add=math.nan, accountant="rdp", discretization=math.nan)
 
-# What renyi_per_instance_sum_compo.py's kinds and summary lines say an `estimate` is, by what the composition holds
-# between checkpoints (§4) and whether its per-step values are Monte Carlo (§3.5).
+# What renyi_per_instance_sum_compo.py's kinds and summary lines say a composition over checkpoints holds
+# between them (§4): Δ* (sum rule), or the mean rule's certified or Monte Carlo per-step values (§3.5).
 HELD_NOTES = {"sum": "Δ* held between checkpoints, not a bound",
               Kind.CERTIFIED: "certified per step, held between checkpoints; not a bound",
               Kind.ESTIMATE: "Monte Carlo per step, held between checkpoints; not a bound"}
@@ -49,17 +49,22 @@ def charged(every: bool, checkpoints: int, values: str = "Δ*") -> str:
     """How a composition charges its steps (§4), as its description says it."""
     if every:
         return f"{values} at every step (a bound along the observed run)"
-    return f"{values} at {checkpoints} checkpoints, held between them (an estimate, not a bound; accounting.md §4)"
+    return f"{values} at {checkpoints} checkpoints, held between them (not a bound; accounting.md §4)"
 
 
 def composed_kind(kind: Kind, every: bool) -> Kind:
-    """§4: a certified per-step value composed over checkpoints only is an estimate."""
-    return Kind.CERTIFIED if kind == Kind.CERTIFIED and every else Kind.ESTIMATE
+    """§4, §3.5: the kind of a composition of per-step values of `kind`. Certified values at every step compose to
+    a bound (`certified`), held between checkpoints to a `held_estimate`; Monte Carlo values stay an `estimate`."""
+    if kind != Kind.CERTIFIED:
+        return Kind.ESTIMATE
+    return Kind.CERTIFIED if every else Kind.HELD_ESTIMATE
 
 
 def kind_notes(kind: Kind, every: bool, rule: str) -> dict:
     """What the printed lines say about the composed kind where report.KIND_LABEL does not say it (§3.5, §4)."""
-    return {} if every else {Kind.ESTIMATE: HELD_NOTES["sum" if rule == "sum" else kind]}
+    if every:
+        return {}
+    return {composed_kind(kind, every): HELD_NOTES["sum" if rule == "sum" else kind]}
 
 
 # The sum rule's Δ*/Γ is rounded up to multiples of this before the RDP lookup (--rounding's default): an
@@ -136,7 +141,7 @@ def sum_rule(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: float
     """renyi_per_instance_sum_compo.py's sum rule: (rows, description, kind notes). The per-step Rényi DP of
     the grad_norm rows (one or more runs, told apart by run and seed) composed over the T steps with the Hölder
     bound (holder_b: its text, default 3T), converted to (ε, δ), next to the baseline; `certified` when the rows
-    hold Δ* at every step, else `estimate` (§4)."""
+    hold Δ* at every step, else `held_estimate` (§4)."""
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
     holder_b = holder_exponent(holder_b or "3T", orders, mechanism.total_steps)
@@ -183,7 +188,7 @@ def mean_rule_composed(loaded: Loaded, *, delta: float, orders: ArrayLike, kind:
     """renyi_per_instance_sum_compo.py's mean rule: (rows, description, kind notes). The per-step ρ of `kind`
     (certified or estimate) of one run composed with b = inf, converted at δ − T·delta_fail
     (§3.4), next to the mean rule's own composed baseline; certified per-step values held between
-    checkpoints compose to an `estimate` (§4)."""
+    checkpoints compose to a `held_estimate` (§4), Monte Carlo ones stay an `estimate`."""
     mechanism = loaded.mechanism
     total_steps = mechanism.total_steps
     if holder_exponent(holder_b or "inf", orders, total_steps) != math.inf:
@@ -232,7 +237,7 @@ def sum_rule_pld(loaded: Loaded, *, delta: float, holder_b: float | None = None,
                  interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str, dict]:
     """§8.2: renyi_per_instance_sum_compo.py's sum rule by PLD: (rows, description, kind notes). Every point's
     composition along the observed trajectory; with several runs each step takes the largest Δ* over them (b = inf);
-    `certified` when the rows hold Δ* at every step, else `estimate` (§4)."""
+    `certified` when the rows hold Δ* at every step, else `held_estimate` (§4)."""
     _check_pld_holder(holder_b)
     check_unique(loaded, ["run", "seed", "step", "point"])
     mechanism = loaded.mechanism
@@ -261,7 +266,7 @@ def mean_rule_pld(loaded: Loaded, *, delta: float, kind: Kind = Kind.CERTIFIED, 
     """§8.4: renyi_per_instance_sum_compo.py's mean rule by PLD: (rows, description, kind notes). Every point's
     composition of the per-step revealed-size mixture of `kind` (certified or estimate), next to the
     baseline's, converted at δ − T·delta_fail; certified per-step values held between checkpoints compose to
-    an `estimate` (§4)."""
+    a `held_estimate` (§4), Monte Carlo ones stay an `estimate`."""
     _check_pld_holder(holder_b)
     mechanism = loaded.mechanism
     total_steps = mechanism.total_steps

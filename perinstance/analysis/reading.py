@@ -262,7 +262,8 @@ def checkpoint_sensitivity_ratio(loaded: Loaded) -> tuple[np.ndarray, np.ndarray
 def every_step(loaded: Loaded) -> bool:
     """§4: whether every run's rows give every point a value at every step 0..T−1 (at θ_0 .. θ_{T−1}, the
     parameters the T steps start from; a row at step T is allowed and charges no step). Then a composition of
-    the rows is a bound along the observed run; otherwise it holds values between measurements: an estimate."""
+    the rows is a bound along the observed run; otherwise it holds values between measurements: a held estimate
+    (`held_estimate`; an `estimate` where the values are Monte Carlo)."""
     rows, total = loaded.rows, loaded.mechanism.total_steps
     pairs = rows.groupby(["run", "seed", "point"], sort=False).ngroups
     # Steps are integers in 0..T (load checks them): T distinct ones below T are all of 0..T−1.

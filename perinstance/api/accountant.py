@@ -14,6 +14,7 @@ from numpy.typing import ArrayLike
 from opacus.accountants import RDPAccountant
 
 from perinstance.accounting import dp_events, pld, pld_grid, rdp_composition
+from perinstance.accounting.guarantees import Kind
 from perinstance.analysis import composition
 from perinstance.api import arguments, opacus_hook
 
@@ -31,8 +32,8 @@ class IndividualAccountant:
     num_points: the training points followed (any subset of the training set, in the order that
     `sensitivities` arrays use). Each `step` records one DP-SGD step: its noise multiplier σ,
     Poisson sample rate q and each point's Δ*/Γ (docs/accounting.md §2, at the parameters the step
-    starts from), measured at that step or held from an earlier measurement (§4: then the composition is an
-    estimate, `kind`). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivity_ratios) with
+    starts from), measured at that step or held from an earlier measurement (§4: then the composition is a
+    held-Δ* estimate, `kind`). `history` holds (noise_multiplier, sample_rate, num_steps, sensitivity_ratios) with
     consecutive equal steps merged, as Opacus's RDPAccountant merges (σ, q); len() is its length.
     `attach` records the steps of an Opacus DPOptimizer by itself (api/opacus_hook.py).
     """
@@ -69,8 +70,8 @@ class IndividualAccountant:
 
         sensitivity_ratios: Δ*/Γ of every point at this step (array-like or tensor of num_points values in
         [0, 1]); None: every point at the worst case 1. measured: whether they were measured at this step's
-        parameters (True) or held from an earlier measurement (False: the composition is then an estimate,
-        §4); None: measured unless they equal the previous step's values (held, as a loop that measures every k
+        parameters (True) or held from an earlier measurement (False: the composition is then a held-Δ*
+        estimate, §4); None: measured unless they equal the previous step's values (held, as a loop that measures every k
         steps passes the same values k times).
         """
         noise_multiplier = arguments.positive_finite("noise_multiplier", noise_multiplier)
@@ -115,7 +116,7 @@ class IndividualAccountant:
     def certified(self) -> np.ndarray:
         """Per point, whether its ε from get_epsilon is a bound along the observed run (docs/accounting.md §4):
         every step's Δ*/Γ of the point measured at that step, or held at the worst case 1 (Δ* <= Γ always).
-        Otherwise its ε is an estimate ("Δ* held between measurements")."""
+        Otherwise its ε is a held-Δ* estimate ("Δ* held between measurements", not a bound)."""
         bound = np.ones(self.num_points, dtype=bool)
         for _, _, num_steps, sensitivity_ratio, measured_steps in self._history:
             if sensitivity_ratio is not None and measured_steps < num_steps:
@@ -124,9 +125,10 @@ class IndividualAccountant:
 
     @property
     def kind(self) -> str:
-        """"certified" when every point's ε is a bound along the observed run (`certified`), else "estimate"
-        (some step held Δ* between measurements, §4)."""
-        return "certified" if self.certified.all() else "estimate"
+        """"certified" when every point's ε is a bound along the observed run (`certified`), else "held_estimate"
+        (some step held Δ* between measurements, §4: not a bound). The words are Kind's, as the scripts' `kind`
+        column has them."""
+        return Kind.CERTIFIED.value if self.certified.all() else Kind.HELD_ESTIMATE.value
 
     def __len__(self) -> int:
         return len(self._history)
@@ -181,7 +183,7 @@ class IndividualAccountant:
         grid). "pld": §8.2, privacy loss distributions at discretisation `pld_interval` (b = ∞, one (σ, q)),
         ε the larger of the remove and add directions. Each Δ*/Γ is rounded up to a multiple of
         `rounding` (0: exact), as the scripts' --rounding. alphas: Opacus's name for `orders`. The values are
-        bounds along the observed run where `certified` says so, estimates elsewhere (`kind`).
+        bounds along the observed run where `certified` says so, held-Δ* estimates elsewhere (`kind`).
         """
         delta = arguments.number("delta", delta)
         if not 0 < delta < 1:

@@ -49,7 +49,7 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
     """Record in `accountant` every real step of `optimizer` (σ its noise_multiplier, q the Poisson rate of `data`,
     times its accumulated_iterations as Opacus's own accountant counts it), with Δ*/C of `points` (default: every
     point of data's dataset) measured by `sensitivities` at the step's parameters every `every` steps, from the
-    first, and held in between (those steps are labelled held: the composition is then an estimate, §4).
+    first, and held in between (those steps are labelled held: the composition is then a held-Δ* estimate, §4).
     model: the network (or its Opacus wrapper) whose parameters the optimizer updates; loss_fn as for
     `sensitivities`. Arguments are checked here, each bad one a one-line TypeError or ValueError."""
     if not isinstance(optimizer, DPOptimizer):
@@ -74,7 +74,7 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
         raise ValueError("optimizer: this accountant is attached to it already")
     if random_in_training(model):
         warnings.warn("model has dropout active in training: Δ* is measured without it (eval mode), so every "
-                      "step's Δ* counts as held and the per-point ε is an estimate", stacklevel=3)
+                      "step's Δ* counts as held and the per-point ε is a held-Δ* estimate", stacklevel=3)
     previous = optimizer.step_hook
     state = {"steps": 0, "ratios": None}
 

@@ -17,7 +17,8 @@ both directions: eps is the larger of eps_remove and eps_add).
 
 A composition is `certified` (a bound along the observed run) only when the rows give every point a
 value at every step 0..T-1, as train_dpsgd.py --track-points records them; from checkpoints it holds
-each value until the next one and is an `estimate` ("Δ* held between checkpoints", accounting.md §4).
+each value until the next one and is a `held_estimate` ("Δ* held between checkpoints", accounting.md §4; the
+mean rule's Monte Carlo values compose to an `estimate` either way).
 """
 
 from collections.abc import Sequence
@@ -55,7 +56,8 @@ def build_parser(prog: str | None = None) -> Parser:
                        "Rényi orders α > 1 to convert from (default 1.25..256, 47 orders)")
     parser.add_argument("--holder-b", default=None,
                         help="Hölder exponent b in (1, inf] of the composition: a number, inf, or a multiple of the "
-                             "number of steps T such as 3T (default 3T for the sum rule; the mean rule takes inf only)")
+                             "number of steps T such as 3T (default 3T for the sum rule by Rényi DP, inf for the mean "
+                             "rule and --accountant pld, which take inf only)")
     parser.add_argument("--rounding", type=non_negative_float, default=composition.SUM_RULE_ROUNDING,
                         help="sum rule: round Δ* up to multiples of ROUNDING·Γ before the RDP or PLD lookup "
                              f"(default {composition.SUM_RULE_ROUNDING:g}; 0: exact)")

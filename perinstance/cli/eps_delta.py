@@ -47,8 +47,8 @@ def build_parser(prog: str | None = None) -> Parser:
     parser.add_argument("--holder-p", default=None,
                         help="--method holder only: Hölder exponent p in (1, inf], a number or inf (default 1e4, GLA's)")
     parser.add_argument("--gaussian", choices=["analytic", "classic"], default=None,
-                        help="--method holder only: the Gaussian mechanism's ε, exact (Balle & Wang 2018, default) "
-                             "or the classic formula")
+                        help="--method holder only: the Gaussian mechanism's ε, analytic (exact, Balle & Wang 2018) or "
+                             "the classic formula (default analytic)")
     options.add_failure_argument(parser)
     return parser
 

@@ -30,7 +30,7 @@ class ReproduceConfig:
     save_freq: int
     # Points whose Δ* is recorded at every step, as --points. "all": the composed ε of every point is a bound along
     # the run (accounting.md §4), and Δ* at the checkpoints comes from the same record; a subset: every point is
-    # measured at the checkpoints too, its composition an estimate, the bound the tracked points' (figures 4-6).
+    # measured at the checkpoints too, its composition a held-Δ* estimate, the bound the tracked points' (figures 4-6).
     track_points: str
     # GLA's sampling-rate claim for the mean rule (figure 3), in two controlled designs. Fixed checkpoint:
     # the main run's final checkpoint and the one nearest `early_stage`·T, each analysed as one mean-rule

@@ -21,8 +21,8 @@ from perinstance.train.data import load_dataset
 from perinstance.train.runs import RunConfig
 
 # What the headline composition is (findings 7 and 8, figure 5), by whether every point was tracked (§4).
-HEADLINE_LABEL = {True: "bound: Δ* at every step", False: "estimate: Δ* held between checkpoints"}
-ESTIMATE_LABEL = "RDP, Δ* held between checkpoints (estimate)"
+HEADLINE_LABEL = {True: "bound: Δ* at every step", False: "held-Δ* estimate: Δ* held between checkpoints"}
+ESTIMATE_LABEL = "RDP, Δ* held between checkpoints (held-Δ* estimate)"
 
 
 def final_rows(frame: pd.DataFrame, step: int) -> pd.DataFrame:
@@ -84,7 +84,7 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     findings["individual"]["lowest_class"] = int(np.argmin(class_accuracy))
     findings["individual"]["highest_class"] = int(np.argmax(class_accuracy))
 
-    # Figure 6: the checkpoint estimate against the bound, on the points both cover.
+    # Figure 6: the held-Δ* estimate against the bound, on the points both cover.
     estimate = accounted.estimate.set_index("point")["eps"]
     points = bound.index.intersection(estimate.index)
     findings["estimate"] = plots.plot_estimate_accuracy(estimate.loc[points].to_numpy(),
@@ -134,7 +134,7 @@ def pick_points(bound: pd.Series, estimate: pd.Series, correct: pd.Series) -> di
     shortfall = ((bound - estimate.reindex(bound.index)) / bound).dropna()
     if len(shortfall) and shortfall.max() > 0:
         point = int(shortfall.idxmax())
-        chosen[f"estimate furthest below its bound (point {point})"] = point
+        chosen[f"held-Δ* estimate furthest below its bound (point {point})"] = point
     wrong = bound[~correct.to_numpy()]
     if len(wrong):
         point = int((wrong - wrong.median()).abs().idxmin())
@@ -145,7 +145,7 @@ def pick_points(bound: pd.Series, estimate: pd.Series, correct: pd.Series) -> di
 def composition_curves(run: RunConfig, rows: pd.DataFrame, chosen: dict[str, int], delta: float) -> dict:
     """Composed ε after every step t = 0..T (accounting.md §4, b = COMPOSITION_HOLDER_B = ∞) of the chosen points, by
     the accountant's own composition (composition.compose_sum_rule, its default rounding) of their Δ* in `rows`: at
-    every step (a bound) or at the checkpoints, held between them (an estimate)."""
+    every step (a bound) or at the checkpoints, held between them (a held-Δ* estimate)."""
     rows = rows[rows["point"].isin(list(chosen.values()))]
     table_of = rows.pivot_table(index="step", columns="point", values="value", aggfunc="first")
     ratio = (table_of[list(chosen.values())].to_numpy() / run.clip_bound)[None]

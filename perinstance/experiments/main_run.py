@@ -4,12 +4,12 @@ checkpoint, composition along the run by RDP and by PLD).
 
 When every training point is tracked (the quick preset), the composition from the every-step norms is the headline:
 a bound along the observed run (accounting.md §4). Δ* at the checkpoints is then read from the same table, and the
-composition that holds it between checkpoints (an estimate) is computed from it for comparison. Otherwise Δ* of every
-point is measured at the checkpoints (compute_sensitivity.py): the all-points composition is that estimate, and the
+composition that holds it between checkpoints (a held-Δ* estimate) is computed from it for comparison. Otherwise Δ* of every
+point is measured at the checkpoints (compute_sensitivity.py): the all-points composition is that held-Δ* estimate, and the
 bound covers the tracked points.
 
 Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
-the loss and the classes, the checkpoint estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
+the loss and the classes, the held-Δ* estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
 """
 
 import math
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from perinstance.accounting.guarantees import Kind
 from perinstance.experiments.commands import RES_DIR, Commands, result_file
 from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
@@ -61,7 +62,7 @@ class Accounted:
     """The accountants' outputs on the main run, one row per point (guarantees()): the per-step (ε, δ) at the final
     checkpoint; the headline composition of every point by RDP and by PLD; the composition from every-step Δ*
     (`bound`, the tracked points; None for a run without them) and the one holding Δ* between checkpoints
-    (`estimate`, every point)."""
+    (`estimate`, every point: a held-Δ* estimate)."""
 
     per_step: pd.DataFrame
     composed: pd.DataFrame
@@ -119,8 +120,8 @@ def account_run(commands: Commands, main: MainRun, delta: float, per_step_method
     file. Without a tracked table there is no bound (Accounted.bound None)."""
     total_steps = main.run.total_steps
     tracked = ["--res-file", main.tracked_path]
-    # The other composition beside the headline one, from the tracked table: at the checkpoints only (the estimate)
-    # where the headline is every step's, or every step of the tracked points (their bound) otherwise.
+    # The other composition beside the headline one, from the tracked table: at the checkpoints only (the held-Δ*
+    # estimate) where the headline is every step's, or every step of the tracked points (their bound) otherwise.
     if main.every_point:
         source, flags = main.tracked_path, tracked
         other_flags, other_suffix = [*tracked, "--steps", ",".join(map(str, main.checkpoint_steps))], "-checkpoints_compo"
@@ -148,12 +149,12 @@ def account_run(commands: Commands, main: MainRun, delta: float, per_step_method
 
 def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the point's own value (the
-    max over directions where rows have one), `kind` what it is (certified, or estimate where the composition holds
-    Δ* between checkpoints), `baseline_eps` the baseline, and `delta`."""
+    max over directions where rows have one), `kind` what it is (certified, or held_estimate where the composition
+    holds Δ* between checkpoints), `baseline_eps` the baseline, and `delta`."""
     if "direction" in rows:
         rows = rows[rows["direction"] == "max"]
     table = rows.pivot_table(index=index, columns="kind", values="eps", aggfunc="first")
-    kind = next(kind for kind in ("certified", "held_estimate", "estimate") if kind in table.columns)
+    kind = next(kind for kind in (Kind.CERTIFIED, Kind.HELD_ESTIMATE, Kind.ESTIMATE) if kind in table.columns)
     table = table.rename(columns={kind: "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
     return table.join(rows.groupby(index)["delta"].first()).reset_index().assign(kind=kind)
 

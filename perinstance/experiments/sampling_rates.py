@@ -30,7 +30,7 @@ DESIGN_EARLY, DESIGN_FINAL = "(a) fixed early checkpoint", "(a) fixed final chec
 DESIGN_MATCHED = "(b) matched steps"
 # What "the whole run" means in the report line of a fixed-checkpoint design and of the matched-steps design.
 FIXED_WHOLE_RUN = "T steps at q, each charged at this one checkpoint: a what-if, not a trained run"
-MATCHED_WHOLE_RUN = ("the run's own checkpoints, the per-step values held between them (an estimate, not a bound, "
+MATCHED_WHOLE_RUN = ("the run's own checkpoints, the per-step values held between them (a held estimate, not a bound, "
                      "accounting.md §4); no Monte-Carlo series, its Δ_B are drawn at the final checkpoint only")
 # The series whose change with q is judged: the data-dependent ones (the baselines are single numbers).
 JUDGED_SERIES = ("certified", "estimate")
@@ -247,7 +247,7 @@ def matched_series(run: RunConfig, config: ReproduceConfig, certified: pd.DataFr
     step_series = {"certified": per_step(certified, "certified"), "estimate": per_step(estimate, "estimate"),
                    "baseline": float(per_step(certified, "baseline")[0]), "sum_rule": per_step(sum_rule, "certified"),
                    "sum_baseline": float(sum_mechanism.baseline_rdp([config.renyi_order], steps=1)[0])}
-    # The certified per-step values composed over the checkpoints: labelled estimate by the accountant (§4).
+    # The certified per-step values composed over the checkpoints: labelled held_estimate by the accountant (§4).
     composed_series = {"certified": composed.loc[composed["kind"] != "baseline", "eps"].to_numpy(),
                        "baseline": float(composed.loc[composed["kind"] == "baseline", "eps"].iloc[0]),
                        "sum_baseline": float(sum_mechanism.baseline_eps(config.delta)[0])}

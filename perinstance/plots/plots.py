@@ -229,7 +229,7 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
             held_steps, held = (_as_1d(f"estimate of {label!r}", array) for array in estimates[label])
             estimated[label] = float(held[-1]) if len(held) else float("nan")
             ax.plot(held_steps, held, linewidth=1.5, linestyle="--", color=line.get_color(),
-                    label=f"{label}, estimate (Δ* held between checkpoints): final ε = {_fmt(estimated[label])}")
+                    label=f"{label}, held-Δ* estimate: final ε = {_fmt(estimated[label])}")
     baseline_final = float(baseline_eps[-1]) if len(baseline_eps) else float("nan")
     style = {**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: final ε = {_fmt(baseline_final)}"}
     ax.plot(baseline_steps, baseline_eps, **style)
@@ -241,7 +241,7 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
         fig.supxlabel("Step t is charged at Δ* of the latest checkpoint ≤ t − 1\n(piecewise constant between "
                       "checkpoints; accounting.md §4)." if estimates is None else
                       "Solid: Δ* at every step, a bound along the observed run. Dashed: step t charged at Δ* of the "
-                      "latest\ncheckpoint ≤ t − 1, held between the checkpoints marked: an estimate (accounting.md "
+                      "latest\ncheckpoint ≤ t − 1, held between the checkpoints marked: a held-Δ* estimate (accounting.md "
                       "§4).", fontsize="small", color="0.3")
     ax.set_xlabel("training step")
     ax.set_ylabel(f"composed ε at δ = {delta:g}")
@@ -379,7 +379,7 @@ def _draw_accountant_panel(ax, by_accountant):
 
 
 def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step: ArrayLike, path: str, baseline_eps: float) -> dict:
-    """Yu et al., Fig. 4: ε from Δ* held between checkpoints (an estimate) against ε from Δ* at every step (the
+    """Yu et al., Fig. 4: ε from Δ* held between checkpoints (a held-Δ* estimate) against ε from Δ* at every step (the
     bound, accounting.md §4), with how far the estimate is from the bound: the relative error (estimate − bound) /
     bound (over the points with a positive bound), its median and its largest size, and the share of points whose
     estimate is below their bound, each with its 95% interval (§10); points below the bound drawn in red."""
@@ -406,18 +406,18 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
 
     fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
     ax.scatter(truth[~below], estimate[~below], s=8, alpha=0.5, color="tab:blue",
-               label=f"{int((~below).sum())} points: estimate at or above the bound")
+               label=f"{int((~below).sum())} points: held-Δ* estimate at or above the bound")
     ax.scatter(truth[below], estimate[below], s=8, alpha=0.7, color="tab:red",
-               label=f"{int(below.sum())} points: estimate BELOW the bound")
+               label=f"{int(below.sum())} points: held-Δ* estimate BELOW the bound")
     plotted = np.concatenate([[0.0, baseline_eps], truth, estimate])
     span = np.array([plotted.min(), plotted.max()])
     ax.plot(span, span, color="tab:gray", linewidth=1, label="y = x")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
     ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
     ax.set_xlabel("ε from Δ* at every step (the bound along the run)")
-    ax.set_ylabel("ε from Δ* at checkpoints, held between them (estimate)")
+    ax.set_ylabel("ε from Δ* at checkpoints, held between them (held-Δ* estimate)")
     median, share = found["relative_median"], found["share_below"]
-    ax.set_title(f"Checkpoint estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}\n"
+    ax.set_title(f"Held-Δ* estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}\n"
                  + ("" if median is None else f"relative error median {median.estimate:+.2%}, largest "
                     f"{found['relative_largest_signed']:+.2%}; ")
                  + ("" if share is None else f"below the bound: {share.estimate:.1%} of points")

@@ -20,9 +20,10 @@ MEAN_RULE_SERIES = {
 
 
 # Over a whole run the per-step values are held between checkpoints (one checkpoint for all T steps in the fixed
-# designs): every composed series is an estimate (accounting.md §4), whatever its per-step value is.
+# designs): every composed series is an estimate (accounting.md §4): a held estimate of certified per-step values, a
+# Monte Carlo estimate of Monte Carlo ones.
 HELD_LABELS = {
-    "certified": "mean rule, certified per step, held between checkpoints: an estimate (median, 95% interval; "
+    "certified": "mean rule, certified per step, held between checkpoints: a held estimate (median, 95% interval; "
                  "band 10-90%)",
     "estimate": "mean rule, Monte Carlo per step, held between checkpoints: an estimate (median, 95% interval)",
 }
