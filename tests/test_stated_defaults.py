@@ -59,6 +59,7 @@ STATEMENTS = [
      ("compute_sensitivity.py",)),
     (COMMANDS_MD, r"`--res-name` \(in `--res-dir`, default `(?P<value>[^`]+)`\)", "--res-dir", ACCOUNTANTS),
     (COMMANDS_MD, r"- `(?P<value>mnist-embedded)` \(the default everywhere\)", "--dataset", TRAINING),
+    (COMMANDS_MD, r"to `--out-dir` \(default `(?P<value>[^`]+)`\)", "--out-dir", ("report.py",)),
     (API_MD, r"the scripts' default `(?P<value>[^`]+)`\s+for the sum rule", "--holder-b", COMPOSE, "sum rule"),
     (API_MD, r"(?P<value>[\d.]+) is the scripts' `--rounding` default", "--rounding", COMPOSE),
 ]
