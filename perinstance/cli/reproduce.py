@@ -9,8 +9,9 @@ A preset is a typed configuration (ReproduceConfig); `--set FIELD=VALUE` overrid
 fields, checked against the field's type (`--dataset X` is `--set dataset=X`). Runs
 train_dpsgd.py, compute_sensitivity.py and the accountant scripts exactly as a user would (same
 code, same files under models/ and res/), skips what a previous run finished, and writes its
-figures and report.md to --out-dir (default figures/). report.md lists the configuration and
-every command that produced its numbers.
+figures, report.md and report.html (the same report as one self-contained page) to --out-dir
+(default figures/). The report lists the configuration and every command that produced its
+numbers.
 """
 
 import os
@@ -46,6 +47,7 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
+from perinstance.plots.report_files import markdown_table
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -125,11 +127,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     with commands.timed("figures 1-6 and their numbers"):
         findings = figures.draw_figures(out_dir, config, main, accounted, mean_results, device)
     findings.update(attack_findings)
-    findings["headlines"] = report.finding_lines(config, findings)
-    written = report.write_report(out_dir, preset, config, argv, commands, run, findings, time.time() - started)
-    print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
-    print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures and {written} written in "
-          f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
-    for line in findings["headlines"]:
-        print(f"  - {line}")
+    written, markdown, page = report.write_report(out_dir, preset, config, argv, commands, run, findings,
+                                                  time.time() - started)
+    print("\n" + "\n".join(markdown_table(commands.timing_table(time.time() - started))))
+    print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures, {markdown} and {page} "
+          f"written in {time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB")
+    for index, finding in enumerate(written.findings, 1):
+        print(f"  {index}. {finding.title}: {finding.takeaway}")
 

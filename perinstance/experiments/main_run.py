@@ -4,12 +4,12 @@ checkpoint, composition along the run by RDP and by PLD).
 
 When every training point is tracked (the quick preset), the composition from the every-step norms is the headline:
 a bound along the observed run (accounting.md §4). Δ* at the checkpoints is then read from the same table, and the
-composition that holds it between checkpoints (an estimate) is computed from it for comparison. Otherwise Δ* of every
+composition that holds it between checkpoints (a held-Δ* estimate) is computed from it for comparison. Otherwise Δ* of every
 point is measured at the checkpoints (compute_sensitivity.py): the all-points composition is that estimate, and the
 bound covers the tracked points.
 
-Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
-the loss and the classes, the checkpoint estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
+Findings 1, 2 and 7-10 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
+the loss and the classes, the held-Δ* estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
 """
 
 import math
