@@ -80,8 +80,8 @@ CAPTIONS = {
         "Figure 8: membership inference per class",
         "Left: the loss-threshold attack's accuracy per class against the class's mean composed ε (DP run, "
         "δ = {delta}), for the DP and the non-private model; error bars: its spread over the attack's random "
-        "splits; dotted: chance (0.5). Points near the dotted line are classes the attack cannot tell apart. Right: "
-        "each class's test accuracy against the same ε."),
+        "splits; dotted: chance (0.5). A class near the dotted line is one whose training points the attack cannot "
+        "tell from its test points. Right: each class's test accuracy against the same ε."),
     "9_mean_rule_gap_audit.png": (
         "Figure 9: the realised-size mean rule against the sum rule's accounting",
         "The gap run's points ranked by their empirical lower bound (95%) on the per-step ε at δ = {delta}. Points "
