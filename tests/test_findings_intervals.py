@@ -1,5 +1,6 @@
 """The report's findings carry 95% intervals and verdicts drawn from them (docs/accounting.md §10), checked on
-fixtures whose answer is known: clearly separated samples, identical ones, and reversed ones."""
+fixtures whose answer is known: clearly separated samples, identical ones, and reversed ones; their tables hold the
+intervals and their takeaways say what the verdicts say."""
 
 import math
 
@@ -7,9 +8,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from perinstance.accounting import intervals
 from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
 from perinstance.audit import membership
-from perinstance.experiments import report
+from perinstance.experiments import report_audits, report_cells, report_privacy, report_rates
 from perinstance.experiments.config import PRESETS
 from perinstance.experiments.sampling_rates import DESIGN_MATCHED, adjacent_rate_verdicts, design_verdicts
 from perinstance.plots import plots, sampling_rate_plots
@@ -79,43 +81,65 @@ def test_design_verdicts_judge_ratio_value_and_whole_run(rng):
         assert verdicts["ratio"][series][0]["change"].estimate == pytest.approx(math.log(0.1 / 0.5), rel=1e-9)
 
 
-def test_mean_rule_lines_carry_intervals_verdicts_and_one_summary(rng, tmp_path):
+def test_mean_rule_findings_carry_intervals_verdicts_and_one_claim(rng, tmp_path):
     per_step, whole_run, facts = designs_fixture(rng)
     designs = {"(a) one checkpoint": (per_step, whole_run), DESIGN_MATCHED: (per_step, whole_run)}
     drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
     rates = {design: {**values, "facts": facts, "verdicts": design_verdicts(*designs[design],
                                                                            paired=design != DESIGN_MATCHED)}
              for design, values in drawn.items()}
-    *lines, summary = report.mean_rule_lines(PRESETS["tiny"], rates)
-    assert len(lines) == 2
+    (*found, claim), headlines = report_rates.rates_findings(PRESETS["tiny"], rates)
+    assert len(found) == 2
+    # A row per rate: the certified ratio's median with its 95% interval, in the cell of its rate.
     interval = drawn[DESIGN_MATCHED]["ratios_intervals"]["certified"][0.01]
-    assert f"certified/baseline {plots.interval_text(interval)}" in lines[1]
+    one_step = found[1].extra_tables[0]
+    assert one_step.rows[0][0] == "0.01"
+    assert one_step.rows[0][one_step.columns.index("certified ÷ baseline")] == plots.interval_text(interval)
     expected = np.median(per_step[0.01]["certified"]) / per_step[0.01]["baseline"]
     assert interval.estimate == pytest.approx(expected, rel=1e-12)
     assert interval.low < expected < interval.high and interval.count == POINTS
-    assert "0.01→0.1 falls (×0.2 [" in lines[0] and f"0.1→1 {NO_DIFFERENCE}" in lines[0]
-    assert "resampled together" in lines[0] and "each resampled on its own" in lines[1]
-    assert summary.count("GLA's claim") == 1 and "at 2 of 4 steps up in q; both ratios rise at 0, and 2 are" in summary
-    assert f"{DESIGN_MATCHED}: 0.01→0.1 falls, 0.1→1 {NO_DIFFERENCE}" in summary
-    assert "REPRODUCED" not in summary and "NOT reproduced" not in summary
+    # The verdicts between adjacent rates: a column per pair, a row per judged quantity.
+    changes = {row[0]: row[1:] for row in found[0].extra_tables[2].rows}
+    assert found[0].extra_tables[2].columns == ("as q grows", "0.01→0.1", "0.1→1")
+    assert changes["certified ÷ baseline, one step"][0].startswith(f"{FALLS} ×0.2 [")
+    assert changes["certified ÷ baseline, one step"][1].startswith(NO_DIFFERENCE)
+    assert "resampled together" in found[0].extra_tables[2].title
+    assert "each resampled on its own" in found[1].extra_tables[2].title
+    assert found[0].takeaway == ("Per step ÷ the mean rule's baseline, the certified bound falls at 1 of 2 steps up in "
+                                 "q and rises at 0, 1 unclear at this precision; the Monte Carlo estimate falls at 1 "
+                                 "and rises at 0, 1 unclear at this precision.")
+    assert claim.takeaway.count("GLA's claim") == 1 and "holds at 2 of 4 steps up in q; both ratios rise at 0, and " \
+                                                        "at 2 they are" in claim.takeaway
+    assert (DESIGN_MATCHED, "0.01→0.1", FALLS, FALLS, FALLS) in claim.table.rows
+    assert (DESIGN_MATCHED, "0.1→1", NO_DIFFERENCE, NO_DIFFERENCE, NO_DIFFERENCE) in claim.table.rows
+    (headline,) = headlines
+    assert report_cells.table_cell(claim, headline.row, headline.column) == "2 of 4"
+    assert "REPRODUCED" not in claim.takeaway and "NOT reproduced" not in claim.takeaway
 
 
 def correctness(tmp_path, correct_values, misclassified_values):
+    """plot_correct_vs_misclassified's numbers, with each group's median interval as figures.py adds them."""
     values = np.concatenate([correct_values, misclassified_values])
     correct = np.arange(len(values)) < len(correct_values)
-    return plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε")
+    found = plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε")
+    found["median_intervals"] = {group: intervals.median_interval(group_values) if len(group_values) else None
+                                 for group, group_values in (("correct", correct_values),
+                                                             ("misclassified", misclassified_values))}
+    return found
 
 
-def test_correctness_line_from_the_ratio_interval(rng, tmp_path):
+def test_correctness_finding_from_the_ratio_interval(rng, tmp_path):
+    findings = {"total_steps": 10}
     more = correctness(tmp_path, spread(rng, 0.1), spread(rng, 1.0, 40))
-    line = report.correctness_line(more)
-    assert more["ratio_interval"].low > 1 and "misclassified points pay more" in line
-    assert f"= {plots.interval_text(more['ratio_interval'])} (95% interval; 40 misclassified, {POINTS} correct" in line
+    finding = report_privacy.correctness_finding(more, findings)
+    assert more["ratio_interval"].low > 1 and finding.takeaway.startswith("Misclassified points pay more")
+    assert ("misclassified ÷ correct", "", plots.interval_text(more["ratio_interval"])) in finding.table.rows
+    assert ("misclassified", "40", plots.interval_text(more["median_intervals"]["misclassified"])) in finding.table.rows
     same = spread(rng, 1.0)
-    alike = report.correctness_line(correctness(tmp_path, same, same))
-    assert f"NOT borne out by this run: {NO_DIFFERENCE}" in alike
-    none = report.correctness_line(correctness(tmp_path, same, np.zeros(0)))
-    assert "undefined (0 misclassified" in none
+    alike = report_privacy.correctness_finding(correctness(tmp_path, same, same), findings)
+    assert alike.takeaway.startswith(f"NOT borne out by this run: {NO_DIFFERENCE}")
+    none = report_privacy.correctness_finding(correctness(tmp_path, same, np.zeros(0)), findings)
+    assert "undefined" in none.takeaway and ("misclassified", "0", "undefined") in none.table.rows
 
 
 def membership_rows(accuracies):
@@ -128,10 +152,13 @@ def membership_rows(accuracies):
 def test_membership_attack_against_chance():
     chance = membership.membership_summary(membership_rows(0.5 + 0.01 * np.array([-2, 1, 0, 2, -1, 1, -1, 0, 2, -2])))
     assert chance["DP"]["points"] == 1900 and chance["DP"]["attack_accuracy_interval"].count == 10
-    assert "no difference from chance (0.5) at this precision" in report.attack_accuracy_text(chance["DP"])
+    finding = report_audits.membership_finding(chance)
+    assert finding.takeaway == "The loss-threshold attack does not beat chance at this precision, with or without DP."
+    assert finding.table.rows[0][3:6] == ("no difference at this precision", "10", "1,900")
     above = membership.membership_summary(membership_rows(np.linspace(0.7, 0.8, 10)))
-    text = report.attack_accuracy_text(above["DP"])
-    assert text.startswith("0.750 [") and "over 10 classes, 1900 points): above chance" in text
+    finding = report_audits.membership_finding(above)
+    assert finding.table.rows[0][1].startswith("0.75 [") and finding.table.rows[0][3] == "above chance"
+    assert finding.takeaway.endswith("is above chance on the DP model.")
     # Attack accuracy rises with ε exactly: r is 1 on every resample.
     assert above["DP"]["pearson_attack_interval"].low == pytest.approx(1.0)
 
@@ -141,13 +168,13 @@ def test_pearson_text_names_interval_and_pairs(rng, tmp_path):
     drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0)
     interval = drawn["pearson_interval"]
     assert interval.low < drawn["pearson"] < interval.high < 1 and interval.count == 60
-    assert report.r_text(drawn["pearson"], interval) == (
-        f"{drawn['pearson']:.3f} [{interval.low:.3f}, {interval.high:.3f}] (95% interval, 60 pairs)")
-    assert report.r_text(float("nan"), None).startswith("undefined")
+    assert report_cells.pearson(drawn["pearson"], interval) == (
+        f"{drawn['pearson']:.3f} [{interval.low:.3f}, {interval.high:.3f}]")
+    assert report_cells.pearson(float("nan"), None).startswith("undefined")
 
 
 def test_claim_steps_name_both_series_where_they_disagree(rng):
     fall, same = spread(rng, 1.0), spread(rng, 1.0)
     ratio_verdicts = {"certified": adjacent_rate_verdicts({0.1: fall, 0.2: 0.25 * fall}, paired=True),
                       "estimate": adjacent_rate_verdicts({0.1: same, 0.2: 4.0 * same}, paired=True)}
-    assert report.claim_steps(ratio_verdicts) == [(0.1, 0.2, f"mixed (certified {FALLS}, estimate {RISES})")]
+    assert report_rates.claim_steps(ratio_verdicts) == [(0.1, 0.2, f"mixed (certified {FALLS}, Monte Carlo {RISES})")]

@@ -56,3 +56,24 @@ def test_prose_words_count_takeaway_and_note_only():
     finding = Finding("k", "A long title of many words", "Three words here.", Table(("a",), (("x y z w",),)),
                       note="Two more.")
     assert report_files.prose_words(finding) == 5
+
+
+def test_table_titles_further_tables_and_links_in_cells(tmp_path):
+    report = small_report(tmp_path)
+    finding = Finding("rates", "Per rate", "It falls.", Table(("q", "value"), (("0.1", "2"),), title="One step"),
+                      extra_tables=(Table(("q", "verdict"), (("0.1→0.2", "falls"),), title="Between rates"),))
+    report = Report(report.title, report.opening, Table(("finding", "report"), (("per rate", "[2](#rates)"),)),
+                    (*report.findings, finding), report.figures, report.sections)
+    markdown_path, html_path = report_files.write_report_files(str(tmp_path), report)
+    markdown = open(markdown_path, encoding="utf-8").read()
+    page = open(html_path, encoding="utf-8").read()
+    # Both tables, in order, each under its title; the title is not prose.
+    section = markdown.split('<a id="rates"></a>')[1]
+    assert section.index("Table: One step") < section.index("| 0.1 | 2 |") < section.index("Table: Between rates") \
+        < section.index("| 0.1→0.2 | falls |")
+    assert report_files.prose_words(finding) == 2
+    assert '<p class="table-title">One step</p><table>' in page
+    assert '<p class="table-title">Between rates</p><table>' in page
+    # A link in a cell is a link in the page, to the finding's section.
+    assert "| per rate | [2](#rates) |" in markdown
+    assert '<a href="#rates">2</a>' in page and '<section id="rates">' in page

@@ -9,8 +9,9 @@ A preset is a typed configuration (ReproduceConfig); `--set FIELD=VALUE` overrid
 fields, checked against the field's type (`--dataset X` is `--set dataset=X`). Runs
 train_dpsgd.py, compute_sensitivity.py and the accountant scripts exactly as a user would (same
 code, same files under models/ and res/), skips what a previous run finished, and writes its
-figures and report.md to --out-dir (default figures/). report.md lists the configuration and
-every command that produced its numbers.
+figures, report.md and report.html (the same report as one self-contained page) to --out-dir
+(default figures/). The report lists the configuration and every command that produced its
+numbers.
 """
 
 import re
@@ -48,6 +49,7 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
+from perinstance.plots.report_files import markdown_table
 from perinstance.train import runs
 
 
@@ -124,12 +126,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
         findings["points"] = run_report.per_point_report(out_dir, runs.open_run(main.run_dir, "models", DATA_ROOT),
                                                          main, accounted, groups, device, DATA_ROOT)
     findings.update(attack_findings)
-    findings["headlines"] = report.finding_lines(config, findings)
-    written = report.write_report(out_dir, preset, config, argv, commands, run, findings, time.time() - started)
-    print("\n" + "\n".join(commands.timing_lines(time.time() - started)))
-    print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures and {written} written in "
+    written, markdown, page = report.write_report(out_dir, preset, config, argv, commands, run, findings,
+                                                  time.time() - started)
+    print("\n" + "\n".join(markdown_table(commands.timing_table(time.time() - started))))
+    print(f"\nreproduce.py --preset {preset}: {len(written.figures)} figures, {markdown} and {page} written in "
           f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB; one row per "
           f"training point in {findings['points'].points_path}")
-    for line in findings["headlines"]:
-        print(f"  - {line}")
+    for index, finding in enumerate(written.findings, 1):
+        print(f"  {index}. {finding.title}: {finding.takeaway}")
 

@@ -2,7 +2,7 @@
 of the mean rule on the matched-steps run at the main batch size, and the gap audit of the realised-size mean
 rule against the sum rule's accounting on a small run.
 
-Findings 8 and 9 (the audits, the gap audit); figures 7 and 7_audit_mean (drawn by audit.py), 9 and
+Findings 11 to 13 (the audits, the gap audit); figures 7 and 7_audit_mean (drawn by audit.py), 9 and
 9_gap_audit_bounds.
 """
 
@@ -18,7 +18,7 @@ from perinstance.train import runs
 
 def audit_rules(commands: Commands, config: ReproduceConfig, main_name: str, mean_name: str, out_dir: str,
                 device: str) -> dict[str, dict]:
-    """Finding 8: {rule: audit summary}, the sum rule audited on the main run and the mean rule on the
+    """Findings 11 and 12: {rule: audit summary}, the sum rule audited on the main run and the mean rule on the
     matched-steps run at the batch size nearest the main run's."""
     audits = {}
     mean_batch = min(config.mean_batch_sizes, key=lambda size: abs(size - config.batch_size))
@@ -35,7 +35,7 @@ def audit_rules(commands: Commands, config: ReproduceConfig, main_name: str, mea
 
 
 def gap_audit(commands: Commands, config: ReproduceConfig, gap_name: str, out_dir: str, device: str) -> dict:
-    """Finding 10 and figure 9 (docs/audit.md §1): a realised-size mean-rule run on the first gap_points training
+    """Finding 13 and figure 9 (docs/audit.md §1): a realised-size mean-rule run on the first gap_points training
     points, audited at its last checkpoint; every point's empirical lower bound against the sum rule's per-step
     ε at the same σ and q and the mean rule's own baseline (audit_simulation.gap_summary)."""
     commands.run("train_dpsgd.py", gap_run_flags(config, gap_name, device))

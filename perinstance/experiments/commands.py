@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 import pandas as pd
 
 from perinstance.files import fileio, results
+from perinstance.plots.document import Table
 from perinstance.train.memory import release_freed_memory
 
 RES_DIR = "res"
@@ -28,6 +29,76 @@ FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_
            "9_gap_audit_bounds.png", "10_one_run_audit.png"]
 # Drawn only when the main run carries canaries (canaries > 0).
 ONE_RUN_FIGURE = FIGURES[11]
+# Every figure's title and caption in the report, in reading order: what to look at and what it shows. "{delta}"
+# in a caption stands for the run's δ (report.report_figures fills it in).
+CAPTIONS = {
+    "1_per_step_eps_histogram.png": (
+        "Figure 1: per-step ε of every point",
+        "How many points (bars) have each per-step ε, sum rule at the final checkpoint, (ε, δ) at δ = {delta}. Look "
+        "at how much of the mass lies left of the dashed line, DP-SGD's worst case: those points lose less per "
+        "step than it. The orange line and band are the median and its 95% interval."),
+    "2_correct_vs_misclassified.png": (
+        "Figure 2: correctly classified against misclassified points",
+        "The share of points whose per-step ε (δ = {delta}) is at most x, for correctly classified (green) and "
+        "misclassified (red) points. A curve further left pays less; the dotted lines and bands are each group's "
+        "median and its 95% interval, the title gives the ratio of the medians."),
+    "3_mean_rule_sampling_rates.png": (
+        "Figure 3: the mean rule per sampling rate, in three designs",
+        "A row per design. Left: per-step Rényi DP at the order on the axis; middle: ε over the whole run at "
+        "δ = {delta}, each step's value held (held-Δ* estimates); right: the per-step values ÷ the mean rule's "
+        "baseline. Error bars are 95% intervals of each median. GLA's claim is that the right column falls as q "
+        "grows; the report judges each step up in q from the 95% interval of its change, which the bars of the "
+        "medians alone do not show."),
+    "4_composed_eps_over_training.png": (
+        "Figure 4: composed ε over training",
+        "Composed ε (Rényi DP, b = ∞, δ = {delta}) of a few chosen points after every step. Solid: the bound from Δ* "
+        "at every step; dashed: the held-Δ* estimate from Δ* at the checkpoints (ticks on the step axis). Where a "
+        "dashed line runs below its solid one, holding Δ* between checkpoints under-reports ε. Black dashed: the "
+        "worst case."),
+    "5_individual_accounting.png": (
+        "Figure 5: individual accounting",
+        "Left: each point's composed ε (δ = {delta}) against its final training loss, with a least-squares fit on "
+        "log loss. Middle: each class's mean ε against its test accuracy. Right: the share of points at or below "
+        "each ε by accountant (RDP, PLD; dashed: the held-Δ* estimate), each worst case dotted: a curve further "
+        "left is a tighter accounting of the same run."),
+    "6_estimate_accuracy.png": (
+        "Figure 6: the held-Δ* estimate against the bound",
+        "Each point's whole-run ε (δ = {delta}) from Δ* held between checkpoints (y) against its bound from Δ* at "
+        "every step (x). Red points lie below the diagonal: their held-Δ* estimate is below their bound, which is "
+        "why such a composition is an estimate, not a bound."),
+    "7_audit.png": (
+        "Figure 7: simulated audit of the sum rule",
+        "Each audited point's empirical lower bound (95%) against its exact per-step upper bound (δ = {delta}), "
+        "correctly classified (easy and hard) and misclassified points in their colours. A point above the grey "
+        "diagonal would be a violated bound; the distance below it is what a realistic adversary cannot show."),
+    "7_audit_mean.png": (
+        "Figure 7, mean rule: simulated audit of the mean rule",
+        "As figure 7, for the mean rule on the matched-steps run at the main batch size (δ = {delta}). The upper "
+        "bound is the Monte Carlo estimate, not a bound: a point above the diagonal would mean that estimate is "
+        "wrong or too noisy."),
+    "8_membership_inference.png": (
+        "Figure 8: membership inference per class",
+        "Left: the loss-threshold attack's accuracy per class against the class's mean composed ε (DP run, "
+        "δ = {delta}), for the DP and the non-private model; error bars: its spread over the attack's random "
+        "splits; dotted: chance (0.5). A class near the dotted line is one whose training points the attack cannot "
+        "tell from its test points. Right: each class's test accuracy against the same ε."),
+    "9_mean_rule_gap_audit.png": (
+        "Figure 9: the realised-size mean rule against the sum rule's accounting",
+        "The gap run's points ranked by their empirical lower bound (95%) on the per-step ε at δ = {delta}. Points "
+        "above the blue dashed line, the per-step ε the sum rule's accounting prints, show that this accounting "
+        "does not cover the realised-size mean rule; none may pass the black line, the mean rule's own baseline."),
+    "9_gap_audit_bounds.png": (
+        "Figure 9, bounds: the gap run's lower against upper bounds",
+        "The gap run's empirical lower bounds (95%) against each point's upper bound, the mean rule's Monte Carlo "
+        "estimate (δ = {delta}). A point above the diagonal would mean that estimate is wrong or too noisy."),
+    "10_one_run_audit.png": (
+        "Figure 10: the one-run audit",
+        "Per canary group (norm c·Γ), ε over the whole run at δ = {delta}: the f-DP family bounds of the "
+        "likelihood-ratio and summed statistics (they assume the subsampled-Gaussian shape), the same test on the "
+        "idealised mechanism, and the upper bounds by RDP and PLD; dashed: the f-DP test's cap. A lower bar above "
+        "the upper ones would be a violation; a gap between them says little, the cap and the test's power "
+        "limit it."),
+}
 
 
 def command_key(script: str, main: Callable[[list[str]], object], argv: list[str], inputs: list[str]) -> dict:
@@ -105,15 +176,14 @@ class Commands:
             fileio.write_json(key_path(out), key)
         return pd.read_csv(out)
 
-    def timing_lines(self, total_seconds: float) -> list[str]:
-        """The timing table (markdown): every timed step, and the whole reproduction."""
-        lines = ["| step | wall s | CPU s | peak RSS so far |", "| --- | ---: | ---: | ---: |"]
-        lines += [f"| {step} | {wall:.1f} | {cpu:.1f} | {rss / 1e9:.2f} GB |" for step, wall, cpu, rss in self.timings]
+    def timing_table(self, total_seconds: float) -> Table:
+        """The timing table: every timed step, and the whole reproduction."""
+        rows = [(step, f"{wall:.1f}", f"{cpu:.1f}", f"{rss / 1e9:.2f} GB") for step, wall, cpu, rss in self.timings]
         timed = sum(wall for _, wall, _, _ in self.timings)
-        lines.append(f"| everything else (imports, reading results, the report) | {total_seconds - timed:.1f} | | |")
-        lines.append(f"| **total** | **{total_seconds:.1f}** | **{time.process_time():.1f}** | "
-                     f"**{peak_resident_bytes() / 1e9:.2f} GB** |")
-        return lines
+        rows.append(("everything else (imports, reading results, the report)", f"{total_seconds - timed:.1f}", "", ""))
+        rows.append(("**total**", f"**{total_seconds:.1f}**", f"**{time.process_time():.1f}**",
+                     f"**{peak_resident_bytes() / 1e9:.2f} GB**"))
+        return Table(("step", "wall s", "CPU s", "peak RSS so far"), tuple(rows))
 
 
 def step_label(script: str, argv: list[str]) -> str:

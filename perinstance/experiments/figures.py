@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pandas as pd
 
-from perinstance.accounting import rdp_composition
+from perinstance.accounting import intervals, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import composition
 from perinstance.experiments.commands import FIGURES
@@ -22,7 +22,7 @@ from perinstance.train.runs import RunConfig
 
 # What the headline composition is (findings 7 and 8, figure 5), by whether every point was tracked (§4).
 HEADLINE_LABEL = {True: "bound: Δ* at every step", False: "held-Δ* estimate: Δ* held between checkpoints"}
-ESTIMATE_LABEL = "RDP, Δ* held between checkpoints (held-Δ* estimate)"
+ESTIMATE_LABEL = "RDP, held-Δ* estimate (Δ* held between checkpoints)"
 
 
 def final_rows(frame: pd.DataFrame, step: int) -> pd.DataFrame:
@@ -50,6 +50,10 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     correct = at_end.loc[step_eps.index, "correct"].astype(bool).to_numpy()
     findings["correctness"] = plots.plot_correct_vs_misclassified(
         step_eps["eps"].to_numpy(), correct, baseline_step, path(FIGURES[1]), "per-instance per-step ε")
+    findings["correctness"]["median_intervals"] = {
+        group: intervals.median_interval(values) if len(values) else None
+        for group, values in (("correct", step_eps["eps"].to_numpy()[correct]),
+                              ("misclassified", step_eps["eps"].to_numpy()[~correct]))}
 
     # Figure 3: mean rule at several sampling rates.
     findings["rates"] = draw_mean_rule(mean_results, config, path(FIGURES[2]))

@@ -8,7 +8,7 @@ composition that holds it between checkpoints (a held-Δ* estimate) is computed 
 point is measured at the checkpoints (compute_sensitivity.py): the all-points composition is that held-Δ* estimate, and the
 bound covers the tracked points.
 
-Findings 1, 2 and 5-7 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
+Findings 1, 2 and 7-10 (per-step ε, correct vs misclassified, composed ε, the accountants compared, ε against
 the loss and the classes, the held-Δ* estimate against the bound); figures 1, 2, 4, 5 and 6, drawn by figures.py.
 """
 

@@ -1,7 +1,7 @@
 """The membership attack (loss threshold, per class) on the main run and the non-private run, against the
 main run's composed ε per class (docs/audit.md).
 
-Finding 10 (attack accuracy per model and its correlation with the class ε); figure 8, drawn by
+Finding 14 (attack accuracy per model and its correlation with the class ε); figure 8, drawn by
 membership_inference.py.
 """
 

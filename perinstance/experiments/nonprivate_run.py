@@ -1,7 +1,7 @@
 """The non-private run: the main run's configuration trained without DP (its own learning rate, nodp_lr), the
 reference model of the membership attack (membership.py).
 
-No finding or figure of its own: finding 10 and figure 8 compare it with the main run.
+No finding or figure of its own: finding 14 and figure 8 compare it with the main run.
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 (a) the main run's final and an early checkpoint, each analysed as one mean-rule step at several q; (b) one
 mean-rule run per batch size, trained for the main run's T steps.
 
-Findings 3 and 4 (the mean rule per sampling rate, per step and over the whole run, and the verdict on the
+Findings 3 to 6 (the mean rule per sampling rate, per step and over the whole run, and the verdict on the
 claim); figure 3, drawn by figures.py.
 """
 
@@ -30,8 +30,8 @@ DESIGN_EARLY, DESIGN_FINAL = "(a) fixed early checkpoint", "(a) fixed final chec
 DESIGN_MATCHED = "(b) matched steps"
 # What "the whole run" means in the report line of a fixed-checkpoint design and of the matched-steps design.
 FIXED_WHOLE_RUN = "T steps at q, each charged at this one checkpoint: a what-if, not a trained run"
-MATCHED_WHOLE_RUN = ("the run's own checkpoints, the per-step values held between them (a held estimate, not a bound, "
-                     "accounting.md §4); no Monte-Carlo series, its Δ_B are drawn at the final checkpoint only")
+MATCHED_WHOLE_RUN = ("the run's T steps, each charged at the latest of its checkpoints (a held-Δ* estimate, "
+                     "accounting.md §4); no Monte Carlo series: its Δ_B are drawn at the final checkpoint only")
 # The series whose change with q is judged: the data-dependent ones (the baselines are single numbers).
 JUDGED_SERIES = ("certified", "estimate")
 # The mean rule's whole-run ε are often tens to hundreds, converted best at orders close to 1: its compositions

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Table:
-    """A table of formatted cells: `columns` headings, `rows` of as many strings each."""
+    """A table of formatted cells: `columns` headings, `rows` of as many strings each, and an optional `title` (what
+    the table holds and under which settings: written above it)."""
 
     columns: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
+    title: str = ""
 
     def __post_init__(self) -> None:
         for row in self.rows:
@@ -32,9 +34,10 @@ class Figure:
 @dataclass(frozen=True)
 class Finding:
     """One finding: `key` (a stable anchor, e.g. "per-step-eps"), a short `title`, a one-sentence `takeaway`, its
-    numbers as a `table`, the figures it rests on (files of Figure), an optional `note` (at most a sentence or two:
-    the report's prose limit counts takeaway and note together) and `more`, a link to the docs page that explains it
-    at length (a path relative to the repository, with an anchor)."""
+    numbers as a `table` (and `extra_tables` after it, where one table would mix rows of different kinds), the
+    figures it rests on (files of Figure), an optional `note` (at most a sentence or two: the report's prose limit
+    counts takeaway and note together) and `more`, a link to the docs page that explains it at length (a path
+    relative to the repository, with an anchor)."""
 
     key: str
     title: str
@@ -43,6 +46,12 @@ class Finding:
     figures: tuple[str, ...] = ()
     note: str = ""
     more: str = ""
+    extra_tables: tuple[Table, ...] = ()
+
+    @property
+    def tables(self) -> tuple[Table, ...]:
+        """Every table of the finding, in the order written."""
+        return ((self.table,) if self.table is not None else ()) + self.extra_tables
 
 
 @dataclass(frozen=True)

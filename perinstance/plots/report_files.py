@@ -15,17 +15,18 @@ MARKDOWN_NAME = "report.md"
 HTML_NAME = "report.html"
 
 STYLE = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; max-width: 72rem; margin: 2rem auto;
+body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; max-width: 84rem; margin: 2rem auto;
        padding: 0 1rem; line-height: 1.45; color: #1b1b1b; }
 h1 { font-size: 1.6rem; } h2 { font-size: 1.25rem; margin-top: 2.2rem; border-bottom: 1px solid #ddd; }
 h3 { font-size: 1.05rem; margin-bottom: 0.3rem; }
-table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.9rem; }
+table { border-collapse: collapse; margin: 0.5rem 0 1rem; font-size: 0.86rem; }
 th, td { border: 1px solid #ccc; padding: 0.25rem 0.55rem; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; } td.number { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .takeaway { font-weight: 600; margin: 0.2rem 0; } .note, .more { color: #444; margin: 0.2rem 0; }
 figure { margin: 1.5rem 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
 figcaption { color: #333; font-size: 0.92rem; max-width: 60rem; }
 pre { background: #f7f7f7; padding: 0.6rem; overflow-x: auto; font-size: 0.8rem; }
+div.table { overflow-x: auto; } p.table-title { color: #444; font-size: 0.88rem; margin: 0.6rem 0 0.2rem; }
 """
 
 # A cell that is a number, an interval or a ratio, right-aligned in the HTML table.
@@ -41,10 +42,15 @@ def _markdown_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+# The line that carries a table's title in report.md, before the table (the title of a table is not prose).
+TABLE_TITLE = "Table: "
+
+
 def markdown_table(table: Table) -> list[str]:
-    """A Table as GitHub-flavoured Markdown lines."""
-    lines = ["| " + " | ".join(_markdown_cell(cell) for cell in table.columns) + " |",
-             "| " + " | ".join("---" for _ in table.columns) + " |"]
+    """A Table as GitHub-flavoured Markdown lines, its title (if any) on a line of its own before it."""
+    lines = [f"{TABLE_TITLE}{table.title}", ""] if table.title else []
+    lines += ["| " + " | ".join(_markdown_cell(cell) for cell in table.columns) + " |",
+              "| " + " | ".join("---" for _ in table.columns) + " |"]
     lines += ["| " + " | ".join(_markdown_cell(cell) for cell in row) + " |" for row in table.rows]
     return lines
 
@@ -71,8 +77,8 @@ def render_markdown(report: Report) -> str:
              "## Findings", ""]
     for index, finding in enumerate(report.findings, 1):
         lines += [f'<a id="{finding.key}"></a>', "", f"### {index}. {finding.title}", "", finding.takeaway, ""]
-        if finding.table is not None:
-            lines += [*markdown_table(finding.table), ""]
+        for table in finding.tables:
+            lines += [*markdown_table(table), ""]
         if finding.note:
             lines += [finding.note, ""]
         links = _links_line(finding, figures, markdown=True)
@@ -94,14 +100,16 @@ def render_markdown(report: Report) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _html_table(table: Table, caption: str = "") -> str:
-    head = "".join(f"<th>{html.escape(cell)}</th>" for cell in table.columns)
+def _html_table(table: Table) -> str:
+    """A Table as HTML, its title on a line above it (as wide as the page, not the table); cells may carry the little
+    Markdown of _inline_markdown (a link to a finding, `code`, **bold**)."""
+    head = "".join(f"<th>{_inline_markdown(cell)}</th>" for cell in table.columns)
     body = "".join(
-        "<tr>" + "".join(f'<td class="number">{html.escape(cell)}</td>' if NUMBER_CELL.match(cell) else
-                         f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>"
+        "<tr>" + "".join(f'<td class="number">{_inline_markdown(cell)}</td>' if NUMBER_CELL.match(cell) else
+                         f"<td>{_inline_markdown(cell)}</td>" for cell in row) + "</tr>"
         for row in table.rows)
-    caption = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    title = f'<p class="table-title">{_inline_markdown(table.title)}</p>' if table.title else ""
+    return f'<div class="table">{title}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _inline_markdown(text: str) -> str:
@@ -129,8 +137,8 @@ def render_html(report: Report, folder: str) -> str:
     for index, finding in enumerate(report.findings, 1):
         parts += [f'<section id="{html.escape(finding.key)}"><h3>{index}. {html.escape(finding.title)}</h3>',
                   f'<p class="takeaway">{_inline_markdown(finding.takeaway)}</p>']
-        if finding.table is not None:
-            parts.append(_html_table(finding.table))
+        for table in finding.tables:
+            parts.append(_html_table(table))
         if finding.note:
             parts.append(f'<p class="note">{_inline_markdown(finding.note)}</p>')
         links = _links_line(finding, figures, markdown=False)
