@@ -82,7 +82,8 @@ def test_design_verdicts_judge_ratio_value_and_whole_run(rng):
 def test_mean_rule_lines_carry_intervals_verdicts_and_one_summary(rng, tmp_path):
     per_step, whole_run, facts = designs_fixture(rng)
     designs = {"(a) one checkpoint": (per_step, whole_run), DESIGN_MATCHED: (per_step, whole_run)}
-    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
+    drawn = sampling_rate_plots.plot_sampling_rate_designs(
+        designs, 8, 1e-5, {quantity: tmp_path / f"{quantity}.png" for quantity in sampling_rate_plots.QUANTITIES})
     rates = {design: {**values, "facts": facts, "verdicts": design_verdicts(*designs[design],
                                                                            paired=design != DESIGN_MATCHED)}
              for design, values in drawn.items()}
@@ -103,7 +104,7 @@ def test_mean_rule_lines_carry_intervals_verdicts_and_one_summary(rng, tmp_path)
 def correctness(tmp_path, correct_values, misclassified_values):
     values = np.concatenate([correct_values, misclassified_values])
     correct = np.arange(len(values)) < len(correct_values)
-    return plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε")
+    return plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε", delta=1e-5)
 
 
 def test_correctness_line_from_the_ratio_interval(rng, tmp_path):
@@ -138,7 +139,8 @@ def test_membership_attack_against_chance():
 
 def test_pearson_text_names_interval_and_pairs(rng, tmp_path):
     truth = rng.normal(size=60)
-    drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0)
+    drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0,
+                                         delta=1e-5)
     interval = drawn["pearson_interval"]
     assert interval.low < drawn["pearson"] < interval.high < 1 and interval.count == 60
     assert report.r_text(drawn["pearson"], interval) == (

@@ -103,7 +103,7 @@ def correctness_line(corr: dict) -> str:
 
 
 def median_text(medians: dict, found: dict, series: str, rate: float, digits: int = 4) -> str:
-    """A median of figure 3 with its 95% interval where it has one."""
+    """A median of figure 3 (3a-3c) with its 95% interval where it has one."""
     interval = found[series][rate]
     return interval_text(interval, digits) if interval is not None else f"{medians[series][rate]:.{digits}g}"
 
@@ -183,7 +183,7 @@ def mean_rule_lines(config: ReproduceConfig, rates: dict) -> list[str]:
                                                  for first, second, verdict in steps))
     verdict = ("GLA's claim that a higher sampling rate gives the mean rule better data-dependent privacy (per "
                "step, relative to its own baseline) holds, by the 95% intervals of the certified and estimated "
-               f"ratios (figure 3, right column: a step up in q supports it where both ratios' error bars fall "
+               f"ratios (figure 3c: a step up in q supports it where both ratios' error bars fall "
                f"apart downwards), at {tally[FALLS]} of {sum(tally.values())} steps up in q; both ratios rise at "
                f"{tally[RISES]}, and {tally['other']} are mixed or show no difference at this precision — "
                + "; ".join(phrases)
