@@ -84,7 +84,8 @@ def test_design_verdicts_judge_ratio_value_and_whole_run(rng):
 def test_mean_rule_findings_carry_intervals_verdicts_and_one_claim(rng, tmp_path):
     per_step, whole_run, facts = designs_fixture(rng)
     designs = {"(a) one checkpoint": (per_step, whole_run), DESIGN_MATCHED: (per_step, whole_run)}
-    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, 8, 1e-5, tmp_path / "rates.png")
+    drawn = sampling_rate_plots.plot_sampling_rate_designs(
+        designs, 8, 1e-5, {quantity: tmp_path / f"{quantity}.png" for quantity in sampling_rate_plots.QUANTITIES})
     rates = {design: {**values, "facts": facts, "verdicts": design_verdicts(*designs[design],
                                                                            paired=design != DESIGN_MATCHED)}
              for design, values in drawn.items()}
@@ -121,7 +122,7 @@ def correctness(tmp_path, correct_values, misclassified_values):
     """plot_correct_vs_misclassified's numbers, with each group's median interval as figures.py adds them."""
     values = np.concatenate([correct_values, misclassified_values])
     correct = np.arange(len(values)) < len(correct_values)
-    found = plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε")
+    found = plots.plot_correct_vs_misclassified(values, correct, 1.0, tmp_path / "cdf.png", "ε", delta=1e-5)
     found["median_intervals"] = {group: intervals.median_interval(group_values) if len(group_values) else None
                                  for group, group_values in (("correct", correct_values),
                                                              ("misclassified", misclassified_values))}
@@ -165,7 +166,8 @@ def test_membership_attack_against_chance():
 
 def test_pearson_text_names_interval_and_pairs(rng, tmp_path):
     truth = rng.normal(size=60)
-    drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0)
+    drawn = plots.plot_estimate_accuracy(truth + 0.3 * rng.normal(size=60), truth, tmp_path / "estimate.png", 1.0,
+                                         delta=1e-5)
     interval = drawn["pearson_interval"]
     assert interval.low < drawn["pearson"] < interval.high < 1 and interval.count == 60
     assert report_cells.pearson(drawn["pearson"], interval) == (

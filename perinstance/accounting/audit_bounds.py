@@ -207,6 +207,16 @@ def spread_points(sensitivities: ArrayLike, correct: ArrayLike, count: int,
     return np.sort(np.concatenate([by_rank(right, right_count), by_rank(wrong, wrong_count)]))
 
 
+def point_groups(eps_upper: ArrayLike, correct: ArrayLike) -> dict[str, np.ndarray]:
+    """The audited points' groups (docs/audit.md, "Output"), as boolean masks: "easy" and "hard", the correctly
+    classified points whose eps_upper is below / at or above the median eps_upper of the correctly classified points
+    audited, and "misclassified"."""
+    eps_upper = np.asarray(eps_upper, dtype=float)
+    correct = np.asarray(correct, dtype=bool)
+    cut = np.median(eps_upper[correct]) if correct.any() else np.inf
+    return {"easy": correct & (eps_upper < cut), "hard": correct & (eps_upper >= cut), "misclassified": ~correct}
+
+
 # --- Appendix D of Yu et al.: loss-threshold membership inference ------------------------------
 
 def best_loss_threshold(member_losses: ArrayLike, nonmember_losses: ArrayLike) -> float:

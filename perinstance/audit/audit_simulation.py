@@ -340,16 +340,12 @@ def audit_rows(run: OpenRun, step: int, request: AuditRequest, audited: AuditedP
 
 def audit_summary(rows: pd.DataFrame) -> dict[int, dict]:
     """Per checkpoint step: the rule, the kind of upper bound, trials, δ, the number of violated
-    points, and per group (easy, hard, misclassified, all) the number of points and the medians
-    of eps_lower, eps_upper and their ratio, the ratio's with its 95% interval (docs/accounting.md §10).
-    Easy/hard: correctly classified points below / at or above the median eps_upper of the correctly
-    classified points audited at that step."""
+    points, and per group (audit_bounds.point_groups: easy, hard, misclassified; and all) the number of points and
+    the medians of eps_lower, eps_upper and their ratio, the ratio's with its 95% interval (docs/accounting.md §10)."""
     summary = {}
     for step, group in rows.groupby("step"):
-        right = group[group["correct"] == 1]
-        cut = right["eps_upper"].median()
-        subsets = {"easy": right[right["eps_upper"] < cut], "hard": right[right["eps_upper"] >= cut],
-                   "misclassified": group[group["correct"] == 0], "all": group}
+        masks = audit_bounds.point_groups(group["eps_upper"].to_numpy(), group["correct"].to_numpy() == 1)
+        subsets = {**{name: group[mask] for name, mask in masks.items()}, "all": group}
         summary[int(step)] = {
             "rule": group["rule"].iloc[0], "upper_kind": group["upper_kind"].iloc[0],
             "trials": int(group["trials"].iloc[0]), "delta": float(group["delta"].iloc[0]),

@@ -107,10 +107,12 @@ def attack_by_class(run: runs.OpenRun, step: int, members: dict[int, np.ndarray]
     return pd.DataFrame(rows)
 
 
-def class_mean_eps(path: str, labels: np.ndarray, total_steps: int, flag: str = "--eps-csv") -> pd.Series:
+def class_mean_eps(path: str, labels: np.ndarray, total_steps: int,
+                   flag: str = "--eps-csv") -> tuple[pd.Series, float | None]:
     """Mean composed ε per class from a renyi_per_instance_sum_compo.py output (columns point,
-    eps, optionally steps and kind: then the certified rows, or the one kind that is not the
-    baseline); `labels` are the full dataset's training labels. A Series indexed by class."""
+    eps, optionally steps, delta and kind: then the certified rows, or the one kind that is not the
+    baseline); `labels` are the full dataset's training labels. A Series indexed by class, and the δ of the ε
+    (None where the file has no single one)."""
     try:
         frame = pd.read_csv(path)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as error:
@@ -138,16 +140,19 @@ def class_mean_eps(path: str, labels: np.ndarray, total_steps: int, flag: str = 
     if "steps" in frame.columns and (frame["steps"] != total_steps).any():
         raise UsageError(flag, f"{path} composes {sorted(set(frame['steps']))} steps, the run has {total_steps}; "
                                "give the composition of this run")
+    deltas = pd.to_numeric(frame["delta"], errors="coerce").unique() if "delta" in frame.columns else []
+    delta = float(deltas[0]) if len(deltas) == 1 and np.isfinite(deltas[0]) else None
     means = pd.Series(eps).groupby(labels[points.astype(np.int64)]).mean()
     missing = sorted(set(np.unique(labels).tolist()) - set(means.index.tolist()))
     if missing:
         raise UsageError(flag, f"{path} has no point of class {missing[0]}: give the ε of every training point "
                                "(compute_sensitivity.py --points all)")
-    return means
+    return means, delta
 
 
 def membership_summary(rows: pd.DataFrame) -> dict[str, dict]:
-    """Per model: classes, attack points (members and non-members), the mean attack accuracy over classes with
+    """Per model: classes, attack points (members and non-members), the test accuracy over every class (the classes'
+    accuracies weighted by their test points), the mean attack accuracy over classes with
     its 95% interval (docs/accounting.md §10, the classes resampled: each has its own threshold), and the
     Pearson r across classes of the attack accuracy and of the test accuracy with the class's mean composed ε,
     the first with its interval (None where r is undefined)."""
@@ -156,7 +161,10 @@ def membership_summary(rows: pd.DataFrame) -> dict[str, dict]:
         valid = group.dropna(subset=["attack_accuracy", "mean_eps"])
         pearson_attack = audit_bounds.pearson(valid["mean_eps"], valid["attack_accuracy"])
         accuracies = valid["attack_accuracy"].to_numpy()
+        tested = group.dropna(subset=["test_accuracy"])
         summary[model] = {"classes": len(valid), "points": int((valid["members"] + valid["nonmembers"]).sum()),
+                          "test_accuracy": float(np.average(tested["test_accuracy"], weights=tested["nonmembers"]))
+                          if tested["nonmembers"].sum() > 0 else float("nan"),
                           "mean_attack_accuracy": float(accuracies.mean()) if len(valid) else float("nan"),
                           "attack_accuracy_interval": intervals.block_mean_interval(accuracies) if len(valid) else None,
                           "pearson_attack": pearson_attack,

@@ -169,9 +169,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     fileio.write_csv(out, rows)
     last = rows[rows["step"] == steps[-1]]
     audit_plots.plot_audit_bounds(last["eps_lower"].to_numpy(), last["eps_upper"].to_numpy(),
-                                  last["correct"].to_numpy().astype(bool), figure,
-                                  title=f"Audit of {run.name}, step {steps[-1]} ({rule} rule, δ={command.delta:g})",
-                                  upper_label=f"eps_upper ({last['upper_kind'].iloc[0]})")
+                                  last["correct"].to_numpy().astype(bool), figure, delta=command.delta,
+                                  title=f"Audit of {run.name}\nstep {steps[-1]}, {rule} rule",
+                                  upper_kind=last["upper_kind"].iloc[0])
 
     gaps = audit_simulation.gap_summary(rows, Mechanism.of_run(config)) if rule == "mean" else {}
     for line in audit_simulation.report_lines(rows, out, gaps):

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     opened, differing = membership.open_pair(request.run, request.nondp_run, request.models_dir, request.data_root)
     private = opened["DP"]
     labels = private.dataset.train_y.numpy()
-    class_eps = membership.class_mean_eps(request.eps_csv, labels, private.config.total_steps)
+    class_eps, class_eps_delta = membership.class_mean_eps(request.eps_csv, labels, private.config.total_steps)
     out = request.out or os.path.join("res", f"{private.name}_membership.csv")
     figure = request.figure or os.path.join("figures", f"{private.name}_membership.png")
     started = time.time()
@@ -103,18 +103,22 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     rows = pd.concat(frames, ignore_index=True)[COLUMNS]
     fileio.write_csv(out, rows)
     by_model = {model: rows[rows["model"] == model] for model in opened}
+    summaries = membership.membership_summary(rows)
     audit_plots.plot_class_attack(
         by_model["DP"]["class_name"].tolist(), by_model["DP"]["mean_eps"].to_numpy(),
         {model: frame["attack_accuracy"].to_numpy() for model, frame in by_model.items()},
         {model: frame["accuracy_std"].to_numpy() for model, frame in by_model.items()},
-        {model: frame["test_accuracy"].to_numpy() for model, frame in by_model.items()}, figure)
+        {model: frame["test_accuracy"].to_numpy() for model, frame in by_model.items()}, figure,
+        delta=class_eps_delta, descriptions={
+            model: f"lr {run.config.lr:g}, test accuracy {summaries[model]['test_accuracy']:.3f}"
+            for model, run in opened.items()})
 
     print(rows.drop(columns=["run", "splits"]).to_string(index=False, float_format=lambda value: f"{value:.4g}"),
           end="\n\n")
     if differing:
         print(f"note: the two runs differ in {', '.join(differing)} besides privacy; the comparison is not "
               "of the same configuration")
-    for model, summary in membership.membership_summary(rows).items():
+    for model, summary in summaries.items():
         print(f"{model:>12}: mean attack accuracy {summary['mean_attack_accuracy']:.4f}, Pearson r across "
               f"{summary['classes']} classes with the class's mean ε: attack accuracy {summary['pearson_attack']:.3f}, "
               f"test accuracy {summary['pearson_test']:.3f}")

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     gap_name = f"{name}{variant_tag(config, preset, GAP_RUN_FIELDS)}-gap"
     attack_findings = {"audit": audits.audit_rules(commands, config, main_name, mean_name, out_dir, device),
                        "gap": audits.gap_audit(commands, config, gap_name, out_dir, device)}
-    nodp_name = nonprivate_run.train_nonprivate(commands, config, preset, name, device)
+    nodp_name, attack_findings["nonprivate"] = nonprivate_run.train_nonprivate(commands, config, preset, name, device)
     attack_findings["membership"] = membership.membership_attack(commands, config, main_name, nodp_name, out_dir,
                                                                  device)
 

@@ -21,83 +21,111 @@ from perinstance.plots.document import Table
 from perinstance.train.memory import release_freed_memory
 
 RES_DIR = "res"
-# Every figure the run writes; 7_audit_mean and 9_gap_audit_bounds are drawn by audit.py itself (its own
-# figure of the bounds).
-FIGURES = ["1_per_step_eps_histogram.png", "2_correct_vs_misclassified.png", "3_mean_rule_sampling_rates.png",
-           "4_composed_eps_over_training.png", "5_individual_accounting.png", "6_estimate_accuracy.png",
-           "7_audit.png", "8_membership_inference.png", "9_mean_rule_gap_audit.png", "7_audit_mean.png",
-           "9_gap_audit_bounds.png", "10_one_run_audit.png"]
+# Every figure the run writes, by what it shows. The audits' figures of their bounds (AUDIT_FIGURES) are drawn by
+# audit.py itself, the membership figure by membership_inference.py.
+HISTOGRAM_FIGURE = "1_per_step_eps_histogram.png"
+CORRECTNESS_FIGURE = "2_correct_vs_misclassified.png"
+# Figure 3, one file per quantity (plots/sampling_rate_plots.QUANTITIES), each with a panel per design.
+RATE_FIGURES = {"per_step": "3a_mean_rule_per_step.png", "composed": "3b_mean_rule_whole_run.png",
+                "ratios": "3c_mean_rule_per_step_ratio.png"}
+CURVES_FIGURE = "4_composed_eps_over_training.png"
+INDIVIDUAL_FIGURE = "5_individual_accounting.png"
+ESTIMATE_FIGURE = "6_estimate_accuracy.png"
+AUDIT_FIGURES = {"sum": "7_audit.png", "mean": "7_audit_mean.png"}
+MEMBERSHIP_FIGURE = "8_membership_inference.png"
+GAP_FIGURE = "9_mean_rule_gap_audit.png"
+GAP_BOUNDS_FIGURE = "9_gap_audit_bounds.png"
 # Drawn only when the main run carries canaries (canaries > 0).
-ONE_RUN_FIGURE = FIGURES[11]
-# Every figure's title and caption in the report, in reading order: what to look at and what it shows. "{delta}"
-# in a caption stands for the run's δ (report.report_figures fills it in).
-CAPTIONS = {
-    "1_per_step_eps_histogram.png": (
-        "Figure 1: per-step ε of every point",
-        "How many points (bars) have each per-step ε, sum rule at the final checkpoint, (ε, δ) at δ = {delta}. Look "
-        "at how much of the mass lies left of the dashed line, DP-SGD's worst case: those points lose less per "
-        "step than it. The orange line and band are the median and its 95% interval."),
-    "2_correct_vs_misclassified.png": (
-        "Figure 2: correctly classified against misclassified points",
-        "The share of points whose per-step ε (δ = {delta}) is at most x, for correctly classified (green) and "
-        "misclassified (red) points. A curve further left pays less; the dotted lines and bands are each group's "
-        "median and its 95% interval, the title gives the ratio of the medians."),
-    "3_mean_rule_sampling_rates.png": (
-        "Figure 3: the mean rule per sampling rate, in three designs",
-        "A row per design. Left: per-step Rényi DP at the order on the axis; middle: ε over the whole run at "
-        "δ = {delta}, each step's value held (held-Δ* estimates); right: the per-step values ÷ the mean rule's "
-        "baseline. Error bars are 95% intervals of each median. GLA's claim is that the right column falls as q "
-        "grows; the report judges each step up in q from the 95% interval of its change, which the bars of the "
-        "medians alone do not show."),
-    "4_composed_eps_over_training.png": (
-        "Figure 4: composed ε over training",
-        "Composed ε (Rényi DP, b = ∞, δ = {delta}) of a few chosen points after every step. Solid: the bound from Δ* "
-        "at every step; dashed: the held-Δ* estimate from Δ* at the checkpoints (ticks on the step axis). Where a "
-        "dashed line runs below its solid one, holding Δ* between checkpoints under-reports ε. Black dashed: the "
-        "worst case."),
-    "5_individual_accounting.png": (
-        "Figure 5: individual accounting",
-        "Left: each point's composed ε (δ = {delta}) against its final training loss, with a least-squares fit on "
-        "log loss. Middle: each class's mean ε against its test accuracy. Right: the share of points at or below "
-        "each ε by accountant (RDP, PLD; dashed: the held-Δ* estimate), each worst case dotted: a curve further "
-        "left is a tighter accounting of the same run."),
-    "6_estimate_accuracy.png": (
-        "Figure 6: the held-Δ* estimate against the bound",
-        "Each point's whole-run ε (δ = {delta}) from Δ* held between checkpoints (y) against its bound from Δ* at "
-        "every step (x). Red points lie below the diagonal: their held-Δ* estimate is below their bound, which is "
-        "why such a composition is an estimate, not a bound."),
-    "7_audit.png": (
-        "Figure 7: simulated audit of the sum rule",
-        "Each audited point's empirical lower bound (95%) against its exact per-step upper bound (δ = {delta}), "
-        "correctly classified (easy and hard) and misclassified points in their colours. A point above the grey "
-        "diagonal would be a violated bound; the distance below it is what a realistic adversary cannot show."),
-    "7_audit_mean.png": (
-        "Figure 7, mean rule: simulated audit of the mean rule",
-        "As figure 7, for the mean rule on the matched-steps run at the main batch size (δ = {delta}). The upper "
-        "bound is the Monte Carlo estimate, not a bound: a point above the diagonal would mean that estimate is "
-        "wrong or too noisy."),
-    "8_membership_inference.png": (
-        "Figure 8: membership inference per class",
-        "Left: the loss-threshold attack's accuracy per class against the class's mean composed ε (DP run, "
-        "δ = {delta}), for the DP and the non-private model; error bars: its spread over the attack's random "
-        "splits; dotted: chance (0.5). A class near the dotted line is one whose training points the attack cannot "
-        "tell from its test points. Right: each class's test accuracy against the same ε."),
-    "9_mean_rule_gap_audit.png": (
-        "Figure 9: the realised-size mean rule against the sum rule's accounting",
-        "The gap run's points ranked by their empirical lower bound (95%) on the per-step ε at δ = {delta}. Points "
-        "above the blue dashed line, the per-step ε the sum rule's accounting prints, show that this accounting "
-        "does not cover the realised-size mean rule; none may pass the black line, the mean rule's own baseline."),
-    "9_gap_audit_bounds.png": (
-        "Figure 9, bounds: the gap run's lower against upper bounds",
-        "The gap run's empirical lower bounds (95%) against each point's upper bound, the mean rule's Monte Carlo "
-        "estimate (δ = {delta}). A point above the diagonal would mean that estimate is wrong or too noisy."),
-    "10_one_run_audit.png": (
-        "Figure 10: the one-run audit",
-        "Per canary group (norm c·Γ), ε over the whole run at δ = {delta}: the f-DP family bounds of the "
-        "likelihood-ratio and summed statistics (they assume the subsampled-Gaussian shape), the same test on the "
-        "idealised mechanism, and the upper bounds by RDP and PLD; dashed: the f-DP test's cap. A lower bar above "
-        "the upper ones would be a violation; a gap between them says little, the cap and the test's power "
-        "limit it."),
+ONE_RUN_FIGURE = "10_one_run_audit.png"
+FIGURES = [HISTOGRAM_FIGURE, CORRECTNESS_FIGURE, *RATE_FIGURES.values(), CURVES_FIGURE, INDIVIDUAL_FIGURE,
+           ESTIMATE_FIGURE, *AUDIT_FIGURES.values(), MEMBERSHIP_FIGURE, GAP_FIGURE, GAP_BOUNDS_FIGURE, ONE_RUN_FIGURE]
+# Per figure file: its title, and a caption that says what to look at and what it shows (the report renders both).
+CAPTIONS: dict[str, tuple[str, str]] = {
+    HISTOGRAM_FIGURE: (
+        "Per-step ε of every training point at the final checkpoint",
+        "One per-step (ε, δ) guarantee per point at δ = {delta} (sum rule, Δ* of the final checkpoint), on a log axis. Look at the "
+        "orange median against the dashed worst case, and at the red bar: the points whose gradient is clipped "
+        "(Δ* = Γ) sit at the worst case, and the share of them is written next to it. The title gives the share of "
+        "points at or below half the worst case and the share at it."),
+    CORRECTNESS_FIGURE: (
+        "Per-step ε of correctly classified against misclassified points",
+        "The share of points at or below each per-step ε at δ = {delta} (log axis), for the points the final model classifies "
+        "correctly and those it misclassifies, with each group's median and its 95% interval. The title gives the "
+        "ratio of the two medians with its interval: above 1, misclassified points pay more."),
+    RATE_FIGURES["per_step"]: (
+        "The mean rule per sampling rate: one step",
+        "The per-step Rényi DP of the mean update rule at each sampling rate q, one panel per controlled design "
+        "(two fixed checkpoints analysed as one step at every q, and one run per q trained for the same number of "
+        "steps). Medians over the points with 95% intervals, the certified bound's 10-90% band shaded, next to the "
+        "mean rule's data-independent baseline and the sum rule at the same weights and σ. Rényi bounds have no δ."),
+    RATE_FIGURES["composed"]: (
+        "The mean rule per sampling rate: ε over the whole run",
+        "ε at δ = {delta} over the whole run per sampling rate, per design, with the per-step values held between "
+        "checkpoints: held-Δ* estimates, not bounds (accounting.md §4). They also change with the number of steps "
+        "and σ at each q, so they do not judge GLA's claim; figure 3c does."),
+    RATE_FIGURES["ratios"]: (
+        "The mean rule per sampling rate: per step relative to its baseline",
+        "GLA's sampling-rate claim: the per-step data-dependent value divided by the mean rule's own baseline "
+        "should fall as q grows. Each point is a median ratio with its 95% interval, for the certified bound and "
+        "the Monte Carlo estimate; a step up in q supports the claim where both intervals fall apart downwards."),
+    CURVES_FIGURE: (
+        "Composed ε over training of a few points",
+        "Composed ε at δ = {delta} after every step for an easy, a median, a misclassified point and the point whose "
+        "held-Δ* estimate falls furthest below its bound. Solid: Δ* at every step, a bound along the run; "
+        "dashed: Δ* held between the checkpoints marked on the step axis, a held-Δ* estimate. The dashed black line is the "
+        "worst case: a point whose gradient is clipped at every step follows it, and a curve flattens where the "
+        "point's gradient norm falls far below Γ."),
+    INDIVIDUAL_FIGURE: (
+        "Individual accounting: ε against loss, per class, by accountant",
+        "Left: every point's composed ε (δ = {delta}) against its final training loss, with the median ε of each twelfth of the "
+        "points by loss and its 95% interval (the medians stay inside the data and at or below the worst case); "
+        "the Pearson r of ε and ln loss is in the title. Middle: each class's mean ε against its test accuracy. "
+        "Right: the share of points at or below each ε, by accountant (RDP, PLD, and the held-Δ* estimate), "
+        "with each accountant's worst case."),
+    ESTIMATE_FIGURE: (
+        "The held-Δ* estimate against the bound",
+        "Each point's composed ε (δ = {delta}) from Δ* held between checkpoints (a held-Δ* estimate) against ε from "
+        "Δ* at every step (the bound along the run). Points below the diagonal, in red, are points whose estimate is "
+        "below their bound: a composition over checkpoints is not a bound. The title gives the relative error and the share "
+        "below."),
+    AUDIT_FIGURES["sum"]: (
+        "Audit of one step of the main run (sum rule)",
+        "Each audited point's lower bound on its per-step ε at δ = {delta} (95% confidence, from simulated "
+        "releases) against the accountant's upper bound. Colours are the report's groups: easy and hard are correctly classified points "
+        "below / at or above the median upper bound of the correct points, then the misclassified ones. A point "
+        "above the diagonal would prove its upper bound wrong; none is expected."),
+    AUDIT_FIGURES["mean"]: (
+        "Audit of one step of a mean-rule run",
+        "As figure 7 (δ = {delta}), for the realised-size mean rule on the matched-steps run at the main batch size; its upper "
+        "bound is the Monte Carlo estimate of the mean rule, not a certified bound."),
+    MEMBERSHIP_FIGURE: (
+        "Membership inference per class, with and without DP",
+        "Left: the loss-threshold attack's accuracy per class (its spread over random splits) against the class's "
+        "mean composed ε (δ = {delta}) of the DP run; 0.5 is chance. Right: each class's test accuracy. The legends state each "
+        "model's learning rate and test accuracy: the non-private run's rate is the best of a small grid on held-out "
+        "training points (never the test set), so it is trained to its own best accuracy."),
+    GAP_FIGURE: (
+        "The realised-size mean rule against the sum rule's accounting",
+        "The audit's lower bound on the per-step ε (δ = {delta}) of each point of a small mean-rule run (64 points, about 4 a "
+        "batch, σ = 1), ranked, against the per-step ε the sum rule's accounting gives at the same σ and q (dashed) "
+        "and the mean rule's own baseline (solid). Points above the dashed line show leakage the sum rule's "
+        "accounting does not cover. Whether a point is misclassified says little here: a run this small and noisy "
+        "barely learns, its noise dominating its updates. The note under the figure gives the run's own numbers: how "
+        "many points its final model gets right against chance, and how far its weights moved against the most its "
+        "clipped gradients could move them."),
+    GAP_BOUNDS_FIGURE: (
+        "Audit of the small mean-rule run: lower against upper bounds",
+        "Figure 9's points, each lower bound against the mean rule's Monte Carlo estimate of its per-step ε "
+        "(δ = {delta}), "
+        "coloured by the report's groups. Where the misclassified group is most of the run, it is because the "
+        "model has not learned (the note under the figure compares its accuracy with chance), not because those "
+        "points are hard."),
+    ONE_RUN_FIGURE: (
+        "One-run audit of the trained main run",
+        "Per group of gradient canaries (norm c·Γ): the lower bounds on ε at δ = {delta} over the whole run from the "
+        "canaries (two statistics; the f-DP family bounds, which assume the subsampled-Gaussian shape), the same test on the idealised mechanism, and the RDP and PLD upper bounds for a point of that "
+        "sensitivity, with the test's cap as a dashed tick. A lower bar above an upper one would be a violation "
+        "(hatched); a lower bound below says nothing about how loose the upper one is."),
 }
 
 

@@ -47,10 +47,13 @@ class ReproduceConfig:
     renyi_order: float = 8.0
     save_steps: str = ""  # the main run's checkpoints besides every save_freq steps, as --save-steps
     # The audit (points spanning the ε range, simulated steps per law) and the membership attack
-    # against a non-private run of the same configuration (its own learning rate: lr 2 diverges).
+    # against a non-private run of the same configuration, trained at its own best learning rate: the one of
+    # `nodp_lrs` whose run on the training points less the last `nodp_holdout` share of them is most accurate on
+    # that held-out share (never the test set), then trained on every training point (nonprivate_run.py).
     audit_points: int = 50
     audit_trials: int = 300_000
-    nodp_lr: float = 0.1
+    nodp_lrs: tuple[float, ...] = (0.2, 0.4, 0.8, 1.6)
+    nodp_holdout: float = 0.2
     # The realised-size mean rule against the sum rule's accounting (docs/audit.md §1): a run on the first
     # `gap_points` training points with expected batch `gap_batch_size` and noise multiplier `gap_sigma`,
     # audited at its last checkpoint, every point, `gap_trials` simulated steps per law (figure 9).
@@ -80,7 +83,7 @@ PRESETS = {
     "tiny": ReproduceConfig(  # for CI: a few hundred synthetic points, seconds
         dataset="synthetic", model="mlp", batch_size=32, lr=0.5, epochs=2.0, eps=10.0, save_freq=8, save_steps="1,2,4",
         track_points="all", mean_batch_sizes=(16, 64, 128), mean_points="random:4", num_batches=64,
-        fixed_sample_rates=(0.03125, 0.125, 0.5), audit_points=6, audit_trials=5_000, nodp_lr=0.5, gap_points=32,
+        fixed_sample_rates=(0.03125, 0.125, 0.5), audit_points=6, audit_trials=5_000, nodp_lrs=(0.1, 0.5), gap_points=32,
         gap_lr=0.5, gap_trials=20_000, canaries=300, gap_canaries=8),
     "quick": ReproduceConfig(  # the README's main job: embedded MNIST, LeNet-5, 2 CPU cores
         dataset="mnist-embedded", model="lenet5", batch_size=256, lr=2.0, epochs=4.0, eps=10.0, save_freq=16,
@@ -100,7 +103,7 @@ PRESETS = {
     "cifar10-cpu": ReproduceConfig(
         dataset="scatternet:CIFAR10", model="linear", batch_size=4096, lr=4.0, epochs=6.0, eps=10.0,
         save_freq=15, track_points="all", mean_batch_sizes=(1024, 4096, 16384), mean_points="random:100",
-        num_batches=1024, nodp_lr=1.0),
+        num_batches=1024, nodp_lrs=(0.3, 1.0, 3.0)),
 }
 # Fields that define the main run, and those that define the mean-rule runs and measurements: a
 # change of one of them gives the runs and result files new names (see `variant_tag`). The dataset
@@ -110,7 +113,8 @@ MAIN_RUN_FIELDS = ("model", "batch_size", "lr", "epochs", "eps", "save_freq", "s
 MEAN_RULE_FIELDS = ("mean_points", "num_batches", "renyi_order", "fixed_sample_rates", "early_stage", "mean_checkpoints")
 GAP_RUN_FIELDS = ("model", "gap_points", "gap_batch_size", "gap_sigma", "gap_epochs", "gap_lr")
 GAP_CANARY_RUN_FIELDS = (*GAP_RUN_FIELDS, "gap_canaries")
-NODP_RUN_FIELDS = ("model", "batch_size", "epochs", "nodp_lr")
+# The non-private runs are named by their learning rate (and the selection's by the held-out points) besides these.
+NODP_RUN_FIELDS = ("model", "batch_size", "epochs")
 
 
 def field_types() -> dict[str, type]:
@@ -229,6 +233,10 @@ def check_config(config: ReproduceConfig) -> None:
                                         and config.canaries >= 2 * len(config.canary_norms)),
                f"canaries={config.canaries}: 0 (no one-run audit) or a multiple of the {len(config.canary_norms)} "
                "canary_norms, at least 2 per group"),
+              (all(rate > 0 for rate in config.nodp_lrs),
+               f"nodp_lrs={field_text(config.nodp_lrs)}: every learning rate must be > 0"),
+              (0 < config.nodp_holdout < 1,
+               f"nodp_holdout={config.nodp_holdout:g}: a share of the training points in (0, 1)"),
               (0 < config.audit_significance < 1,
                f"audit_significance={config.audit_significance:g}: must be in (0, 1)"),
               (config.gap_canaries == 0 or config.gap_canaries >= 2,

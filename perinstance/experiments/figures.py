@@ -10,12 +10,19 @@ import pandas as pd
 from perinstance.accounting import intervals, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import composition
-from perinstance.experiments.commands import FIGURES
+from perinstance.experiments.commands import (
+    CORRECTNESS_FIGURE,
+    CURVES_FIGURE,
+    ESTIMATE_FIGURE,
+    HISTOGRAM_FIGURE,
+    INDIVIDUAL_FIGURE,
+    RATE_FIGURES,
+)
 from perinstance.experiments.config import DATA_ROOT, ReproduceConfig
 from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, Accounted, MainRun
 from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED, design_verdicts
 from perinstance.files import checkpoints
-from perinstance.plots import plots, sampling_rate_plots
+from perinstance.plots import individual_plots, plots, sampling_rate_plots
 from perinstance.train import training
 from perinstance.train.data import load_dataset
 from perinstance.train.runs import RunConfig
@@ -43,20 +50,22 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     step_eps = final_rows(accounted.per_step, final_step).set_index("point")
     baseline_step = float(step_eps["baseline_eps"].iloc[0])
     findings["histogram"] = plots.plot_per_step_histogram(
-        step_eps["eps"].to_numpy(), baseline_step, path(FIGURES[0]),
-        title=f"Per-instance per-step ε at step {final_step} (sum rule, δ={step_eps['delta'].iloc[0]:g})")
+        step_eps["eps"].to_numpy(), baseline_step, path(HISTOGRAM_FIGURE), delta=float(step_eps["delta"].iloc[0]),
+        title=f"Per-instance per-step ε at step {final_step} (sum rule)")
 
     # Figure 2: correct vs misclassified.
     correct = at_end.loc[step_eps.index, "correct"].astype(bool).to_numpy()
     findings["correctness"] = plots.plot_correct_vs_misclassified(
-        step_eps["eps"].to_numpy(), correct, baseline_step, path(FIGURES[1]), "per-instance per-step ε")
+        step_eps["eps"].to_numpy(), correct, baseline_step, path(CORRECTNESS_FIGURE), "per-instance per-step ε",
+        delta=float(step_eps["delta"].iloc[0]))
     findings["correctness"]["median_intervals"] = {
         group: intervals.median_interval(values) if len(values) else None
         for group, values in (("correct", step_eps["eps"].to_numpy()[correct]),
                               ("misclassified", step_eps["eps"].to_numpy()[~correct]))}
 
     # Figure 3: mean rule at several sampling rates.
-    findings["rates"] = draw_mean_rule(mean_results, config, path(FIGURES[2]))
+    findings["rates"] = draw_mean_rule(mean_results, config, {quantity: path(name)
+                                                              for quantity, name in RATE_FIGURES.items()})
 
     # Figure 4: composed ε over training of an easy, a hard and a misclassified tracked point: the bound from Δ* at
     # every step, and the estimate that holds Δ* between checkpoints.
@@ -65,7 +74,7 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
                          at_end.loc[bound.index, "correct"].astype(bool))
     findings["curves"] = plots.plot_composed_over_training(
         composition_curves(run, main.tracked, chosen, config.delta), baseline_curve(run, config.delta),
-        path(FIGURES[3]), config.delta, main.checkpoint_steps,
+        path(CURVES_FIGURE), config.delta, main.checkpoint_steps,
         estimates=composition_curves(run, main.sensitivities, chosen, config.delta))
 
     # Figure 5: individual accounting of every point vs its final loss; classes; the accountants.
@@ -81,10 +90,11 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     by_accountant = {"RDP": (composed["eps"].to_numpy(), worst),
                      "PLD": (composed_pld["eps"].to_numpy(), float(composed_pld["baseline_eps"].iloc[0])),
                      other_label: (other["eps"].to_numpy(), worst)}
-    findings["individual"] = plots.plot_individual_accounting(
+    findings["individual"] = individual_plots.plot_individual_accounting(
         composed["eps"].to_numpy(), at_end.loc[composed.index, "loss"].to_numpy(),
-        at_end.loc[composed.index, "label"].to_numpy(), dataset.class_names, class_accuracy, worst, path(FIGURES[4]),
-        by_accountant, eps_label=f"per-instance composed ε ({HEADLINE_LABEL[main.every_point]})")
+        at_end.loc[composed.index, "label"].to_numpy(), dataset.class_names, class_accuracy, worst,
+        path(INDIVIDUAL_FIGURE), delta=config.delta, by_accountant=by_accountant,
+        what=f"per-instance composed ε\n({HEADLINE_LABEL[main.every_point]})")
     findings["individual"]["lowest_class"] = int(np.argmin(class_accuracy))
     findings["individual"]["highest_class"] = int(np.argmax(class_accuracy))
 
@@ -92,7 +102,8 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     estimate = accounted.estimate.set_index("point")["eps"]
     points = bound.index.intersection(estimate.index)
     findings["estimate"] = plots.plot_estimate_accuracy(estimate.loc[points].to_numpy(),
-                                                        bound.loc[points, "eps"].to_numpy(), path(FIGURES[5]), worst)
+                                                        bound.loc[points, "eps"].to_numpy(), path(ESTIMATE_FIGURE), worst,
+                                                        delta=config.delta)
     findings["estimate"].update(points=len(points), checkpoints=len(main.checkpoint_steps))
     findings["composed_median"] = findings["individual"]["accountants"]["RDP"]["median_interval"]  # one bootstrap
     findings["composed_baseline"] = worst
@@ -101,10 +112,11 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     return findings
 
 
-def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> dict:
-    """Figure 3 and its numbers: both designs' per-step and whole-run guarantees of the mean rule by sampling rate,
-    with the verdicts on their change between adjacent rates (§10; paired over the points in the fixed-checkpoint
-    designs, independent runs in the matched-steps one)."""
+def draw_mean_rule(mean_results: dict, config: ReproduceConfig, paths: dict[str, str]) -> dict:
+    """Figure 3 (its three files, `paths` by quantity: sampling_rate_plots.plot_sampling_rate_designs) and its
+    numbers: both designs' per-step and whole-run guarantees of the mean rule by sampling rate, with the verdicts on
+    their change between adjacent rates (§10; paired over the points in the fixed-checkpoint designs, independent
+    runs in the matched-steps one)."""
     designs, facts, paired = {}, {}, {}
     for label, step in ((DESIGN_EARLY, "early"), (DESIGN_FINAL, "final")):
         by_rate = mean_results["fixed"][step]
@@ -119,7 +131,7 @@ def draw_mean_rule(mean_results: dict, config: ReproduceConfig, path: str) -> di
                                {rate: series[1] for rate, series in matched.items()})
     facts[DESIGN_MATCHED] = {rate: series[2] for rate, series in matched.items()}
     paired[DESIGN_MATCHED] = False
-    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, config.renyi_order, config.delta, path)
+    drawn = sampling_rate_plots.plot_sampling_rate_designs(designs, config.renyi_order, config.delta, paths)
     return {design: {**values, "facts": facts[design],
                      "verdicts": design_verdicts(*designs[design], paired=paired[design])}
             for design, values in drawn.items()}

@@ -4,21 +4,33 @@ As perinstance/plots/plots.py: each function takes arrays already computed, draw
 writes it atomically as a PNG and returns the numbers it shows.
 """
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 from numpy.typing import ArrayLike
 
+from perinstance.accounting import audit_bounds
 from perinstance.plots.plots import (
-    SINGLE_PANEL,
+    SINGLE_PANEL_LEGEND_BELOW,
     TWO_PANELS,
     _as_1d,
     _fmt,
     _fmt_r,
+    _legend_below,
     _median,
     _pearson,
     _same_length,
     _save,
+    eps_label,
 )
+
+GROUP_COLORS = {"easy": "tab:green", "hard": "tab:olive", "misclassified": "tab:red"}
+GROUP_MEANINGS = {"easy": "easy (correct, eps_upper below the correct points' median)",
+                  "hard": "hard (correct, eps_upper at or above that median)", "misclassified": "misclassified"}
+# A note under a figure (`note`) is wrapped at about this many characters a line, each line given this height (inches).
+NOTE_WIDTH = 95
+NOTE_LINE_HEIGHT = 0.2
 
 
 def _audit_arrays(eps_lower, eps_upper, correct):
@@ -38,9 +50,27 @@ def _ring(ax, x, y, mask, name):
                    label=f"{name}: {mask.sum()}")
 
 
-def plot_audit_bounds(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, path: str,
-                      title: str = "Per-instance audit of one step", upper_label: str = "eps_upper (accountant)") -> dict:
-    """Lower bound (audit, 95%) against upper bound (accountant) per point, with y = x.
+def _figure_with_note(size, note):
+    """A figure of `size` (inches) with `note` under it, wrapped to NOTE_WIDTH characters a line, in a band of its own
+    below everything else (legend included): (the figure, the subfigure that holds the panel; the figure itself
+    without a note)."""
+    lines = textwrap.wrap(note, NOTE_WIDTH)
+    if not lines:
+        fig = plt.figure(figsize=size, layout="constrained")
+        return fig, fig
+    band = NOTE_LINE_HEIGHT * (len(lines) + 1)
+    fig = plt.figure(figsize=(size[0], size[1] + band), layout="constrained")
+    panel, below = fig.subfigures(2, 1, height_ratios=[size[1], band])
+    below.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", fontsize="small", color="0.25")
+    return fig, panel
+
+
+def plot_audit_bounds(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, path: str, *, delta: float,
+                      title: str = "Per-instance audit of one step", upper_kind: str = "accountant",
+                      note: str = "") -> dict:
+    """Lower bound (audit, 95%) against upper bound (`upper_kind`: what the accountant's value is) per point, with
+    y = x, the points coloured by their group (audit_bounds.point_groups: easy, hard, misclassified), as the report
+    names them. `delta`: the δ of both, on the axis labels; `note`: a sentence under the figure.
 
     Every point must lie on or below the diagonal; one above it is an upper bound the audit
     proves wrong, and is ringed.
@@ -49,11 +79,14 @@ def plot_audit_bounds(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: Array
     violated = eps_lower > eps_upper
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(eps_upper > 0, eps_lower / eps_upper, 0.0)
+    groups = audit_bounds.point_groups(eps_upper, correct)
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
-    for mask, color, name in ((correct, "tab:green", "correct"), (~correct, "tab:red", "misclassified")):
-        ax.scatter(eps_upper[mask], eps_lower[mask], s=18, alpha=0.7, color=color,
-                   label=f"{name} (n = {mask.sum()}, median lower/upper = {_fmt(_median(ratio[mask]))})")
+    fig, panel = _figure_with_note(SINGLE_PANEL_LEGEND_BELOW, note)
+    ax = panel.subplots()
+    for name, mask in groups.items():
+        ax.scatter(eps_upper[mask], eps_lower[mask], s=18, alpha=0.7, color=GROUP_COLORS[name],
+                   label=f"{GROUP_MEANINGS[name]}: n = {mask.sum()}, median lower/upper = "
+                         f"{_fmt(_median(ratio[mask]))}")
     _ring(ax, eps_upper, eps_lower, violated, "violated")
     positive = np.concatenate([eps_upper[eps_upper > 0], eps_lower[eps_lower > 0]])
     low = positive.min() if len(positive) else 1e-3
@@ -63,20 +96,23 @@ def plot_audit_bounds(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: Array
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=low)
     ax.set_ylim(0, high * 1.5)  # ε ≥ 0: the lower half of a symlog axis would be empty
-    ax.set_xlabel(f"{upper_label}, log scale")
-    ax.set_ylabel("eps_lower (audit, 95% confidence), symlog scale")
+    ax.set_xlabel(eps_label(f"eps_upper: per-step ε by the accountant ({upper_kind})", delta) + ", log scale")
+    ax.set_ylabel(eps_label("eps_lower: audit, 95% confidence,\nper-step ε", delta) + ", symlog scale")
     ax.set_title(title)
-    ax.legend(loc="upper left", fontsize="small")
+    _legend_below(panel, [ax])
     _save(fig, path)
     return {"count": len(eps_lower), "violated": int(violated.sum()), "median_ratio": _median(ratio),
-            "median_lower": _median(eps_lower), "median_upper": _median(eps_upper)}
+            "median_lower": _median(eps_lower), "median_upper": _median(eps_upper),
+            "groups": {name: int(mask.sum()) for name, mask in groups.items()}}
 
 
-def plot_audit_gap(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, sum_rule_eps: float, mean_baseline_eps: float,
-                   path: str, title: str = "The realised-size mean rule against the sum rule's accounting") -> dict:
+def plot_audit_gap(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLike, sum_rule_eps: float,
+                   mean_baseline_eps: float, path: str, *, delta: float,
+                   title: str = "The realised-size mean rule against the sum rule's accounting", note: str = "") -> dict:
     """The audit of the realised-size mean rule per point, ranked by eps_lower (docs/audit.md §1):
     its lower bound (95%), the mean rule's per-point estimate eps_upper, and two lines: the per-step
-    ε that the sum rule's accounting gives at the same σ and q, and the mean rule's own baseline.
+    ε that the sum rule's accounting gives at the same σ and q, and the mean rule's own baseline. `delta`: the δ of
+    every value, on the axis label; `note`: a sentence under the figure (why its points are what they are).
 
     A lower bound above the first line is leakage that the sum rule's accounting does not cover;
     one above the second would prove the mean rule's baseline wrong, and is ringed.
@@ -88,42 +124,46 @@ def plot_audit_gap(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLik
     above_sum = eps_lower > sum_rule_eps
     above_baseline = eps_lower > mean_baseline_eps
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    fig, panel = _figure_with_note((SINGLE_PANEL_LEGEND_BELOW[0] + 0.6, SINGLE_PANEL_LEGEND_BELOW[1] + 1.2), note)
+    ax = panel.subplots()
     ax.scatter(rank, eps_upper, s=14, marker="_", color="tab:gray",
                label="eps_upper: mean rule's estimate per point (Monte Carlo, not a bound)")
     for mask, color, name in ((correct, "tab:green", "correct"), (~correct, "tab:red", "misclassified")):
         ax.scatter(rank[mask], eps_lower[mask], s=18, alpha=0.8, color=color,
-                   label=f"eps_lower (audit, 95%), {name} (n = {mask.sum()})")
+                   label=f"eps_lower (audit, 95%), {name} by the run's final model (n = {mask.sum()})")
     _ring(ax, rank, eps_lower, above_baseline, "above the mean rule's baseline")
     ax.axhline(mean_baseline_eps, color="black", linewidth=1.5,
                label=f"mean rule's own baseline, one step: {_fmt(mean_baseline_eps)}")
     ax.axhline(sum_rule_eps, color="tab:blue", linestyle="--", linewidth=1.5,
                label=f"sum rule's accounting, one step: {_fmt(sum_rule_eps)} ({above_sum.sum()} of "
                      f"{len(eps_lower)} points above)")
-    # Headroom above the baseline for the legend.
-    ax.set_ylim(0, max(mean_baseline_eps, eps_upper.max(initial=0), eps_lower.max(initial=0)) * 1.7)
-    ax.set_xlabel("audited points, ranked by eps_lower")
-    ax.set_ylabel("per-step ε at δ")
+    ax.set_ylim(0, max(mean_baseline_eps, eps_upper.max(initial=0), eps_lower.max(initial=0)) * 1.1)
+    ax.set_xlabel("audited points, ranked by their lower bound")
+    ax.set_ylabel(eps_label("per-step ε", delta))
     ax.set_title(title)
-    ax.legend(loc="upper left", fontsize="small")
+    _legend_below(panel, [ax])
     _save(fig, path)
     return {"count": len(eps_lower), "above_sum_rule": int(above_sum.sum()),
             "above_baseline": int(above_baseline.sum()), "median_lower": _median(eps_lower),
             "max_lower": float(eps_lower.max()) if len(eps_lower) else float("nan")}
 
 
-def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: dict, attack_std: dict, test_accuracy: dict,
-                      path: str) -> dict:
+def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: dict, attack_std: dict,
+                      test_accuracy: dict, path: str, *, delta: float | None, descriptions: dict[str, str]) -> dict:
     """Per class: the loss-threshold attack's accuracy (left) and the test accuracy (right)
-    against the class's mean composed ε, one colour per model ("DP", "non-private", ...).
+    against the class's mean composed ε at `delta` (None: not recorded), one colour per model ("DP", "non-private",
+    ...).
 
-    attack_accuracy, attack_std, test_accuracy: {model: values aligned with class_names}.
+    attack_accuracy, attack_std, test_accuracy: {model: values aligned with class_names}. descriptions: {model: what
+    the legends say of it besides its name}, e.g. its learning rate and its test accuracy over all classes.
     Returns {model: Pearson r of attack accuracy and of test accuracy with the class ε}.
     """
     class_eps = _as_1d("class_eps", class_eps)
     colors = dict(zip(attack_accuracy, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
     pearsons = {}
-    fig, (left, right) = plt.subplots(1, 2, figsize=TWO_PANELS, layout="constrained")
+    fig = plt.figure(figsize=(TWO_PANELS[0] + 1.0, TWO_PANELS[1] + 1.4), layout="constrained")
+    subfigures = fig.subfigures(1, 2)
+    left, right = (subfigure.subplots() for subfigure in subfigures)
     for model, accuracies in attack_accuracy.items():
         accuracies = _as_1d(f"attack_accuracy[{model}]", accuracies)
         tests = _as_1d(f"test_accuracy[{model}]", test_accuracy[model])
@@ -131,19 +171,22 @@ def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: 
         pearsons[model] = {"attack": _pearson(class_eps, accuracies), "test": _pearson(class_eps, tests)}
         left.errorbar(class_eps, accuracies, yerr=_as_1d(f"attack_std[{model}]", attack_std[model]), fmt="o",
                       color=colors[model], capsize=3,
-                      label=f"{model} (Pearson r = {_fmt_r(pearsons[model]['attack'])})")
+                      label=f"{model}, {descriptions[model]}: Pearson r = {_fmt_r(pearsons[model]['attack'])}")
         right.scatter(class_eps, tests, color=colors[model],
-                      label=f"{model} (Pearson r = {_fmt_r(pearsons[model]['test'])})")
-        for name, x, y in zip(class_names, class_eps, accuracies, strict=True):
-            left.annotate(str(name), (x, y), textcoords="offset points", xytext=(4, 3), fontsize="small")
+                      label=f"{model}, {descriptions[model]}: Pearson r = {_fmt_r(pearsons[model]['test'])}")
+    # Each class named once, right of its highest point.
+    highest = np.max([_as_1d(f"attack_accuracy[{model}]", values) for model, values in attack_accuracy.items()], axis=0)
+    for name, x, y in zip(class_names, class_eps, highest, strict=True):
+        left.annotate(str(name), (x, y), textcoords="offset points", xytext=(5, 3), fontsize="small")
     left.axhline(0.5, color="black", linestyle=":", linewidth=1, label="chance")
-    left.set_xlabel("mean per-instance composed ε of the class (DP run)")
+    class_eps_label = eps_label("mean per-instance composed ε of the class (DP run)", delta)
+    left.set_xlabel(class_eps_label)
     left.set_ylabel("loss-threshold attack accuracy (held-out half)")
     left.set_title("Membership inference per class")
-    left.legend(fontsize="small")
-    right.set_xlabel("mean per-instance composed ε of the class (DP run)")
+    right.set_xlabel(class_eps_label)
     right.set_ylabel("class test accuracy")
     right.set_title("Class accuracy")
-    right.legend(fontsize="small")
+    for subfigure, ax in zip(subfigures, (left, right), strict=True):
+        _legend_below(subfigure, [ax])
     _save(fig, path)
     return pearsons

@@ -9,19 +9,20 @@ atomically as a PNG and returns the numbers it shows.
 import matplotlib.pyplot as plt
 import numpy as np
 
-from perinstance.plots.plots import SINGLE_PANEL, _as_1d, _fmt, _same_length, _save, _use_log_scale
+from perinstance.plots.plots import SINGLE_PANEL, _as_1d, _fmt, _same_length, _save, _use_log_scale, eps_label
 
 BAR_WIDTH = 0.16
 
 
 def plot_one_run_audit(norms: np.ndarray, lower: np.ndarray, lower_summed: np.ndarray, ideal: np.ndarray,
-                       upper_rdp: np.ndarray, upper_pld: np.ndarray, fdp_cap: np.ndarray, path: str,
-                       title: str = "One-run audit per canary group") -> dict[str, list[float]]:
+                       upper_rdp: np.ndarray, upper_pld: np.ndarray, fdp_cap: np.ndarray, path: str, *,
+                       delta: float, title: str = "One-run audit per canary group") -> dict[str, list[float]]:
     """Grouped bars per canary norm c (×Γ): the f-DP lower bound of the likelihood-ratio statistic and of the summed
     projection (last-iterate), the likelihood-ratio bound on the idealised mechanism, and the RDP and PLD upper
     bounds, with the f-DP test's cap for these canaries as a black dashed tick. A lower bar above the upper bound is
-    a violation, drawn hatched. Returns {"lower", "ideal", "upper", "ratio", "ideal_ratio", "violated"} per group
-    (upper: the smaller of the two; ratio: lower/upper; ideal_ratio: lower/ideal)."""
+    a violation, drawn hatched; `delta`: the δ of every bound, on the axis label. Returns {"lower", "ideal",
+    "upper", "ratio", "ideal_ratio", "violated"} per group (upper: the smaller of the two; ratio: lower/upper;
+    ideal_ratio: lower/ideal)."""
     arrays = {name: _as_1d(name, value) for name, value in (
         ("norms", norms), ("lower", lower), ("lower_summed", lower_summed), ("ideal", ideal),
         ("upper_rdp", upper_rdp), ("upper_pld", upper_pld), ("fdp_cap", fdp_cap))}
@@ -54,7 +55,7 @@ def plot_one_run_audit(norms: np.ndarray, lower: np.ndarray, lower_summed: np.nd
     _use_log_scale(ax, "y", np.concatenate([lower, lower_summed, ideal, upper_rdp, upper_pld, fdp_cap]))
     ax.set_xticks(positions, [f"c = {norm:g}" for norm in norms])
     ax.set_xlabel("gradient canary group (sensitivity c·Γ)")
-    ax.set_ylabel("ε over the whole run")
+    ax.set_ylabel(eps_label("ε over the whole run", delta))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     _save(fig, path)

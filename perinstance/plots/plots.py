@@ -8,8 +8,6 @@ report can quote exactly what the figure shows. Nothing here reads files or comp
 privacy guarantees. Every privacy plot carries the data-independent DP-SGD baseline.
 """
 
-from collections.abc import Mapping
-
 import matplotlib.pyplot as plt
 import numpy as np
 from numpy.typing import ArrayLike
@@ -19,14 +17,19 @@ from perinstance.files.fileio import atomic_path
 
 DPI = 120
 SINGLE_PANEL = (6.4, 4.4)
+# A single panel with its legend below it (_legend_below).
+SINGLE_PANEL_LEGEND_BELOW = (6.8, 5.6)
 WIDE_PANEL = (11.5, 4.8)
 TWO_PANELS = (12.0, 4.6)
 BASELINE_LABEL = "worst-case baseline (DP-SGD)"
+# Δ* is computed in float32: the norm of a clipped gradient can come out one float32 ulp (6e-8) below Γ, which puts its
+# per-step ε about 1e-7 (relative) below the worst case. Within this relative tolerance a point is at the worst case.
+WORST_CASE_RTOL = 1e-6
+HISTOGRAM_BINS = 40
 BASELINE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.5, "label": BASELINE_LABEL}
 # No "Software" entry: matplotlib would write its version there, so bytes would
 # differ between installations; the PNG writer adds no timestamp of its own.
 PNG_METADATA = {"Software": None}
-LOSS_FLOOR = 1e-8
 
 
 def _as_1d(name, values):
@@ -107,6 +110,28 @@ def _save(fig, path):
         plt.close(fig)
 
 
+def eps_label(what: str, delta: float | None) -> str:
+    """An ε axis label: what the values are, and the δ they hold at (None: a δ their source does not record)."""
+    return f"{what} at δ = {delta:g}" if delta is not None else f"{what} (δ not recorded)"
+
+
+def at_worst_case(values: ArrayLike, worst: float) -> np.ndarray:
+    """Which values are at the worst case `worst`: at or above it within WORST_CASE_RTOL (relative)."""
+    return np.asarray(values, dtype=float) >= float(worst) * (1 - WORST_CASE_RTOL)
+
+
+def _legend_below(figure, axes, ncols=1, fontsize="small"):
+    """One legend under the panels of `figure` (a figure or a subfigure, constrained layout), of every labelled
+    artist of `axes` (each label once): outside the axes, so that it covers no data and no neighbouring panel."""
+    handles, labels = [], []
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    figure.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
+
+
 def _draw_ecdf(ax, values, **style):
     """Empirical CDF as a step line; returns the line (None for no values)."""
     if len(values) == 0:
@@ -134,33 +159,62 @@ def _use_log_scale(ax, axis, values):
         set_scale("symlog", linthresh=float(positive.min()) if len(positive) else 1.0)
 
 
-def plot_per_step_histogram(eps: ArrayLike, baseline_eps: float, path: str, title: str = "Per-instance per-step privacy",
+def _log_bins(values, count):
+    """`count` bins evenly spaced on a log axis over the positive values, and one from 0 where there are zeros."""
+    positive = values[values > 0]
+    low, high = (positive.min(), positive.max()) if len(positive) else (1.0, 1.0)
+    if high <= low:
+        low, high = low / 1.5, high * 1.5
+    edges = np.geomspace(low, high, count + 1)
+    return np.concatenate([[0.0], edges]) if np.any(values <= 0) else edges
+
+
+def plot_per_step_histogram(eps: ArrayLike, baseline_eps: float, path: str, *, delta: float,
+                            title: str = "Per-instance per-step privacy",
                             xlabel: str = "per-instance per-step ε") -> dict:
-    """Histogram of one per-step guarantee per point, with the median and the baseline."""
+    """Histogram of one per-step guarantee per point on a log ε axis, with the median, the baseline, and the points
+    at the worst case (at_worst_case) stacked in their own colour and their share written next to them. `delta`: the
+    δ of the guarantees, on the axis label."""
     eps = _as_1d("eps", eps)
     baseline_eps = float(baseline_eps)
     median = _median(eps)
     median_interval = _median_interval(eps)
     share_2x_below = float(np.mean(eps <= baseline_eps / 2)) if len(eps) else float("nan")
+    worst = at_worst_case(eps, baseline_eps)
+    share_at_worst = float(np.mean(worst)) if len(eps) else float("nan")
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
-    ax.hist(eps, bins=40, color="tab:blue", alpha=0.75, label=f"{len(eps)} points")
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL_LEGEND_BELOW, layout="constrained")
+    bins = _log_bins(np.concatenate([eps, [baseline_eps]]), HISTOGRAM_BINS)
+    counts, _, _ = ax.hist([eps[~worst], eps[worst]], bins=bins, stacked=True, color=["tab:blue", "tab:red"],
+                           alpha=0.8, label=[f"{int((~worst).sum())} points below the worst case",
+                                             f"{int(worst.sum())} points at the worst case"])
+    _use_log_scale(ax, "x", bins)
     median_label = f"median = {_fmt(median)}" if median_interval is None else \
         f"median = {interval_text(median_interval)} (95%)"
-    ax.axvline(median, color="tab:orange", linewidth=2, label=median_label)
-    _draw_interval_band(ax, median_interval, "tab:orange")
-    ax.axvline(baseline_eps, **BASELINE_STYLE)
-    ax.set_xlabel(xlabel)
+    if len(eps):
+        ax.axvline(median, color="tab:orange", linewidth=2, label=median_label)
+        _draw_interval_band(ax, median_interval, "tab:orange")
+    ax.axvline(baseline_eps, **{**BASELINE_STYLE, "label": f"{BASELINE_LABEL}: {_fmt(baseline_eps)}"})
+    tallest = float(np.max(counts[-1])) if len(eps) else 1.0
+    ax.set_ylim(0, max(tallest, 1.0) * 1.3)  # room for the note on the worst case above the bars
+    if worst.any():
+        at_height = float(counts[-1][np.searchsorted(bins, baseline_eps * (1 - WORST_CASE_RTOL), side="right") - 1])
+        ax.annotate(f"{share_at_worst:.1%} of points\nat the worst case", xy=(baseline_eps, at_height),
+                    xytext=(-12, 18), textcoords="offset points", ha="right", va="bottom", color="tab:red",
+                    arrowprops={"arrowstyle": "->", "color": "tab:red"})
+    ax.set_xlabel(eps_label(xlabel, delta) + " (log scale)")
     ax.set_ylabel("number of points")
-    ax.set_title(f"{title}\n{share_2x_below:.0%} of points at ≤ half the baseline")
-    ax.legend()
+    ax.set_title(f"{title}\n{share_2x_below:.0%} of points at ≤ half the baseline, {share_at_worst:.1%} at it")
+    _legend_below(fig, [ax])
     _save(fig, path)
     return {"median": median, "median_interval": median_interval, "baseline": baseline_eps,
-            "share_2x_below": share_2x_below}
+            "share_2x_below": share_2x_below, "share_at_worst": share_at_worst}
 
 
-def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baseline: float, path: str, value_label: str) -> dict:
-    """Empirical CDFs of a per-point guarantee for correctly and wrongly classified points."""
+def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baseline: float, path: str, value_label: str,
+                                  *, delta: float) -> dict:
+    """Empirical CDFs of a per-point guarantee for correctly and wrongly classified points, on a log axis. `delta`:
+    the δ of the guarantees, on the axis label."""
     values = _as_1d("values", values)
     correct = np.asarray(correct)
     if correct.dtype != bool:
@@ -173,7 +227,7 @@ def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baselin
     ratio_interval = (intervals.median_ratio_interval(groups["misclassified"], groups["correct"])
                       if all(len(group) for group in groups.values()) else None)
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    fig, ax = plt.subplots(figsize=SINGLE_PANEL_LEGEND_BELOW, layout="constrained")
     missing = [name for name, group in groups.items() if len(group) == 0]
     for name, group in groups.items():
         if len(group) == 0:
@@ -185,16 +239,17 @@ def plot_correct_vs_misclassified(values: ArrayLike, correct: ArrayLike, baselin
                    label=f"median {name} = {interval_text(median_intervals[name])} (95%)")
         _draw_interval_band(ax, median_intervals[name], colors[name])
     ax.axvline(float(baseline), **BASELINE_STYLE)
-    ax.set_xlabel(value_label)
+    _use_log_scale(ax, "x", np.concatenate([values, [float(baseline)]]))
+    ax.set_xlabel(eps_label(value_label, delta) + " (log scale)")
     ax.set_ylabel("fraction of points ≤ value")
     ax.set_ylim(0, 1.02)
-    title = f"{value_label}: correct vs misclassified points"
+    title = f"{value_label}:\ncorrect vs misclassified points"
     if ratio_interval is not None:
         title += f"\nmedian ratio misclassified / correct = {interval_text(ratio_interval)} (95%)"
     if missing:
         title += "\n(" + ", ".join(f"no {name} points" for name in missing) + ")"
     ax.set_title(title)
-    ax.legend(loc="lower right")
+    _legend_below(fig, [ax])
     _save(fig, path)
     return {
         "median_correct": medians["correct"],
@@ -217,8 +272,8 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
     final = {}
 
     estimated = {}
-    # Beside the estimates, two lines per point: the legend goes right of the axes.
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL if estimates is None else WIDE_PANEL, layout="constrained")
+    # The legend goes right of the axes, where it covers no curve.
+    fig, ax = plt.subplots(figsize=WIDE_PANEL, layout="constrained")
     for label, (steps, eps) in curves.items():
         steps, eps = _as_1d(f"steps of {label!r}", steps), _as_1d(f"ε of {label!r}", eps)
         _same_length(steps=steps, eps=eps)
@@ -241,148 +296,25 @@ def plot_composed_over_training(curves: dict, baseline_curve: ArrayLike, path: s
         fig.supxlabel("Step t is charged at Δ* of the latest checkpoint ≤ t − 1\n(piecewise constant between "
                       "checkpoints; accounting.md §4)." if estimates is None else
                       "Solid: Δ* at every step, a bound along the observed run. Dashed: step t charged at Δ* of the "
-                      "latest\ncheckpoint ≤ t − 1, held between the checkpoints marked: a held-Δ* estimate (accounting.md "
-                      "§4).", fontsize="small", color="0.3")
+                      "latest\ncheckpoint ≤ t − 1, held between the checkpoints marked: a held-Δ* estimate "
+                      "(accounting.md §4).", fontsize="small", color="0.3")
     ax.set_xlabel("training step")
-    ax.set_ylabel(f"composed ε at δ = {delta:g}")
+    ax.set_ylabel(eps_label("composed ε", delta))
     ax.set_title("Per-instance privacy over training")
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    if estimates is None:
-        ax.legend()
-    else:
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
     return {"final": final, "estimate_final": estimated, "baseline_final": baseline_final}
 
 
-def _class_accuracies(class_names, class_test_accuracy):
-    """Accuracy per class name, from a mapping by name or a sequence aligned with class_names."""
-    if isinstance(class_test_accuracy, Mapping):
-        return {name: float(class_test_accuracy[name]) for name in class_names}
-    accuracies = _as_1d("class_test_accuracy", class_test_accuracy)
-    if len(accuracies) != len(class_names):
-        raise ValueError(f"class_test_accuracy has {len(accuracies)} values for {len(class_names)} classes")
-    return dict(zip(class_names, accuracies.tolist(), strict=True))
-
-
-def _draw_loss_panel(ax, eps, log_loss, baseline_eps, eps_label):
-    """Left panel of plot_individual_accounting: ε vs final loss with the fit ε ≈ a + b·log(loss)."""
-    pearson = _pearson(eps, log_loss)
-    pearson_interval = _pearson_interval(eps, log_loss)
-    can_fit = len(np.unique(log_loss)) >= 2  # a line through one x value is undefined
-    ax.set_xscale("log")
-    if not can_fit and len(log_loss):
-        # Autoscaling a log axis around a single value warns; fix a decade each side first.
-        ax.set_xlim(np.exp(log_loss[0]) / 10, np.exp(log_loss[0]) * 10)
-    ax.scatter(np.exp(log_loss), eps, s=10, alpha=0.5, color="tab:blue", label=f"{len(eps)} training points")
-    intercept = slope = float("nan")
-    if can_fit:
-        slope, intercept = (float(c) for c in np.polyfit(log_loss, eps, 1))
-        grid = np.linspace(log_loss.min(), log_loss.max(), 200)
-        ax.plot(np.exp(grid), intercept + slope * grid, color="tab:red", linewidth=2,
-                label=f"ε ≈ {intercept:.3g} {'−' if slope < 0 else '+'} {abs(slope):.3g}·ln(loss), "
-                      f"Pearson r = {_fmt_r(pearson, pearson_interval)}")
-    else:
-        ax.plot([], [], color="tab:red", label="no fit: fewer than two distinct loss values")
-    ax.axhline(baseline_eps, **BASELINE_STYLE)
-    ax.set_xlabel(f"final training loss (log scale, clipped at {LOSS_FLOOR:g})")
-    ax.set_ylabel(eps_label)
-    ax.set_title("Privacy vs final training loss")
-    ax.legend(loc="lower right", fontsize="small")
-    return pearson, pearson_interval, intercept, slope
-
-
-def _draw_class_panel(ax, class_mean_eps, class_accuracy, baseline_eps):
-    """Right panel of plot_individual_accounting: per-class mean ε against test accuracy."""
-    names = [name for name, mean in class_mean_eps.items() if np.isfinite(mean)]
-    accuracies = [class_accuracy[name] for name in names]
-    means = [class_mean_eps[name] for name in names]
-    pearson = _pearson(accuracies, means) if len(names) >= 3 else float("nan")
-    pearson_interval = _pearson_interval(accuracies, means) if len(names) >= 3 else None
-    ax.scatter(accuracies, means, s=40, color="tab:purple", zorder=3,
-               label=f"class mean ε, {len(names)} classes (Pearson r = {_fmt_r(pearson, pearson_interval)})")
-    for name, accuracy, mean in zip(names, accuracies, means, strict=True):
-        ax.annotate(str(name), (accuracy, mean), textcoords="offset points", xytext=(5, 4), fontsize="small")
-    ax.axhline(baseline_eps, **BASELINE_STYLE)
-    ax.margins(x=0.15)  # room for the class names written right of the points
-    ax.set_xlabel("class test accuracy")
-    ax.set_ylabel("mean per-instance ε of the class")
-    ax.set_title("Class privacy vs class accuracy")
-    ax.legend(loc="lower left", fontsize="small")
-    return pearson, pearson_interval
-
-
-def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: ArrayLike, class_names: list, class_test_accuracy: ArrayLike,
-                               baseline_eps: float, path: str, by_accountant: dict | None = None,
-                               eps_label: str = "per-instance composed ε") -> dict:
-    """Yu et al., Fig. 2/5: composed ε against final loss, and per class against accuracy.
-
-    labels are class indices into class_names; class_test_accuracy is either aligned
-    with class_names or a mapping from class name to accuracy. by_accountant: {name: (every point's composed ε,
-    the worst case by that accountant)}, e.g. RDP and PLD, drawn as a third panel (the share of points at or
-    below each ε) and summarised per accountant (median, 10% and 90% quantiles, share below half the worst case);
-    an entry whose name says "estimate" is drawn dashed. eps_label: the ε axis, saying what the values are.
-    """
-    eps = _as_1d("eps", eps)
-    final_loss = _as_1d("final_loss", final_loss)
-    labels = np.asarray(labels)
-    _same_length(eps=eps, final_loss=final_loss, labels=labels)
-    baseline_eps = float(baseline_eps)
-    log_loss = np.log(np.maximum(final_loss, LOSS_FLOOR))  # a zero loss must not break the log
-    class_accuracy = _class_accuracies(class_names, class_test_accuracy)
-    class_mean_eps = {name: float(np.mean(eps[labels == index])) if np.any(labels == index) else float("nan")
-                      for index, name in enumerate(class_names)}
-
-    panels = 2 if by_accountant is None else 3
-    fig, axes = plt.subplots(1, panels, figsize=(TWO_PANELS[0] * panels / 2, TWO_PANELS[1]), layout="constrained")
-    pearson_log_loss, pearson_log_loss_interval, intercept, slope = _draw_loss_panel(axes[0], eps, log_loss,
-                                                                                    baseline_eps, eps_label)
-    pearson_class, pearson_class_interval = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps)
-    accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant)
-    _save(fig, path)
-    return {
-        "pearson_log_loss": pearson_log_loss,
-        "pearson_log_loss_interval": pearson_log_loss_interval,
-        "fit_intercept": intercept,
-        "fit_slope": slope,
-        "class_mean_eps": class_mean_eps,
-        "class_accuracy": class_accuracy,
-        "pearson_class": pearson_class,
-        "pearson_class_interval": pearson_class_interval,
-        "accountants": accountants,
-    }
-
-
-def _draw_accountant_panel(ax, by_accountant):
-    """Third panel of plot_individual_accounting: the share of points whose composed ε is at most x, per
-    accountant, with each accountant's worst case; returns each one's summary."""
-    summaries, drawn_worst = {}, set()
-    for (name, (values, worst)), color in zip(by_accountant.items(), ("tab:blue", "tab:orange", "tab:green")):
-        values = np.sort(_as_1d(f"ε by {name}", values))
-        worst = float(worst)
-        summaries[name] = {"median": float(np.median(values)), "median_interval": _median_interval(values),
-                           "q10": float(np.quantile(values, 0.1)),
-                           "q90": float(np.quantile(values, 0.9)), "worst": worst,
-                           "share_below_half": float(np.mean(values <= worst / 2)), "points": len(values)}
-        ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=color, linewidth=2,
-                linestyle="--" if "estimate" in name else "-",
-                label=f"{name}: median {interval_text(summaries[name]['median_interval'])} (95%)")
-        if worst not in drawn_worst:  # an estimate of the same accountant shares its worst case
-            drawn_worst.add(worst)
-            ax.axvline(worst, color=color, linestyle=":", linewidth=1.5, label=f"{name} worst case {_fmt(worst)}")
-    ax.set_xlabel("composed per-instance ε")
-    ax.set_ylabel("share of points with at most this ε")
-    ax.set_title("Per-instance ε by accountant")
-    ax.legend(loc="upper left", fontsize="small")
-    return summaries
-
-
-def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step: ArrayLike, path: str, baseline_eps: float) -> dict:
+def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step: ArrayLike, path: str,
+                           baseline_eps: float, *, delta: float) -> dict:
     """Yu et al., Fig. 4: ε from Δ* held between checkpoints (a held-Δ* estimate) against ε from Δ* at every step (the
     bound, accounting.md §4), with how far the estimate is from the bound: the relative error (estimate − bound) /
     bound (over the points with a positive bound), its median and its largest size, and the share of points whose
-    estimate is below their bound, each with its 95% interval (§10); points below the bound drawn in red."""
+    estimate is below their bound, each with its 95% interval (§10); points below the bound drawn in red. `delta`:
+    the δ of both compositions, on the axis labels."""
     estimate = _as_1d("eps_from_checkpoints", eps_from_checkpoints)
     truth = _as_1d("eps_from_every_step", eps_from_every_step)
     _same_length(eps_from_checkpoints=estimate, eps_from_every_step=truth)
@@ -404,7 +336,8 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
              "share_below": intervals.share_interval(below) if len(below) else None,
              "count_below": int(below.sum())}
 
-    fig, ax = plt.subplots(figsize=SINGLE_PANEL, layout="constrained")
+    fig, ax = plt.subplots(figsize=(SINGLE_PANEL_LEGEND_BELOW[0], SINGLE_PANEL_LEGEND_BELOW[1] + 0.4),
+                           layout="constrained")
     ax.scatter(truth[~below], estimate[~below], s=8, alpha=0.5, color="tab:blue",
                label=f"{int((~below).sum())} points: held-Δ* estimate at or above the bound")
     ax.scatter(truth[below], estimate[below], s=8, alpha=0.7, color="tab:red",
@@ -414,15 +347,17 @@ def plot_estimate_accuracy(eps_from_checkpoints: ArrayLike, eps_from_every_step:
     ax.plot(span, span, color="tab:gray", linewidth=1, label="y = x")
     ax.axhline(baseline_eps, **BASELINE_STYLE)
     ax.axvline(baseline_eps, color=BASELINE_STYLE["color"], linestyle="--", linewidth=1.5)
-    ax.set_xlabel("ε from Δ* at every step (the bound along the run)")
-    ax.set_ylabel("ε from Δ* at checkpoints, held between them (held-Δ* estimate)")
+    ax.set_xlabel(eps_label("composed ε from Δ* at every step\n(the bound along the run)", delta))
+    ax.set_ylabel(eps_label("composed ε from Δ* at checkpoints,\nheld between them (held-Δ* estimate)", delta))
     median, share = found["relative_median"], found["share_below"]
-    ax.set_title(f"Held-Δ* estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}\n"
-                 + ("" if median is None else f"relative error median {median.estimate:+.2%}, largest "
-                    f"{found['relative_largest_signed']:+.2%}; ")
-                 + ("" if share is None else f"below the bound: {share.estimate:.1%} of points")
-                 + ("" if found["shortfall_largest"] is None else
-                    f", by up to {found['shortfall_largest'].estimate:.2%}"), fontsize="medium")
-    ax.legend(loc="lower right", fontsize="small")
+    lines = [f"Held-Δ* estimate vs the bound: Pearson r = {_fmt_r(pearson, pearson_interval)}"]
+    if median is not None:
+        lines.append(f"relative error: median {median.estimate:+.2%}, largest {found['relative_largest_signed']:+.2%}")
+    if share is not None:
+        lines.append(f"below the bound: {share.estimate:.1%} of points"
+                     + ("" if found["shortfall_largest"] is None else
+                        f", by up to {found['shortfall_largest'].estimate:.2%}"))
+    ax.set_title("\n".join(lines), fontsize="medium")
+    _legend_below(fig, [ax], ncols=2)
     _save(fig, path)
     return found

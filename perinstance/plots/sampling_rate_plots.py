@@ -1,10 +1,18 @@
-"""GLA's sampling-rate claim for the mean rule (its Fig. 3c) as a figure: the per-step value, the whole-run ε and
-their ratio to the mean rule's baseline over the sampling rates, one row per controlled design."""
+"""GLA's sampling-rate claim for the mean rule (its Fig. 3c) as three figures, one per quantity: the per-step value,
+the whole-run ε, and the per-step value's ratio to the mean rule's baseline, over the sampling rates, one panel per
+controlled design and one legend below the panels."""
+
+from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
 
-from perinstance.plots.plots import _median, _median_interval, _save, _use_log_scale
+from perinstance.plots.plots import _legend_below, _median, _median_interval, _save, _use_log_scale, eps_label
+
+QUANTITIES = ("per_step", "composed", "ratios")
+PANEL_SIZE = (5.6, 6.0)
+# Wide enough for the heading and the legend above and below a single panel.
+MIN_WIDTH = 11.0
 
 MEAN_RULE_SERIES = {
     # key: (label, style); estimates say so in the legend (accounting.md §3.5).
@@ -61,18 +69,17 @@ def _draw_ratio_panel(ax, values_by_rate, title):
         ratios = [_finite(np.atleast_1d(np.asarray(values_by_rate[q][key], dtype=float)))
                   / float(values_by_rate[q]["baseline"]) for q in present]
         drawn[key], found[key] = _draw_medians(ax, present, ratios, label, style)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the baseline itself (ratio 1)")
     ax.set_xscale("log")
     ax.set_xticks(rates, [f"{q:g}" for q in rates])
     _use_log_scale(ax, "y", np.array([value for series in drawn.values() for value in series.values()] + [1.0]))
     ax.set_xlabel("sampling rate q")
-    ax.set_ylabel("per-step value / mean-rule baseline")
+    ax.set_ylabel("per-step value ÷ mean-rule baseline")
     ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
     return drawn, found
 
 
-def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q", labels=None):
+def _draw_rate_panel(ax, values_by_rate, ylabel, title, labels=None):
     """One line per series over the sampling rates: medians of per-point arrays with their 95% intervals (and a
     10-90% band for the certified bound) or single values; returns the medians drawn per series and rate, and
     their intervals. `labels`: {series: legend} where a series means more than MEAN_RULE_SERIES says."""
@@ -95,34 +102,46 @@ def _draw_rate_panel(ax, values_by_rate, ylabel, title, xlabel="sampling rate q"
     ax.set_xscale("log")
     ax.set_xticks(rates, [f"{q:g}" for q in rates])
     _use_log_scale(ax, "y", np.concatenate(everything))
-    ax.set_xlabel(xlabel)
+    ax.set_xlabel("sampling rate q")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(loc="best", fontsize="small")
     return drawn, found
 
 
-def plot_sampling_rate_designs(designs: dict, alpha: float, delta: float, path: str) -> dict:
+def plot_sampling_rate_designs(designs: dict, alpha: float, delta: float, paths: Mapping[str, str]) -> dict:
     """GLA's sampling-rate claim for the mean rule (its Fig. 3c) in controlled designs (accounting.md §3.2, §4):
-    one row per design, {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}}
-    with series among MEAN_RULE_SERIES (ratios need "baseline" per step); columns: the per-step Rényi DP at
-    order α, ε over the whole run at δ, and the per-step data-dependent values relative to the mean rule's
-    baseline, every median with its 95% interval (§10). Returns {design: {"per_step", "composed", "ratios"}
-    (medians) and the same three with "_intervals" (their Interval, None for a single value)}."""
+    {design title: (per_step, whole_run)}, each {q: {series: per-point array or one value}} with series among
+    MEAN_RULE_SERIES (ratios need "baseline" per step). Three figures, one panel per design each, written to
+    paths["per_step"] (the per-step Rényi DP at order α), paths["composed"] (ε over the whole run at δ) and
+    paths["ratios"] (the per-step data-dependent values relative to the mean rule's baseline), every median with
+    its 95% interval (§10). Returns {design: {"per_step", "composed", "ratios"} (medians) and the same three with
+    "_intervals" (their Interval, None for a single value)}."""
+    if set(paths) != set(QUANTITIES):
+        raise ValueError(f"paths must name the figures {', '.join(QUANTITIES)}, got {', '.join(sorted(paths))}")
     for title, (per_step, whole_run) in designs.items():
         if set(per_step) != set(whole_run):
             raise ValueError(f"{title}: per_step and whole_run cover different rates: {sorted(per_step)} vs "
                              f"{sorted(whole_run)}")
-    fig, axes = plt.subplots(len(designs), 3, figsize=(18.0, 4.6 * len(designs)), layout="constrained", squeeze=False)
-    drawn = {}
-    for row, (title, (per_step, whole_run)) in zip(axes, designs.items()):
-        panels = {
-            "per_step": _draw_rate_panel(row[0], per_step, f"per-step Rényi DP at α = {alpha:g}", f"{title}: one step"),
-            "composed": _draw_rate_panel(row[1], whole_run, f"ε over the whole run (δ = {delta:g})",
-                                         f"{title}: whole run", labels=HELD_LABELS),
-            "ratios": _draw_ratio_panel(row[2], per_step, f"{title}: per step ÷ baseline"),
-        }
-        drawn[title] = {key: medians for key, (medians, _) in panels.items()}
-        drawn[title].update({f"{key}_intervals": found for key, (_, found) in panels.items()})
-    _save(fig, path)
+    headings = {"per_step": f"The mean rule per sampling rate: one step (Rényi DP at α = {alpha:g})",
+                "composed": f"The mean rule per sampling rate: ε over the whole run (δ = {delta:g})",
+                "ratios": "The mean rule per sampling rate: the per-step value relative to the mean rule's baseline "
+                          "(GLA's claim: it falls as q grows)"}
+    drawers = {
+        "per_step": lambda ax, per_step, _, title: _draw_rate_panel(
+            ax, per_step, f"per-step Rényi DP ε at α = {alpha:g}\n(a Rényi bound: no δ)", title),
+        "composed": lambda ax, _, whole_run, title: _draw_rate_panel(
+            ax, whole_run, eps_label("ε over the whole run", delta), title, labels=HELD_LABELS),
+        "ratios": lambda ax, per_step, _, title: _draw_ratio_panel(ax, per_step, title),
+    }
+    drawn = {title: {} for title in designs}
+    for quantity in QUANTITIES:
+        fig, axes = plt.subplots(1, len(designs), figsize=(max(PANEL_SIZE[0] * len(designs), MIN_WIDTH), PANEL_SIZE[1]),
+                                 layout="constrained", squeeze=False)
+        for ax, (title, (per_step, whole_run)) in zip(axes[0], designs.items(), strict=True):
+            medians, found = drawers[quantity](ax, per_step, whole_run, title)
+            drawn[title][quantity] = medians
+            drawn[title][f"{quantity}_intervals"] = found
+        fig.suptitle(headings[quantity])
+        _legend_below(fig, axes[0], ncols=min(2, len(designs)))
+        _save(fig, paths[quantity])
     return drawn

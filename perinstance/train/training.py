@@ -80,6 +80,14 @@ def load_model(run: runs.RunConfig, run_dir: str, step: int, device: str = "cpu"
     return model, payload
 
 
+@torch.no_grad()
+def weight_change(run: runs.RunConfig, run_dir: str, start: int, end: int) -> float:
+    """||θ_end − θ_start||₂ over every parameter of the model, from the run's checkpoints `start` and `end`."""
+    (first, _), (last, _) = (load_model(run, run_dir, step) for step in (start, end))
+    return math.sqrt(sum(float(((after - before) ** 2).sum())
+                         for before, after in zip(first.parameters(), last.parameters(), strict=True)))
+
+
 def learning_rate(run: runs.RunConfig, step: int) -> float:
     """lr decayed by gamma at each dec_lr epoch passed before `step`."""
     epoch = (step - 1) / run.steps_per_epoch
@@ -437,12 +445,16 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
                    tracking_seconds=tracker.seconds if tracker else 0.0)
 
 
-def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -> UsageError:
+class Diverged(UsageError):
+    """A run whose loss or weights stopped being finite (diverged): a usage error of its --lr."""
+
+
+def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -> Diverged:
     """The one-line error of a run whose loss (at θ_{step−1}) or weights (at θ_step) are no longer
     finite: training stops there, and the checkpoints before keep their finite weights."""
     what = f"the loss is {loss:g} at step {step}" if loss is not None and not math.isfinite(loss) else \
         f"the weights are not finite after step {step}"
     latest = latest_checkpoint(run_dir, set(run.checkpoint_steps))
-    return UsageError("--lr", f"training diverged: {what} of {run.total_steps} (learning rate "
+    return Diverged("--lr", f"training diverged: {what} of {run.total_steps} (learning rate "
                               f"{learning_rate(run, step):g}); the checkpoints up to step {latest} in {run_dir} are "
                               "kept; train with a smaller --lr")
