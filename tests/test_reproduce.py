@@ -109,6 +109,10 @@ def test_report_states_findings_with_numbers(image_runs):
     # matched steps) and GLA's claim judged on them; four of composition; the audits (sum rule, mean rule, the
     # realised-size mean rule's gap), the membership attack, and the one-run audit (a finding per canary group, what
     # it can show, the realised-size mean rule's canaries against the sum rule's accounting).
+    # Then the main run's points (run_report.per_point_report): its galleries, classes and points.csv.
+    points = [finding["key"] for finding in found[19:]]
+    assert points and all(key.startswith("points-") for key in points), points
+    found = found[:19]
     assert [finding["number"] for finding in found] == list(range(1, 20))
     assert [finding["key"] for finding in found] == [
         "per-step-eps", "misclassified", "mean-rule-early", "mean-rule-final", "mean-rule-matched", "gla-claim",
@@ -187,7 +191,9 @@ def test_report_html_beside_report_md(image_runs):
         assert f'<section id="{finding["key"]}">' in page
         for cell in report_markdown.cells(finding):
             assert html.escape(cell, quote=False) in page or "`" in cell or "[" in cell, cell
-    assert page.count('<img src="data:image/png;base64,') == len(FIGURES)
+    # Every figure the Markdown shows is inlined in the page: the reproduction's own and the main run's galleries.
+    shown = [line for line in report.splitlines() if line.startswith("![")]
+    assert len(shown) > len(FIGURES) and page.count('<img src="data:image/png;base64,') == len(shown)
 
 
 def test_one_run_audit_of_the_tiny_preset(image_runs):
@@ -388,7 +394,8 @@ def test_tiny_preset_without_canaries(tmp_path):
     composed = [line for line in commands if line.startswith("python renyi_per_instance_sum_compo.py --res-file models/")]
     assert len(composed) == 3 and all("tracked_norms.csv" in line for line in composed)
     assert sum("--steps 0,1,2,4,8,16,24,32 " in line for line in composed) == 1
-    assert "canaries against the sum rule's accounting" in findings[15]["title"] and len(findings) == 16
+    assert "canaries against the sum rule's accounting" in findings[15]["title"]
+    assert all(finding["key"].startswith("points-") for finding in findings[16:])
     assert not (tmp_path / "out" / ONE_RUN_FIGURE).exists() and f"({ONE_RUN_FIGURE})" not in report
     assert "figure 10" not in report and "figure 10" not in result.stdout
     for name in figures_drawn(PRESETS["tiny"]):

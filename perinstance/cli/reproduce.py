@@ -129,8 +129,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     written, markdown, page = report.write_report(out_dir, preset, config, argv, commands, run, findings,
                                                   time.time() - started)
     print("\n" + "\n".join(markdown_table(commands.timing_table(time.time() - started))))
-    print(f"\nreproduce.py --preset {preset}: {len(written.figures)} figures, {markdown} and {page} written in "
-          f"{time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB; one row per "
+    print(f"\nreproduce.py --preset {preset}: {len(report.figures_drawn(config))} figures, {markdown} and {page} "
+          f"written in {time.time() - started:.0f}s; peak resident memory {peak_resident_bytes() / 1e9:.2f} GB; one row per "
           f"training point in {findings['points'].points_path}")
     for index, finding in enumerate(written.findings, 1):
         print(f"  {index}. {finding.title}: {finding.takeaway}")

@@ -1,6 +1,6 @@
 """The points themselves, for one sum-rule run: the per-point table (point_table.py), the summary of every point's
 composed ε, the breakdown by class and by the groups of --groups (medians with 95% intervals, accounting.md §10), and
-the galleries: the 16 training points of highest and of lowest composed ε, and the 16 whose held estimate (Δ* held
+the galleries: the 16 training points of highest and of lowest composed ε, and the 16 whose held-Δ* estimate (Δ* held
 between checkpoints) falls furthest below their bound (Δ* at every step), where the run has both (§4). Image data
 gets a gallery of the images (plots/gallery.py), other data a table. `perinstance report` writes these as a report
 of their own (cli/report.py); `perinstance reproduce` writes them for its main run.
@@ -35,7 +35,7 @@ FIGURES = {"class": "eps_per_class.png", "group": "eps_per_group.png", "highest"
 WORST_CASE_TOLERANCE = 1e-3
 MORE = "docs/accounting.md#4-composition-over-a-training-run-renyi_per_instance_sum_compopy"
 KIND_TEXT = {Kind.CERTIFIED.value: "certified bound along the observed run",
-             Kind.HELD_ESTIMATE.value: "held estimate: Δ* held between checkpoints, not a bound"}
+             Kind.HELD_ESTIMATE.value: "held-Δ* estimate: Δ* held between checkpoints, not a bound"}
 # What each column of points.csv holds (docs/commands.md gives the same list).
 COLUMN_MEANINGS = {
     "point": "index of the training point in the dataset",
@@ -102,7 +102,7 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     eps, worst = headline["eps"].to_numpy(dtype=float), float(headline["baseline_eps"].iloc[0])
     kind = point_table.composed_kind(headline["kind"].iloc[0])
     delta = float(headline["delta"].iloc[0])
-    eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held estimate'})"
+    eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
     names = [str(name) for name in dataset.class_names]
 
     def path(key):
@@ -310,22 +310,21 @@ class Gallery:
         chosen = extreme_rows(self.eps, self.table["loss"].to_numpy(), self.table["point"].to_numpy(), key)
         picked = self.eps[chosen]
         ties = int(np.sum(self.eps == picked[-1]))
-        bound = "bound" if self.kind == Kind.CERTIFIED.value else "held estimate"
+        bound = "bound" if self.kind == Kind.CERTIFIED.value else "held-Δ* estimate"
         title = f"The {len(chosen)} training points of {key} composed ε (RDP, {bound})"
         wrong = int(np.sum(self.table["correct"].to_numpy()[chosen] == 0))
         table, figure = self._draw(key, chosen, {"ε": self.eps}, title,
                                    f"Each image with its point index, label→prediction of the final model, final loss "
                                    f"and composed ε ({bound}); a red frame marks a misclassified point.")
-        tie_note = (f" {ties:,} points share the last ε shown, {picked[-1]:.4g}: of them, those of {key} final loss "
+        tie_note = (f"{ties:,} points share the last ε shown, {picked[-1]:.4g}: of them, those of {key} final loss "
                     "are shown." if ties > 1 and ties > int(np.sum(picked == picked[-1])) else "")
         finding = Finding(f"points-{key}-eps", f"The {len(chosen)} points of {key} composed ε",
                           f"Their composed ε {span_text(picked)}; {wrong} of the {len(chosen)} are misclassified by "
-                          f"the final model.{tie_note}",
-                          table, figures=() if figure is None else (figure.file,))
+                          "the final model.", table, figures=() if figure is None else (figure.file,), note=tie_note)
         return finding, figure
 
     def held_below(self, accounted: Accounted, checkpoints: int) -> tuple[Finding, Figure | None]:
-        """The points whose held estimate falls furthest below their bound, relative to the bound (§4), among the
+        """The points whose held-Δ* estimate falls furthest below their bound, relative to the bound (§4), among the
         points that have both."""
         bound = accounted.bound.set_index("point")["eps"].astype(float)
         held = accounted.estimate.set_index("point")["eps"].astype(float).reindex(bound.index)
@@ -336,7 +335,7 @@ class Gallery:
         rows_of = pd.Series(np.arange(len(self.table)), index=self.table["point"].to_numpy())
         order = np.lexsort((both.to_numpy(), -shortfall))
         chosen_points = both.to_numpy()[order][:GALLERY_SIZE][below[order][:GALLERY_SIZE]]
-        title = "The held estimate against the bound"
+        title = "The held-Δ* estimate against the bound"
         takeaway = (f"Holding Δ* between the {checkpoints} checkpoints gives an ε below the every-step bound for "
                     f"{percent_text(share)} of the {len(both):,} points that have both")
         if not len(chosen_points):
@@ -348,10 +347,10 @@ class Gallery:
         full_held[rows_of.loc[both].to_numpy()] = held.loc[both].to_numpy()
         largest = intervals.maximum_interval(shortfall)
         table, figure = self._draw("held_below", rows, {"bound": full_bound, "held": full_held},
-                                   f"The {len(rows)} points whose held estimate falls furthest below their bound",
+                                   f"The {len(rows)} points whose held-Δ* estimate falls furthest below their bound",
                                    "Each image with its point index, label→prediction, final loss, its composed ε "
                                    "from Δ* at every step (bound) and with Δ* held between checkpoints (held): the "
-                                   "held estimate is not a bound, and here it falls below it.")
+                                   "held-Δ* estimate is not a bound, and here it falls below it.")
         finding = Finding("points-held-below-bound", title,
                           f"{takeaway}, by up to {percent_text(largest)} of the bound: a composition over "
                           "checkpoints is an estimate, not a bound.",
