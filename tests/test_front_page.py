@@ -46,10 +46,11 @@ def test_the_readme_fits_on_a_screen_and_gives_both_set_up_commands():
 
 def test_ci_installs_and_runs_what_the_readme_says():
     main_job, tests = code_blocks(read("README.md"), "## The main job, and the tests")
-    install, ruff, pytest_run, self_test, job = ci_commands()
+    install, ruff, browser, pytest_run, self_test, job = ci_commands()
     readme_install, readme_tests = (shlex.split(part) for part in tests.split(" && "))
     assert install[:4] == ["python3", "-m", "pip", "install"] and install[-1] == readme_install[-1] == ".[test]"
     assert ruff == ["python3", "-m", "ruff", "check", "."]
+    assert browser[:3] == ["command", "-v", "chromium"]  # installed where missing, for the test of report.html
     assert pytest_run[1:] == readme_tests[1:] and readme_tests[0] == "python"
     assert self_test == ["perinstance", "audit", "--self-test"]  # the one-run audit's positive controls
     assert job == shlex.split(main_job.split(" && ")[1])
