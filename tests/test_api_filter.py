@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_usage_error, run_in_process
+from conftest import ROOT, assert_usage_error, run_in_process
 from opacus import PrivacyEngine
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from opacus.utils.batch_memory_manager import BatchMemoryManager
@@ -317,6 +317,7 @@ def test_bad_filter_arguments_are_refused():
     refused(lambda: individual.step(noise_multiplier=0.0, sample_rate=SAMPLE_RATE,
                                     sensitivity_ratios=np.ones(POINTS)), "noise_multiplier")
     refused(lambda: individual.get_epsilon(2.0), "delta")
+    assert individual.order is None and individual.num_steps == 0  # a refused step records nothing
 
 
 def test_bad_attach_arguments_are_refused():
@@ -380,3 +381,12 @@ def test_the_example_refuses_bad_flags_in_one_line_and_writes_nothing(tmp_path, 
     result = run_in_process(EXAMPLE, "--smoke", *flags, "--save", "out.pt", cwd=tmp_path)
     assert_usage_error(result, flag)
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_the_snippet_of_api_md_runs_as_written(capsys):
+    text = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
+    after = text[text.index("## Budgets per point: `IndividualFilter`"):]
+    start = after.index("```python\n") + len("```python\n")
+    exec(compile(after[start:after.index("```", start)], "docs/api.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "points left; Opacus's ε" in printed and float(printed.split()[0]) == pytest.approx(4.0, rel=1e-12)

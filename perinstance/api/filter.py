@@ -154,12 +154,11 @@ class IndividualFilter:
         if ratio.shape != (self.num_points,):
             raise ValueError(f"sensitivity_ratios must have shape ({self.num_points},) (one Δ*/Γ per point), "
                              f"not {ratio.shape}")
-        order = self.choose_order(noise_multiplier, sample_rate)
-        active = self._state.active
-        ratio = np.where(active, ratio, 0.0)
+        ratio = np.where(self.active, ratio, 0.0)
         bad = ratio[~((ratio >= 0) & (ratio <= 1 + RATIO_TOLERANCE))]
         if bad.size:
             raise ValueError(f"sensitivity_ratios must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+        order = self.choose_order(noise_multiplier, sample_rate)
         # A clipped norm min(||g||, C) in float32 over C lands within a few ulps of 1, on either side: it counts as
         # Γ (rounding up keeps a charge a bound, §5), so that points clipped at every step leave where uniform
         # DP-SGD stops (§12.5 identity 3).

@@ -70,8 +70,8 @@ def attach(individual_filter: object, optimizer: DPOptimizer, model: nn.Module, 
                          "its training gradients, and a filter needs bounds")
     if getattr(optimizer.step_hook, "perinstance_filter", None) is not None:
         raise ValueError("optimizer: a filter is attached to it already")
-    individual_filter.choose_order(optimizer.noise_multiplier, sample_rate)
     examples(data, None)  # checks the data's form once
+    individual_filter.choose_order(optimizer.noise_multiplier, sample_rate)
     previous = optimizer.step_hook
     # The draws and real steps since attach, and the σ and C of the latest draw's charges.
     state = {"draws": 0, "steps": 0, "noise_multiplier": None, "clip_bound": None}
