@@ -1,7 +1,7 @@
 """An Opacus training loop with an individual Rényi filter: every point keeps a budget (docs/api.md).
 
-    python examples/opacus_filter.py --smoke                                  # seconds: 128 synthetic points (CI)
-    python examples/opacus_filter.py --target-epsilon 2 --epochs 6            # the shipped MNIST, 8,000 points
+    python examples/opacus_filter.py --smoke                             # seconds: 128 synthetic points (CI)
+    python examples/opacus_filter.py --train-size 2000 --batch-size 64  # the shipped MNIST, 2,000 points
 
 with perinstance installed (`pip install -e .`), or from the repository root with `PYTHONPATH=.` in front.
 A model defined below is trained by Opacus's PrivacyEngine (Poisson sampling, flat clipping, the sum rule of
