@@ -28,9 +28,9 @@ scripts), before they first import torch; `apply_shared_machine_settings` applie
 from perinstance import malloc_settings, openmp_settings
 
 __version__ = "0.1.0"
-__all__ = ["IndividualAccountant", "__version__", "apply_shared_machine_settings", "sensitivities"]
-# The public API's names, imported from perinstance/api.py on first use.
-API_NAMES = ("IndividualAccountant", "sensitivities")
+__all__ = ["IndividualAccountant", "IndividualFilter", "__version__", "apply_shared_machine_settings", "sensitivities"]
+# The public API's names, imported from perinstance/api/ on first use.
+API_NAMES = ("IndividualAccountant", "IndividualFilter", "sensitivities")
 
 
 def apply_shared_machine_settings() -> dict[str, object]:

@@ -52,17 +52,7 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
     first, and held in between (those steps are labelled held: the composition is then a held-Δ* estimate, §4).
     model: the network (or its Opacus wrapper) whose parameters the optimizer updates; loss_fn as for
     `sensitivities`. Arguments are checked here, each bad one a one-line TypeError or ValueError."""
-    if not isinstance(optimizer, DPOptimizer):
-        raise TypeError(f"optimizer must be Opacus's DPOptimizer (as PrivacyEngine.make_private returns it), not "
-                        f"{type(optimizer).__name__}")
-    if isinstance(optimizer, DPPerLayerOptimizer | AdaClipDPOptimizer) or isinstance(optimizer.max_grad_norm, list):
-        raise ValueError(f"optimizer: {type(optimizer).__name__} does not clip every gradient to one fixed bound; "
-                         "make it private with clipping='flat'")
-    check_loss_fn(loss_fn)
-    check_model(model)
-    if {id(param) for param in optimizer.params} != {id(param) for param in model.parameters() if param.requires_grad}:
-        raise ValueError("model: its trainable parameters are not those the optimizer updates; give the model "
-                         "make_private returned with this optimizer")
+    check_private(optimizer, model, loss_fn)
     sample_rate = poisson_rate(data)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be an integer >= 1 (measure Δ* every that many steps), not {every!r}")
@@ -92,6 +82,23 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
     hook.perinstance_accountant = accountant
     optimizer.attach_step_hook(hook)
     return Attached(optimizer, hook, previous)
+
+
+def check_private(optimizer: object, model: object, loss_fn: object) -> None:
+    """A one-line TypeError or ValueError where `optimizer` is not an Opacus DPOptimizer that clips every gradient
+    to one fixed bound, `model` not the network whose parameters it updates (or one the engine cannot measure),
+    or `loss_fn` not a function."""
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(f"optimizer must be Opacus's DPOptimizer (as PrivacyEngine.make_private returns it), not "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, DPPerLayerOptimizer | AdaClipDPOptimizer) or isinstance(optimizer.max_grad_norm, list):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} does not clip every gradient to one fixed bound; "
+                         "make it private with clipping='flat'")
+    check_loss_fn(loss_fn)
+    check_model(model)
+    if {id(param) for param in optimizer.params} != {id(param) for param in model.parameters() if param.requires_grad}:
+        raise ValueError("model: its trainable parameters are not those the optimizer updates; give the model "
+                         "make_private returned with this optimizer")
 
 
 def poisson_rate(data: object) -> float:
