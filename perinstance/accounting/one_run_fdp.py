@@ -258,9 +258,10 @@ def canaries_to_reject(curve: TradeOffCurve, *, significance: float, limit: int 
     non-member) make the verdict reject `curve` at `significance`: below it no outcome of half-in canaries refutes
     the claim. None when no m up to `limit` does.
 
-    Rejection is not monotone in m: at an odd m the guesser of half the canaries makes one wrong guess, which can
-    undo the rejection of m − 1. Over even m it rises (a test checks it by brute force), so the even threshold is
-    found by doubling and bisection, and m − 1 is taken when it rejects too.
+    Rejection is not monotone in m: at an odd m whose m // 2 is odd the guesser of half the canaries makes
+    round(m/2) = m // 2 + 1 guesses (halves round to even), one of them wrong, which can undo the rejection of
+    m − 1. Over even m it rises (a test checks every count below by brute force), so the even threshold is found by
+    doubling and bisection, and m − 1 is taken when it rejects too.
     """
     check_probability("significance", significance)
 
