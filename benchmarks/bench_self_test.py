@@ -7,7 +7,7 @@ must stay at or below the significance) and every planted fault. The faults the 
 mean rule (half the noise, no clipping, twice the rate) are measured too: the canaries, which join the mean rule's
 batches, do not see them, and the self-test claims nothing about them.
 
-    python benchmarks/bench_self_test.py [--replicates 400]   # the docs' table (about 0.2 s of CPU a replicate)
+    python benchmarks/bench_self_test.py [--replicates 400]   # the docs' table (about 0.1 s of CPU a replicate)
     python benchmarks/bench_self_test.py --smoke               # seconds: 2 replicates a control, same code paths
 """
 
