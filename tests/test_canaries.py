@@ -144,6 +144,7 @@ def test_resuming_gives_the_same_projections(models, tmp_path):
 
 class _Run:
     seed, canaries, canary_norms, clip_bound, sample_rate, batch_size = 3, 4, (0.5, 1.0), 2.0, 0.5, 8
+    planted_fault = None
 
 
 def test_a_canary_adds_c_times_gamma_along_its_unit_direction():
@@ -279,14 +280,33 @@ def test_each_planted_fault_changes_what_the_trainer_does(models):
     config = runs.load_run(models / "tiny")
     dataset = load_dataset(config.dataset, "./data")
     correct = training.Trainer(config, dataset)
-    half, unclipped, doubled = (training.Trainer(dataclasses.replace(config, planted_fault=fault), dataset)
-                                for fault in runs.PLANTED_FAULTS)
-    assert half.noise_std == pytest.approx(correct.noise_std / 2)
+    planted = {fault: training.Trainer(dataclasses.replace(config, planted_fault=fault), dataset)
+               for fault in runs.PLANTED_FAULTS if fault != "noise_before_division"}
+    assert planted["half_noise"].noise_std == pytest.approx(correct.noise_std / 2)
     norms = torch.tensor([0.1, 1.0, 30.0])
-    assert torch.equal(unclipped._weights(norms), torch.ones(3)) and correct._weights(norms)[2] < 1
+    assert torch.equal(planted["no_clipping"]._weights(norms), torch.ones(3)) and correct._weights(norms)[2] < 1
     sizes = [sum(len(trainer.draw(step)[0]) + len(trainer.draw(step)[1]) for step in range(1, 30))
-             for trainer in (correct, doubled)]
+             for trainer in (correct, planted["double_rate"])]
     assert 1.6 < sizes[1] / sizes[0] < 2.4
+    # A drawn canary of norm c adds Γ/c instead of c·Γ: read back along its direction, in units of Γ.
+    drawn = np.array([0, 150])  # norms 0.5 and 1
+    for trainer, expected in ((correct, [0.5, 1.0]), (planted["inverted_norm"], [2.0, 1.0])):
+        summed = [torch.zeros_like(param) for param in trainer.params]
+        trainer.canaries.add_to(summed, drawn)
+        added = trainer.canaries.project([part / config.batch_size for part in summed])[drawn]
+        np.testing.assert_allclose(added.numpy(), expected, rtol=1e-5)
+    # Under the mean rule the noise of the mean is added to the sum before the division by the batch's size |B|:
+    # |B| times less noise on the update.
+    mean_rule = dataclasses.replace(config, update_rule="mean")
+    batch = np.arange(10)
+    summed, _ = correct.per_sample_pass(torch.as_tensor(batch))
+    noise_of = {}
+    for fault in (None, "noise_before_division"):
+        trainer = training.Trainer(dataclasses.replace(mean_rule, planted_fault=fault), dataset)
+        update, _ = trainer.privatised_gradient(1, batch)
+        noise_of[fault] = torch.cat([(part - total / len(batch)).reshape(-1) for part, total in zip(update, summed)])
+    assert noise_of[None].std() > 0
+    torch.testing.assert_close(noise_of["noise_before_division"] * len(batch), noise_of[None], rtol=1e-4, atol=1e-6)
 
 
 def test_scores_from_files(tmp_path):

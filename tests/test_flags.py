@@ -224,7 +224,7 @@ MEANINGS = {
                             "held-out canaries", defaults=NONE),
     "--significance": Meaning("significance level of the one-run lower bounds", "significance", "significance level",
                               "probability", defaults=FLOAT),
-    "--self-test": Meaning("train and audit the one-run audit's positive controls (planted faults) and a correct run",
+    "--self-test": Meaning("train and audit the one-run audit's positive controls (planted faults) and correct runs",
                            "self_test", "positive controls", nargs=0, action="store_true", defaults=("bool",)),
     "--upper-batches": Meaning("mean rule: batches of Δ_B behind the estimate of eps_upper", "upper_batches",
                                "eps_upper", "int", defaults=INT),

@@ -2,6 +2,7 @@
 against dp_accounting and brute force, the recursion against a plain walk, the pre-registered guesses, the family
 bound, the statistics, and the test's level measured on the idealised mechanism."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -159,6 +160,25 @@ def test_the_idealised_mechanism_by_its_moments():
     assert projections[included].mean() == pytest.approx(0.7 * 0.2, abs=0.01)
 
 
+def test_the_idealised_mean_rule_by_its_moments():
+    # A drawn canary adds signal·B_exp/|B_t|, |B_t| the real points drawn (Binomial(80, q)) and every canary drawn at
+    # step t, in both groups; noise added before the division by |B_t| is scaled with it.
+    run = one_run_ideal.IdealisedRun(signals=(1.0, 0.5), members=(200, 200), steps=2000, noise_multiplier=0.0,
+                                     sample_rate=0.1, expected_batch=8.0, other_examples=80)
+    first, second = run.projections(np.random.default_rng(7))
+    assert first.shape == second.shape == (400, 2000) and not first[200:].any() and not second[200:].any()
+    seen = first[:200].any(axis=0) & second[:200].any(axis=0)  # steps with a canary of each group drawn
+    size = 8.0 / first[:200, seen].max(axis=0)  # |B_t|
+    np.testing.assert_allclose(size, np.round(size), atol=1e-9)
+    np.testing.assert_allclose(second[:200, seen].max(axis=0), 0.5 * 8.0 / size)
+    real = size - (first[:200, seen] > 0).sum(axis=0) - (second[:200, seen] > 0).sum(axis=0)
+    assert real.min() >= 0 and real.mean() == pytest.approx(8.0, abs=0.2) and real.var() == pytest.approx(7.2, rel=0.1)
+    noisy = dataclasses.replace(run, noise_multiplier=1.0, noise_before_division=2.0)
+    first, _ = noisy.projections(np.random.default_rng(7))  # the same draws, noise added
+    out = first[200:, seen]
+    assert out.var(axis=0).mean() == pytest.approx(np.mean(1.0 + (2.0 * 8.0 / size) ** 2), rel=0.05)
+
+
 def test_the_audit_flags_an_idealised_run_that_meets_the_claim_at_most_alpha_of_the_time():
     # 1,000 idealised runs (two groups of 300 canaries, half in): the verdict, each group at α/2, is a false alarm
     # in at most α of them, with a binomial margin (3 standard deviations above α would be 0.071).
@@ -180,3 +200,29 @@ def test_the_verdict_has_power_against_a_mechanism_with_half_the_noise():
         scores = one_run_ideal.likelihood_ratio_scores(projections, norm=1.0, noise_multiplier=6.0, sample_rate=0.5)
         flagged += one_run_fdp.curve_rejected(curve, scores[included], scores[~included], significance=SIGNIFICANCE)
     assert flagged >= 8
+
+
+def separated_rejects(curve, canaries, significance):
+    members = canaries // 2
+    return one_run_fdp.curve_rejected(curve, np.ones(members), np.zeros(canaries - members), significance=significance)
+
+
+@pytest.mark.parametrize("noise_multiplier, sample_rate, steps, significance", [
+    (1.0, 4 / 64, 32, 0.05),  # the gap run's sum-rule claim (ε = 2.80 at δ = 1e-5, one group): 40 canaries
+    (3.0, 0.25, 80, 0.05 / 3),  # the self-test's c = 1 claim (ε = 3.38), one of three groups
+    (1.2, 0.2, 20, 0.01)])
+def test_the_canaries_needed_to_reject_a_curve_by_brute_force(noise_multiplier, sample_rate, steps, significance):
+    curve = one_run_fdp.subsampled_gaussian_curve(noise_multiplier, sample_rate, steps).curve
+    needed = one_run_fdp.canaries_to_reject(curve, significance=significance)
+    assert not any(separated_rejects(curve, count, significance) for count in range(2, needed))
+    assert separated_rejects(curve, needed, significance)
+    # Over even counts rejection only rises (which the search assumes); an odd count can fall back.
+    assert all(separated_rejects(curve, count, significance) for count in range(needed + needed % 2, 2 * needed, 2))
+    if noise_multiplier == 1.0:
+        assert needed == 40
+
+
+def test_a_curve_no_canaries_can_reject():
+    # A pure-DP curve at ε = 20 is beyond what a few canaries can refute; with a limit the search gives up.
+    curve = one_run_fdp.TradeOffCurve.from_epsilon_delta(np.array([20.0]), np.array([0.0]))
+    assert one_run_fdp.canaries_to_reject(curve, significance=0.05, limit=64) is None

@@ -11,8 +11,9 @@ choice of the best one.
 - subsampled_gaussian_curve: the curve the suite's accountant claims for T steps of the Poisson-subsampled
   Gaussian at one noise multiplier (its PLD, §8, both directions);
 - curve_rejected: the verdict of the scores against one claimed curve;
-- family_lower_bound: the most private curve of the subsampled Gaussian's shape (same q and T, any noise) that
-  the scores reject, and its ε at δ.
+- family_lower_bound: the least private curve of the subsampled Gaussian's shape (same q and T, any noise) that
+  the scores reject, and its ε at δ (the largest ε refuted);
+- canaries_to_reject: the fewest canaries whose perfectly separated scores reject a curve.
 """
 
 import functools
@@ -47,6 +48,8 @@ CURVE_TOP = 50.0
 # §11.8: the composed mass a Chernoff bound leaves outside the window on each side (folded upward below it, added
 # to +∞ above it): far below CURVE_FLOOR.
 CURVE_TAIL = 1e-15
+# §11.8: canaries_to_reject looks no further than this many canaries.
+SEPARATED_LIMIT = 2**24
 # §11.9: the noise multipliers of the family tried, z_k = FAMILY_RATIO^k (k an integer), and the search's range.
 FAMILY_RATIO = 1.005
 FAMILY_RANGE = (0.25, 1000.0)
@@ -207,7 +210,8 @@ def _rejects(curve: TradeOffCurve, in_scores: ArrayLike, out_scores: ArrayLike, 
 
 @dataclass(frozen=True)
 class FamilyBound:
-    """§11.9: the most private curve of the subsampled Gaussian's shape that the scores reject.
+    """§11.9: the least private curve of the subsampled Gaussian's shape that the scores reject (every more private
+    one, at a larger z, is rejected too).
 
     noise_multiplier: its z (every z at or above it is rejected too; None: none is, in FAMILY_RANGE);
     epsilon: its ε at δ (0 when none is rejected); at_range_end: the smallest z tried is rejected already, so the
@@ -247,3 +251,30 @@ def family_lower_bound(in_scores: ArrayLike, out_scores: ArrayLike, *, sample_ra
         low, high = (low, middle) if rejected(middle) else (middle, high)
     claim = subsampled_gaussian_curve(FAMILY_RATIO ** high, sample_rate, steps, interval)
     return FamilyBound(noise_multiplier=claim.noise_multiplier, epsilon=claim.epsilon(delta), at_range_end=False)
+
+
+def canaries_to_reject(curve: TradeOffCurve, *, significance: float, limit: int = SEPARATED_LIMIT) -> int | None:
+    """§11.8: the fewest canaries m, m // 2 of them in, whose perfectly separated scores (every member above every
+    non-member) make the verdict reject `curve` at `significance`: below it no outcome of half-in canaries refutes
+    the claim. None when no m up to `limit` does.
+
+    Rejection is not monotone in m: at an odd m whose m // 2 is odd the guesser of half the canaries makes
+    round(m/2) = m // 2 + 1 guesses (halves round to even), one of them wrong, which can undo the rejection of
+    m − 1. Over even m it rises (a test checks every count below by brute force), so the even threshold is found by
+    doubling and bisection, and m − 1 is taken when it rejects too.
+    """
+    check_probability("significance", significance)
+
+    def rejects(canaries: int) -> bool:
+        members = canaries // 2
+        return curve_rejected(curve, np.ones(members), np.zeros(canaries - members), significance=significance)
+
+    low, high = 0, 2  # even counts: rejects(high) is tried, rejects(low) is false (no canary rejects nothing)
+    while not rejects(high):
+        if high >= limit:
+            return None
+        low, high = high, 2 * high
+    while high - low > 2:
+        middle = (low + high) // 4 * 2
+        low, high = (low, middle) if rejects(middle) else (middle, high)
+    return high - 1 if high > 2 and rejects(high - 1) else high

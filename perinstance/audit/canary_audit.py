@@ -2,13 +2,14 @@
 
 Each group of canaries (gradient canaries of one norm c; input canaries, whose bound is Γ) is audited on its own
 canaries (m = the group's size; the other groups are part of the run's other data) at significance α/G, G the
-number of groups (Bonferroni), so that all groups' results hold together at α:
+number of groups (Bonferroni), so that the G verdicts hold together at α (each group's four lower bounds are each
+valid at α/G, not all together):
 
 - the verdict: the f-DP one-run test (§11.8) of the likelihood-ratio scores (§11.10) against the trade-off curve
   the suite's accountant claims for a point of sensitivity c·Γ at every step of this run (its PLD, §8.2, both
   directions). A rejected curve is a violation: the accounting, or the training code, is wrong;
-- `lower_bound`: the ε at δ of the most private curve of that shape (the run's q and T, any noise) that the
-  scores reject (§11.9); `lower_bound_summed` the same for the summed projection Σ_t x_t, the last-iterate
+- `lower_bound`: the ε at δ of the least private curve of that shape (the run's q and T, any noise) that the
+  scores reject, the largest ε refuted (§11.9), a bound only for a run whose curve has that shape; `lower_bound_summed` the same for the summed projection Σ_t x_t, the last-iterate
   statistic; `steinke_lower` (and `_summed`) Steinke et al.'s (ε, δ) bound (§11.2) on the same guesses (§11.7),
   which holds for any (ε, δ)-DP mechanism, for comparison;
 - `upper_rdp`, `upper_pld`: the suite's ε for that sensitivity at every step (§4, §8.2), `upper_bound` the
@@ -53,8 +54,9 @@ def upper_bounds(config: runs.RunConfig, norms: np.ndarray, delta: float) -> tup
 
 
 def audit_group(config: runs.RunConfig, projections: np.ndarray, included: np.ndarray, norm: float, *,
-                level: float, delta: float, rng: np.random.Generator) -> dict:
-    """One group's bounds and verdict at significance `level` (its share of α); projections: canaries × steps."""
+                level: float, delta: float, rng: np.random.Generator | None) -> dict:
+    """One group's bounds and verdict at significance `level` (its share of α); projections: canaries × steps;
+    `rng` draws the idealised simulations (None: none, their columns NaN)."""
     sigma, rate, steps = config.noise_multiplier, config.sample_rate, config.total_steps
     statistics = one_run_ideal.statistics(projections, norm=norm, noise_multiplier=sigma, sample_rate=rate)
     family = dict(sample_rate=rate, steps=steps, delta=delta, significance=level)
@@ -67,7 +69,8 @@ def audit_group(config: runs.RunConfig, projections: np.ndarray, included: np.nd
     claim = one_run_fdp.subsampled_gaussian_curve(sigma / norm, rate, steps)
     row["violated"] = one_run_fdp.curve_rejected(claim.curve, statistics[""][included], statistics[""][~included],
                                                  significance=level)
-    row.update(ideal_bounds(rng, included, norm=norm, noise_multiplier=sigma, **family))
+    row.update(ideal_bounds(rng, included, norm=norm, noise_multiplier=sigma, **family) if rng is not None
+               else {"ideal_lower_bound": math.nan, "ideal_lower_bound_summed": math.nan})
     row["fdp_cap"] = one_run_fdp.family_lower_bound(np.ones(int(included.sum())), np.zeros(int((~included).sum())),
                                                     **family).epsilon
     row["steinke_cap"] = one_run_audit.one_run_cap(members=int(included.sum()), non_members=int((~included).sum()),
@@ -98,16 +101,17 @@ def canary_groups(record: canaries.CanaryRecord) -> list[tuple[str, float]]:
         [(canaries.INPUT, 1.0)] if np.any(record.kinds == canaries.INPUT) else [])
 
 
-def audit_canaries(config: runs.RunConfig, record: canaries.CanaryRecord, *, significance: float,
-                   delta: float) -> pd.DataFrame:
-    """One row per canary group (canary_groups): the module's columns, each group at significance/groups."""
+def audit_canaries(config: runs.RunConfig, record: canaries.CanaryRecord, *, significance: float, delta: float,
+                   idealised: bool = True) -> pd.DataFrame:
+    """One row per canary group (canary_groups): the module's columns, each group at significance/groups;
+    without the idealised mechanism's bounds (NaN) when not `idealised` (the self-test, which prints none)."""
     groups = canary_groups(record)
     level = significance / len(groups)
     rdp_upper, pld_upper = upper_bounds(config, np.array([norm for _, norm in groups]), delta)
     rows = []
     for index, ((kind, norm), upper_rdp, upper_pld) in enumerate(zip(groups, rdp_upper, pld_upper, strict=True)):
         chosen = (record.kinds == kind) & (record.norms == norm)
-        rng = sampling.stream_rng(config.seed, sampling.CANARY_STREAM, IDEAL_KEY, index)
+        rng = sampling.stream_rng(config.seed, sampling.CANARY_STREAM, IDEAL_KEY, index) if idealised else None
         row = audit_group(config, record.projections[chosen], record.included[chosen], norm, level=level,
                           delta=delta, rng=rng)
         upper = min(upper_rdp, upper_pld)

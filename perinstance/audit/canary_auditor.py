@@ -97,9 +97,9 @@ class CanaryScoreAuditor:
                                                      thresholds=_strategy(threshold_strategy))
 
     def epsilon_lower_bound(self, significance: float, delta: float, *, sample_rate: float, steps: int) -> float:
-        """§11.9: the ε at δ of the most private DP-SGD curve (T steps of the Poisson-subsampled Gaussian at rate
-        q, any noise multiplier) that the guesses refute, on the grid of §11.7; 0 when none is. A bound on ε for a
-        mechanism whose curve has that shape (a canary of fixed norm in DP-SGD)."""
+        """§11.9: the ε at δ of the least private DP-SGD curve (T steps of the Poisson-subsampled Gaussian at rate
+        q, any noise multiplier) that the guesses refute, the largest ε refuted, on the grid of §11.7; 0 when none
+        is. A bound on ε for a mechanism whose curve has that shape (a canary of fixed norm in DP-SGD)."""
         _level(significance, delta)
         _mechanism(sample_rate, steps)
         return one_run_fdp.family_lower_bound(self.in_canary_scores, self.out_canary_scores, sample_rate=sample_rate,

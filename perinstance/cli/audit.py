@@ -27,9 +27,10 @@ before the scores are seen. The second audits each canary group of a run trained
 examples, sampled and clipped like real points): the f-DP one-run test of the group's per-step
 likelihood-ratio scores against the trade-off curve the accountant claims for their sensitivity over
 the whole run, the significance split over the groups. It writes res/<run>_one_run_audit.csv and exits
-with status 1 when a curve is rejected. The third trains four small runs, three with a fault planted in
-the trainer (noise ×½, clipping skipped, sampling at 2q), audits each, and exits 0 only if every fault
-is flagged and the correct run is not.
+with status 1 when a curve is rejected. The third trains seven small runs, a correct one and faulty ones
+of each update rule (faults planted in the trainer: noise ×½, clipping skipped, sampling at 2q, canaries
+at Γ/c; under the mean rule, noise added before the division by |B|), audits each, and exits 0 only if
+every fault is flagged and no correct run is.
 """
 
 import argparse
@@ -98,9 +99,10 @@ def build_parser(prog: str | None = None) -> Parser:
                         help="significance level of the one-run lower bounds, split over a run's canary groups "
                              "(default 0.05)")
     scores.add_argument("--self-test", action="store_true",
-                        help="positive controls: train four small runs, three with a fault planted in the trainer "
-                             "(noise ×½, clipping skipped, sampling at 2q), audit each as --one-run does, exit 0 only "
-                             "if every fault is flagged and the correct run is not")
+                        help="positive controls: train seven small runs, a correct one and faulty ones of each "
+                             "update rule (faults planted in the trainer: noise ×½, clipping skipped, sampling at 2q, "
+                             "canaries at Γ/c, the mean rule's noise before the division by |B|), audit each as "
+                             "--one-run does, exit 0 only if every fault is flagged and no correct run is")
     return parser
 
 

@@ -12,7 +12,7 @@ import os
 
 import pandas as pd
 
-from perinstance.accounting import one_run_audit
+from perinstance.accounting import one_run_fdp
 from perinstance.experiments.commands import ONE_RUN_FIGURE, RES_DIR, Commands
 from perinstance.experiments.config import ReproduceConfig, canary_flags, gap_run_flags
 from perinstance.files import fileio
@@ -59,15 +59,21 @@ def main_run_audit(commands: Commands, config: ReproduceConfig, main_name: str, 
 
 def gap_run_audit(commands: Commands, config: ReproduceConfig, gap_name: str, device: str) -> dict | None:
     """§1c of docs/audit.md: the gap run's realised-size mean rule trained with `gap_canaries` canaries of norm Γ,
-    audited against the sum rule's accounting; with the canaries whose cap would pass that upper bound (§11.6).
-    None when gap_canaries is 0."""
+    audited against the sum rule's accounting. None when gap_canaries is 0.
+
+    `canaries_needed`: the fewest canaries, half of them in, whose perfectly separated scores make the verdict that
+    runs (the f-DP test of accounting.md §11.8, at the group's level) reject the sum rule's claimed curve, whose ε
+    at δ is `eps_upper` (one_run_fdp.canaries_to_reject); None if no number does. Necessary, not sufficient: fewer
+    canaries cannot refute the claim whatever their scores."""
     if not config.gap_canaries:
         return None
     commands.run("train_dpsgd.py", gap_run_flags(config, gap_name, device,
                                                  tuple(canary_flags(config.gap_canaries, (1.0,)))))
     (row,) = audit_canaries(commands, config, gap_name).to_dict("records")
     upper = row["upper_bound"]
-    needed = one_run_audit.canaries_needed(epsilon=upper, significance=config.audit_significance, delta=config.delta)
+    claim = one_run_fdp.subsampled_gaussian_curve(row["noise_multiplier"] / row["norm"], row["sample_rate"],
+                                                  row["steps"])
+    needed = one_run_fdp.canaries_to_reject(claim.curve, significance=row["group_significance"])
     others = config.gap_points + row["included"] - 1
     return {**row, "run": gap_name, "eps_upper": upper, "canaries_needed": needed,
             "canaries_per_step": row["included"] * row["sample_rate"], "batch_size": config.gap_batch_size,

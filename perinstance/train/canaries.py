@@ -157,6 +157,9 @@ class Canaries:
     def __init__(self, run: RunConfig, params: list, device: torch.device) -> None:
         self.run = run
         self.norms = canary_norms(run.canaries, run.canary_norms)
+        # What a drawn canary adds, in units of Γ: its norm c, or 1/c under the planted fault inverted_norm
+        # (runs.PLANTED_FAULTS, audit.py --self-test only).
+        self.added_norms = 1 / self.norms if run.planted_fault == "inverted_norm" else self.norms
         self.included = canary_inclusions(run.seed, run.canaries)
         dimension = sum(param.numel() for param in params)
         blocks = canary_blocks(run.seed, run.canaries, dimension)
@@ -180,7 +183,7 @@ class Canaries:
         if not len(members):
             return
         flat = torch.cat([total.reshape(-1) for total in summed])
-        scale = torch.as_tensor(self.norms[members] * self.run.clip_bound, dtype=flat.dtype, device=flat.device)
+        scale = torch.as_tensor(self.added_norms[members] * self.run.clip_bound, dtype=flat.dtype, device=flat.device)
         chosen = torch.as_tensor(members, device=flat.device)
         flat.index_add_(0, self.coordinates[chosen].reshape(-1), (self.weights[chosen] * scale[:, None]).reshape(-1))
         for total, part in zip(summed, torch.split(flat, [total.numel() for total in summed])):

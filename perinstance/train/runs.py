@@ -29,9 +29,11 @@ FLAG = "--save-name"
 # The named stages of a run, besides fractions of training in [0, 1] (resolve_stages).
 STAGE_NAMES = ("initial", "middle", "final", "all")
 # The faults audit.py --self-test plants in its positive controls (docs/audit.md §1d), through the trainer alone:
-# the noise added at half the std run.json states, no clipping, and Poisson sampling at twice the rate q. A run
-# that carries one records it in run.json, and load_run refuses it: it is never read as a real run.
-PLANTED_FAULTS = ("half_noise", "no_clipping", "double_rate")
+# the noise added at half the std run.json states, no clipping, Poisson sampling at twice the rate q, gradient
+# canaries added at Γ/c instead of c·Γ (a noise multiplier σ·c where σ/c is accounted), and, under the mean rule,
+# the noise of the mean (std σΓ/B_exp) added to the sum before the division by the realised batch size. A run that
+# carries one records it in run.json, and load_run refuses it: it is never read as a real run.
+PLANTED_FAULTS = ("half_noise", "no_clipping", "double_rate", "inverted_norm", "noise_before_division")
 
 
 @dataclass(frozen=True)

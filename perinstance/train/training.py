@@ -308,6 +308,10 @@ class Trainer:
         if run.update_rule == "sum":
             torch._foreach_add_(summed, noises)
             torch._foreach_div_(summed, run.batch_size)
+        elif run.planted_fault == "noise_before_division":
+            torch._foreach_div_(noises, run.batch_size)
+            torch._foreach_add_(summed, noises)
+            torch._foreach_div_(summed, max(len(batch) + len(gradient_canaries), 1))
         else:
             torch._foreach_div_(summed, max(len(batch) + len(gradient_canaries), 1))
             torch._foreach_div_(noises, run.batch_size)
