@@ -136,9 +136,11 @@ def test_identity_2_a_point_that_left_is_never_drawn_again(tmp_path, monkeypatch
         np.testing.assert_array_equal(batch, drawn[left[drawn] > step])
     assert any(len(batch) < len(sampling.poisson_batch(run.seed, step, run.dataset_size, run.sample_rate))
                for step, batch in batches.items())
-    # A point out of training is measured no more (its Δ* rows end at the step before it left, or θ_T's is left out).
-    rows = tracked_table(outcome.run_dir).query("quantity == 'grad_norm'")
+    # A point out of training is measured again only at θ_T (the final parameters' loss and correctness).
+    rows = tracked_table(outcome.run_dir).query("quantity == 'grad_norm' and step < @run.total_steps")
     assert np.all(rows["step"].to_numpy() < left[rows["point"].to_numpy()])
+    assert (tracked_table(outcome.run_dir).query("quantity == 'grad_norm'")["step"] == run.total_steps).sum() == \
+        run.dataset_size
 
 
 def test_identity_3_at_gamma_every_point_stays_the_uniform_runs_steps(tmp_path):
@@ -233,9 +235,11 @@ def test_run_json_records_the_filter_and_a_resume_with_other_filter_flags_is_ref
     assert snapshot(tmp_path / "models") == before
 
 
-def test_the_composition_prints_each_guarantee_and_a_certified_eps_never_above_it(tmp_path, run):
+def test_the_composition_prints_each_guarantee_and_a_certified_eps_never_above_it(tmp_path, run, monkeypatch):
+    monkeypatch.setattr(storage, "AUTO_PARQUET_ROWS", 500)  # both records past the threshold: Parquet
     outcome = train(tmp_path, "--filter-every", 4)
     path = tracked_rows.table_path(outcome.run_dir)
+    assert path.endswith(".parquet") and results.results_path(filtering.RECORD, outcome.run_dir).endswith(".parquet")
     composed = run("renyi_per_instance_sum_compo.py", "--res-file", path, "--out", "c.csv")
     assert composed.returncode == 0, composed.stderr
     assert "held between them (a bound along the observed run" in composed.stdout and "guarantee" in composed.stdout
@@ -251,6 +255,12 @@ def test_the_composition_prints_each_guarantee_and_a_certified_eps_never_above_i
     sums, _ = identity_1(outcome.run_dir)
     expected = [get_privacy_spent(orders=[4.0], rdp=[total], delta=1e-5)[0] for total in sums]
     np.testing.assert_allclose(certified.sort_index(), expected, rtol=1e-9)
+    # By privacy loss distributions too: the same kinds, the bound below the uniform baseline.
+    by_pld = run("renyi_per_instance_sum_compo.py", "--res-file", path, "--accountant", "pld", "--out", "pld.csv")
+    assert by_pld.returncode == 0, by_pld.stderr
+    frame = pd.read_csv(tmp_path / "pld.csv").pivot(index="point", columns="kind", values="eps")
+    assert set(frame.columns) == {"guarantee", "certified", "baseline"}
+    assert np.all(frame["certified"] <= frame["baseline"]) and np.any(frame["certified"] < frame["baseline"] / 2)
 
 
 def test_per_point_clipping_without_a_filter_composes_to_a_certified_bound(tmp_path, run):

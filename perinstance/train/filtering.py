@@ -184,7 +184,14 @@ class PerPointBounds:
             self.filter = individual_filter.FilterState(budget)
 
     def _bounds(self) -> torch.Tensor:
-        return torch.as_tensor(self.ratio * self.run.clip_bound, dtype=torch.float32, device=self.device)
+        """The clip bounds r·Γ in float32, the step's precision, each rounded down where float32 would round it up:
+        a clipped norm is then at most its charged bound up to the rounding of w·||g|| itself, as with DP-SGD's
+        clip at Γ (which stays exact where float32 holds it, Γ = 1 among them)."""
+        charged = self.ratio * self.run.clip_bound
+        bounds = charged.astype(np.float32)
+        above = bounds.astype(np.float64) > charged
+        bounds[above] = np.nextafter(bounds[above], np.float32(0))
+        return torch.as_tensor(bounds, device=self.device)
 
     def measuring(self) -> np.ndarray | None:
         """Which tracked points a measurement needs (Tracker.measure's `wanted`): a filter's points still in

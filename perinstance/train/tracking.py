@@ -9,6 +9,10 @@ them; at the end they become models/<run>/tracked_norms.csv (.parquet past the s
 the accountants read. Under torchrun with fewer runs than processes, every rank follows rank 0 through the run in
 lockstep: rank 0 trains and sends θ_{t−1} before each step, each rank measures its share of the points (item i to rank
 i mod W), and rank 0 gathers the shares and writes them.
+
+A run with per-point clipping (filtering.py: a filter, or --track-every k) measures at θ_0, θ_k, θ_2k, ... and θ_T
+only, and its rank 0 gathers the shares at each measurement, since the next step's bounds and charges need them; a
+filter's points out of training are not measured until θ_T (NaN, left out of the table).
 """
 
 import time
@@ -168,9 +172,9 @@ class Tracker:
         schedule = [step for step in range(self.run.total_steps + 1) if self.due(step)]
         points, steps, values = tracked_rows.gather(run_dir, schedule)
         frame = table(self.run, points, steps, values, labels)
-        if bounds is not None and bounds.filter is not None:  # a point out of training is no longer measured
-            left = np.tile(bounds.filter.left_at[points], len(steps))
-            frame = frame[(left == 0) | (np.repeat(steps, len(points)) < left)].reset_index(drop=True)
+        if bounds is not None and bounds.filter is not None:  # a point out of training is measured again at θ_T only
+            left, step_of = np.tile(bounds.filter.left_at[points], len(steps)), np.repeat(steps, len(points))
+            frame = frame[(left == 0) | (step_of < left) | (step_of == self.run.total_steps)].reset_index(drop=True)
         if bounds is not None:
             if bounds.filter is not None:
                 tracked_rows.write_record(run_dir, filtering.RECORD, bounds.record(labels))

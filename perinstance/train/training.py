@@ -419,7 +419,9 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
             postfix["test_loss"] = f"{test_loss:.4g}"
         else:
             postfix["test_acc"] = f"{accuracy:.3f}"
-        if epsilon_spent:
+        if bounds and bounds.filter is not None:  # each point's own ε is its budget: show who is still in
+            postfix["in"] = int(bounds.filter.active.sum())
+        elif epsilon_spent:
             postfix["eps"] = f"{epsilon_spent(step):.2f}"
         progress.set_postfix(postfix, refresh=False)
     progress.close()
