@@ -57,7 +57,8 @@ MEANINGS = {
     # --- the training run (perinstance/cli/options.py add_training_args) -------------------------
     "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
                          "scatternet:DATASET (fixed ScatterNet features of its images), first:N:DATASET (its first N "
-                         "training points), or your own PATH.py:NAME or package.module:NAME (a function returning "
+                         "training points), holdout:M:DATASET (its training points but the last M, which become the "
+                         "test set), or your own PATH.py:NAME or package.module:NAME (a function returning "
                          "(train, test)) (reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
                          # reproduce.py's None: not given, the preset's dataset is used.
                          defaults=("str", "NoneType")),
@@ -118,6 +119,20 @@ MEANINGS = {
                            defaults=NONE),
     "--track-points": Meaning("points whose ‖h(g)‖ is recorded at every step", "track_points", "every step",
                               nargs="*", defaults=NONE),
+    "--total-steps": Meaning("the run's number of steps T, instead of --epochs", "total_steps", "number of steps T",
+                             "positive_int", defaults=NONE),
+    "--track-every": Meaning("measure the --track-points every K steps, each clipped at its held bound in between "
+                             "(§12.4)", "track_every", "every K steps", "positive_int", defaults=NONE),
+    "--budget-eps": Meaning("the individual filter: every point's guarantee ε at --target-delta", "budget_eps",
+                            "guarantee ε", "positive_float", defaults=NONE),
+    "--budgets": Meaning("the individual filter: per-point or per-group budgets, a CSV with columns point and eps",
+                         "budgets", "columns point", defaults=NONE),
+    "--filter-order": Meaning("the individual filter's Rényi order λ_f, fixed before training", "filter_order",
+                              "Rényi order λ_f", "order_float", defaults=NONE),
+    "--filter-every": Meaning("the individual filter measures Δ* every K steps, each point clipped at its held bound "
+                              "in between (§12.4)", "filter_every", "every K steps", "positive_int", defaults=NONE),
+    "--filter-margin": Meaning("m of per-point clipping between measurements: each point clipped at min(Γ, (1 + m)·Δ*)",
+                               "filter_margin", "between measurements", "non_negative_float", defaults=NONE),
     "--canaries": Meaning("white-box gradient canaries of the one-run audit: M, each in the run with probability 1/2",
                           "canaries", "white-box gradient canaries", "non_negative_int", defaults=NONE),
     "--canary-norms": Meaning("the canaries' norms as multiples of Γ, one equal group each", "canary_norms",
@@ -240,7 +255,8 @@ ALIASES = {"--delta": ("--target-delta", TRAINING)}
 # How docs/flags.md shows a value's type.
 TYPE_TEXT = {"str": "text", "int": "integer", "positive_float": "number > 0", "non_negative_float": "number >= 0",
              "finite_float": "number", "probability": "number in (0, 1)", "momentum_float": "number in [0, 1)",
-             "non_negative_int": "integer >= 0", "device_flag": "cpu, cuda, cuda:N or auto",
+             "non_negative_int": "integer >= 0", "positive_int": "integer >= 1", "order_float": "number > 1",
+             "device_flag": "cpu, cuda, cuda:N or auto",
              "model_flag": "lenet5, resnet20, mlp, linear, PATH.py:NAME or package.module:NAME",
              "loss_flag": "PATH.py:NAME or package.module:NAME"}
 

@@ -15,13 +15,14 @@ import pandas as pd
 from numpy.typing import ArrayLike
 from scipy.special import logsumexp
 
-from perinstance.accounting import pld, pld_grid, rdp_composition
+from perinstance.accounting import individual_filter, pld, pld_grid, rdp_composition
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.analysis import mean_rule
 from perinstance.analysis.reading import (
     Loaded,
     check_unique,
+    check_values,
     checkpoint_sensitivity_ratio,
     every_step,
     parse_holder,
@@ -336,3 +337,96 @@ def mean_rule_repeated(loaded: Loaded, *, steps: int, delta: float, orders: Arra
     eps, _ = repeated_step_eps(checkpoint_rdp[0], steps, orders, delta, sizes.delta_fail(kind))
     baseline, _ = repeated_step_eps(baseline_step, steps, orders, delta, sizes.delta_fail(Kind.BASELINE))
     return points, eps, float(baseline)
+
+
+# --- per-point clip bounds held between measurements, and the filter's guarantees (§12.3-12.4, §13) -----------
+
+def has_held_bounds(loaded: Loaded) -> bool:
+    """Whether the rows are a tracked table with per-point clip bounds (quantity held_bound: a filtered run, or one
+    measured every k > 1 steps)."""
+    return bool((loaded.rows["quantity"] == "held_bound").any())
+
+
+def held_bound_ratio(loaded: Loaded) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """C/Γ of the held_bound rows as an (R, S, P) array over runs, the union of their steps and points: each point's
+    bound from its row's step until its next row (training clipped it there, §12.4), so every step has a bound.
+    Every point needs a row at step 0. Returns (ratio, steps, points)."""
+    rows = loaded.rows[loaded.rows["quantity"] == "held_bound"]
+    rows = rows.assign(run_key=run_key(rows))
+    check_values(loaded, rows.duplicated(subset=["run_key", "step", "point"]),
+                 lambda row: "repeats the held_bound of its run, step and point", rows)
+    steps, points = np.sort(rows["step"].unique()), np.sort(rows["point"].unique())
+    runs = sorted(rows["run_key"].unique())
+    ratio = np.empty((len(runs), len(steps), len(points)))
+    for index, run in enumerate(runs):
+        bounds = rows[rows["run_key"] == run].pivot(index="step", columns="point", values="value")
+        bounds = bounds.reindex(index=steps, columns=points).ffill()
+        if bounds.iloc[0].isna().any():
+            point = bounds.columns[bounds.iloc[0].isna().to_numpy()][0]
+            raise UsageError(loaded.flag, f"{loaded.path}: run {run} has no held_bound of point {point} at step 0 "
+                             "(a run with per-point clipping bounds every point from its first step)")
+        ratio[index] = bounds.to_numpy() / loaded.mechanism.clip_bound
+    return np.minimum(ratio, 1.0), steps, points
+
+
+def filter_guarantees(loaded: Loaded, delta: float) -> pd.DataFrame | None:
+    """§12.3: each filtered point's guarantee, its Rényi budget at λ_f (the filter_budget rows) as ε at `delta`
+    (§12.1's conversion): rows of kind guarantee; None without budgets."""
+    rows = loaded.rows[loaded.rows["quantity"] == "filter_budget"]
+    if rows.empty:
+        return None
+    check_values(loaded, rows.duplicated(subset=["run", "seed", "point"]),
+                 lambda row: "repeats the filter_budget of its run and point", rows)
+    budget = rows.groupby("point")[["value", "alpha"]].max()
+    orders = pd.to_numeric(budget["alpha"]).to_numpy(dtype=float)
+    eps = [float(individual_filter.guarantee_eps([value], delta, order)[0])
+           for value, order in zip(budget["value"].to_numpy(dtype=float), orders)]
+    return pd.DataFrame({"point": budget.index.to_numpy(), "kind": Kind.GUARANTEE.value, "eps": eps, "alpha": orders,
+                         "delta": delta, "delta_fail": 0.0, "steps": loaded.mechanism.total_steps, "k_min": math.nan,
+                         "reduction": "sum", **RDP_COLUMNS})
+
+
+def sum_rule_held(loaded: Loaded, *, delta: float, orders: ArrayLike, holder_b: str | None = None,
+                  accountant: str = "rdp", rounding: float = SUM_RULE_ROUNDING,
+                  interval: float = pld_grid.DEFAULT_INTERVAL) -> tuple[pd.DataFrame, str, dict]:
+    """renyi_per_instance_sum_compo.py on a tracked table with per-point clip bounds (§12.4): (rows, description,
+    kind notes). The bounds, held from one row to the next, bound every step's sensitivity, so their composition is
+    `certified` (a bound along the observed run) however rarely they were measured; next to it each filtered point's
+    `guarantee` (filter_guarantees) and the baseline. By RDP the bounds are composed as charged (no further
+    rounding) with λ_f among the orders, so that a point's certified ε is never above its guarantee at b = inf
+    (default with one run); by PLD (§8.2) with Δ rounded up to `rounding`·Γ."""
+    mechanism = loaded.mechanism
+    ratio, steps, points = held_bound_ratio(loaded)
+    guarantees = filter_guarantees(loaded, delta)
+    common = dict(delta=delta, delta_fail=0.0, steps=mechanism.total_steps, k_min=math.nan, reduction="sum")
+    if accountant == "pld":
+        _check_pld_holder(holder_b)
+        pld_common = dict(sample_rate=mechanism.sample_rate, noise_multiplier=mechanism.noise_multiplier, delta=delta,
+                          rounding=rounding, interval=interval)
+        composed = _pld_columns(pld.sum_rule_eps(ratio.max(axis=0).T, steps, mechanism.total_steps, **pld_common),
+                                interval)
+        baseline = _pld_columns(pld.sum_rule_eps(np.ones((1, 1)), [0], mechanism.total_steps, **pld_common), interval)
+        how = f"composed by PLD (dp_accounting, pessimistic, discretisation {interval:g}), Δ rounded up to {rounding:g}·Γ"
+    else:
+        if guarantees is not None:
+            orders = np.union1d(orders, guarantees["alpha"].unique())
+        holder = holder_exponent(holder_b or ("inf" if ratio.shape[0] == 1 else "3T"), orders, mechanism.total_steps)
+        eps, best_order = (values[0] for values in compose_sum_rule(ratio, steps, mechanism, orders=orders,
+                                                                    delta=delta, holder_b=holder))
+        warn_edge(best_order, orders)
+        baseline_eps, baseline_order = mechanism.baseline_eps(delta, orders=orders)
+        composed = dict(eps=eps, alpha=best_order, **RDP_COLUMNS)
+        baseline = dict(eps=float(baseline_eps), alpha=float(baseline_order), **RDP_COLUMNS)
+        how = f"Hölder b={holder:g}, the bounds as charged"
+    frames = [pd.DataFrame({"point": points, "kind": Kind.CERTIFIED.value, **composed, **common}),
+              pd.DataFrame({"point": points, "kind": Kind.BASELINE.value, **baseline, **common})]
+    if guarantees is not None:
+        frames.insert(0, guarantees[guarantees["point"].isin(points)])
+    every = loaded.rows.loc[loaded.rows["quantity"] == "grad_norm", "step"].nunique()
+    filtered = "" if guarantees is None else \
+        f"; each point's guarantee: its filter budget at order {', '.join(map('{:g}'.format, guarantees['alpha'].unique()))}"
+    return pd.concat(frames, ignore_index=True)[COLUMNS], (
+        f"per-instance (eps, delta) of {len(points)} points over T={mechanism.total_steps} steps, sum rule, "
+        f"{ratio.shape[0]} run(s), per-point clip bounds C = min(Γ, (1+m)·Δ*) from {every} measurements, held between "
+        f"them (a bound along the observed run: training clipped each point at its bound, accounting.md §12.4)"
+        f"{filtered}, sigma={mechanism.noise_multiplier:g}, q={mechanism.sample_rate:.4g}, {how}, delta={delta:g}"), {}

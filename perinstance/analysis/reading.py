@@ -184,12 +184,16 @@ def _check_rows(rows, mechanism, path, flag):
                lambda row: f"step {row['step']} is not a step in 0..total_steps={mechanism.total_steps}")
     _first_bad(rows, (point != np.round(point)) | (point < 0) | (point >= mechanism.dataset_size), path, flag,
                lambda row: f"point {row['point']} is not an index in 0..{mechanism.dataset_size - 1}")
-    is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity"])
+    is_norm = rows["quantity"].isin(["grad_norm", "batch_sensitivity", "held_bound"])
     is_statistic = rows["quantity"].isin(list(STATISTICS))
     _first_bad(rows, (is_norm | is_statistic) & (value < 0), path, flag,
                lambda row: f"{row['quantity']} {row['value']} is negative")
     _first_bad(rows, is_norm & (value > mechanism.clip_bound), path, flag,
                lambda row: f"{row['quantity']} {row['value']} exceeds clip_bound {mechanism.clip_bound} (the bound Γ)")
+    is_budget = (rows["quantity"] == "filter_budget").to_numpy()
+    _first_bad(rows, is_budget & ~((value > 0) & (pd.to_numeric(rows["alpha"], errors="coerce") > 1)), path, flag,
+               lambda row: f"filter_budget {row['value']} at alpha {row['alpha']} is not a Rényi budget > 0 at an "
+                           "order > 1")
 
 
 def _check_integers(rows, columns, path, flag):

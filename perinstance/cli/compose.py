@@ -19,8 +19,12 @@ A composition is `certified` (a bound along the observed run) only when the rows
 value at every step 0..T-1, as train_dpsgd.py --track-points records them; from checkpoints it holds
 each value until the next one and is a `held_estimate` ("Δ* held between checkpoints", accounting.md §4; the
 mean rule's Monte Carlo values compose to an `estimate` either way).
+The tracked table of a run with per-point clipping (--track-every K, or a filter: --budget-eps) holds each
+point's clip bound from one measurement to the next: composed, `certified` however rarely it was measured
+(§12.4); a filtered run's points also get their `guarantee`, the filter's budget as ε at --delta (§12.3).
 """
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +37,9 @@ from perinstance.cli import options
 from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument, non_negative_float, positive_float
 from perinstance.errors import UsageError
 from perinstance.files import results
+
+# The tracked table of a run with per-point clipping: each point's held clip bounds and its filter budget (§12.4).
+HELD_QUANTITIES = ("held_bound", "filter_budget")
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> Compositi
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     request = parse_args(argv, prog)
-    loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES], one_run=False,
+    loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES, *HELD_QUANTITIES], one_run=False,
                               integer_columns={"sample": 0})
     trained = set(loaded.rows["update_rule"].astype(str))
     if trained != {loaded.mechanism.rule}:
@@ -93,7 +100,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
                          f"trained with the {'/'.join(sorted(trained))} rule; composing over a run needs the rule it "
                          "was trained with (per-step analyses may differ)")
     output = report.output_path(request.source, "renyi_per_instance_sum_compo")
-    if loaded.mechanism.rule == "sum" and request.accountant == "pld":
+    if composition.has_held_bounds(loaded):
+        result, description, notes = composition.sum_rule_held(
+            loaded, delta=request.delta, orders=request.orders, holder_b=request.holder_b,
+            accountant=request.accountant, rounding=request.rounding, interval=request.pld_interval)
+        loaded = dataclasses.replace(loaded, rows=loaded.rows[loaded.rows["quantity"] == "grad_norm"])
+    elif loaded.mechanism.rule == "sum" and request.accountant == "pld":
         result, description, notes = composition.sum_rule_pld(loaded, delta=request.delta, holder_b=request.holder_b,
                                                         rounding=request.rounding, interval=request.pld_interval)
     elif loaded.mechanism.rule == "sum":

@@ -86,6 +86,22 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a number of steps)."""
+    value = non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {text}")
+    return value
+
+
+def order_float(text: str) -> float:
+    """A Rényi order: a finite number > 1."""
+    value = finite_float(text)
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"must be a Rényi order > 1, not {text}")
+    return value
+
+
 def zero_or_one(text: str) -> int:
     """The explicit value of a switch, the paper repository's spelling: 0 (off) or 1 (on)."""
     if text not in ("0", "1"):
@@ -220,8 +236,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", default="mnist-embedded",
                        help="mnist-embedded (shipped, offline), MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH; "
                             "scatternet:DATASET: fixed ScatterNet features of DATASET's images; first:N:DATASET: the "
-                            "first N training points of DATASET; your own: PATH.py:NAME or package.module:NAME (a "
-                            "function returning (train, test))")
+                            "first N training points of DATASET; holdout:M:DATASET: DATASET's training points but the "
+                            "last M, which become the test set (never trained on); your own: PATH.py:NAME or "
+                            "package.module:NAME (a function returning (train, test))")
     group.add_argument("--data-root", default="./data", help="where torchvision datasets live, and cache/ with scatternet: features")
     group.add_argument("--model", default="lenet5", type=model_flag, metavar="{lenet5,resnet20,mlp,linear,PATH.py:NAME}",
                        help="the network: lenet5, resnet20, mlp, linear, or your own, PATH.py:NAME or "
@@ -275,8 +292,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-freq", type=int, default=None, help="test accuracy every this many steps (default: at checkpoints)")
     group.add_argument("--track-points", nargs="*", default=None,
                        help="record Δ* = ||h(g)||, loss and correctness of these points (as --points; all: every "
-                            "point) at every step and at the end, into models/<run>/tracked_norms.csv (.parquet past "
+                            "point) at every step (every --track-every K steps) and at the end, into models/<run>/tracked_norms.csv (.parquet past "
                             "100,000 rows): composed, a bound along the run (accounting.md §4)")
+    group.add_argument("--total-steps", type=positive_int, default=None, metavar="T",
+                       help="the run's number of steps T, instead of --epochs (fixed before training: a filtered "
+                            "run's cap)")
+    group.add_argument("--track-every", type=positive_int, default=None, metavar="K",
+                       help="measure the --track-points every K steps instead of every step, each clipped at (1 + "
+                            "--filter-margin) times its last measured Δ* in between: composed, still a bound along "
+                            "the run (accounting.md §12.4, §13)")
     group.add_argument("--canaries", type=non_negative_int, default=None, metavar="M",
                        help="white-box gradient canaries for the one-run audit: M insertions into the noisy gradient "
                             "sum (not examples of the model), drawn by the run's sampler, each in the run with "
@@ -287,6 +311,27 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="crafted input canaries for the one-run audit's implementation check: M examples that go "
                             "through the sampler, per-sample gradients and clipping, each in the run with "
                             "probability 1/2 (docs/audit.md)")
+    filtering = parser.add_argument_group("individual Rényi filter (accounting.md §12: sum rule, flat clipping)")
+    filtering.add_argument("--budget-eps", type=positive_float, default=None, metavar="EPS",
+                           help="every point's guarantee ε at --target-delta: each point is charged its own Rényi "
+                                "cost at every step and leaves training for good once its next charge would pass "
+                                "its budget")
+    filtering.add_argument("--budgets", default=None, metavar="PATH.csv",
+                           help="per-point or per-group budgets: a CSV with columns point (training-set index) and "
+                                "eps; points it does not list take --budget-eps, and without --budget-eps it must "
+                                "list every point")
+    filtering.add_argument("--filter-order", type=order_float, default=None, metavar="LAMBDA",
+                           help="the filter's Rényi order λ_f > 1, fixed before training (default: of the orders "
+                                "1.25..64, the one at which uniform DP-SGD at the run's sigma and q takes the most "
+                                "steps within the smallest budget)")
+    filtering.add_argument("--filter-every", type=positive_int, default=None, metavar="K",
+                           help="measure Δ* of every point every K steps (default 1) and clip each point at (1 + "
+                                "--filter-margin) times its last measured Δ* in between, so that every charge stays "
+                                "a bound (accounting.md §12.4)")
+    filtering.add_argument("--filter-margin", type=non_negative_float, default=None, metavar="M",
+                           help="per-point clipping between measurements (--filter-every or --track-every K > 1): "
+                                "each point clipped at min(Γ, (1 + M)·Δ* of its last measurement) (default "
+                                "0.25, accounting.md §13)")
     return group
 
 

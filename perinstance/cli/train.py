@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from perinstance.cli.options import HELP_FORMAT, Parser, add_training_args, parse_seeds, training_flags
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints
-from perinstance.train import distributed, run_plan, training
+from perinstance.train import distributed, run_plan, runs, training
 from perinstance.train.data import load_dataset
 from perinstance.train.points import parse_points
 
@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
                 outcome = training.train(run_args, quiet=world.rank > 0, world=world)
                 print(summary(outcome) if world.rank == 0 else
                       f"{world.label}: {outcome.run.run}: measured {len(world.share(outcome.run.tracked_points))} of "
-                      f"{len(outcome.run.tracked_points)} tracked points at every step in {outcome.tracking_seconds:.1f}s "
+                      f"{len(outcome.run.tracked_points)} tracked points at {measured_steps(outcome.run)} in "
+                      f"{outcome.tracking_seconds:.1f}s "
                       "(rank 0 trains and writes)", flush=True)
         print(f"{world.label}: {len(planned)} run(s) in lockstep, the tracked points shared over {world.size} "
               f"processes; {time.time() - started:.1f}s", flush=True)
@@ -76,9 +77,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
 
 
 def in_lockstep(world: distributed.World, planned: Sequence[run_plan.TrainingFlags]) -> bool:
-    """Whether every process goes through every run together, each measuring its share of the tracked points: under
-    torchrun with fewer runs than processes (with as many, each process trains its own runs whole)."""
-    return world.size > 1 and len(planned) < world.size and planned[0].track_points is not None
+    """Whether every process goes through every run together, each measuring its share of the tracked points (a
+    filtered run tracks every point): under torchrun with fewer runs than processes (with as many, each process
+    trains its own runs whole)."""
+    return world.size > 1 and len(planned) < world.size and (planned[0].track_points is not None or planned[0].filtered)
 
 
 def run_list(seeds: Sequence[str] | None, less_points: Sequence[str] | None,
@@ -103,6 +105,11 @@ def run_label(run_args: run_plan.TrainingFlags) -> str:
     return f"seed {run_args.seed}" + ("" if run_args.less_point is None else f" without {run_args.less_point}")
 
 
+def measured_steps(run: runs.RunConfig) -> str:
+    """How often a run measures its tracked points."""
+    return "every step" if run.measure_every == 1 else f"every {run.measure_every} steps"
+
+
 def summary(outcome: training.Outcome) -> str:
     """One line per run: what was done, its privacy parameters, accuracy and checkpoints."""
     run = outcome.run
@@ -115,7 +122,8 @@ def summary(outcome: training.Outcome) -> str:
     tracked = ""
     if run.tracked_points is not None and outcome.trained:
         # What the every-step norms cost against the steps themselves (benchmarks/bench_tracking.py measures it).
-        tracked = (f"; tracked {len(run.tracked_points)} points at every step in {outcome.tracking_seconds:.1f}s, "
+        tracked = (f"; tracked {len(run.tracked_points)} points at {measured_steps(run)} in "
+                   f"{outcome.tracking_seconds:.1f}s, "
                    f"{outcome.tracking_seconds / max(outcome.steps_seconds, 1e-9):.2f}× the "
                    f"{outcome.steps_seconds:.1f}s of the training steps")
     if math.isnan(outcome.final_test_accuracy):  # the targets are not class labels (a --loss of one's own)
@@ -123,5 +131,6 @@ def summary(outcome: training.Outcome) -> str:
             ("" if math.isnan(outcome.final_test_loss) else f"; test loss {outcome.final_test_loss:.4g}")
     else:
         tested = f"test accuracy {outcome.final_test_accuracy:.4f}"
-    return f"{run.run}: {status}; {privacy}; {tested}; {len(steps)} checkpoints in {outcome.run_dir}{tracked}"
+    bounds = f"; {outcome.point_bounds}" if outcome.point_bounds else ""
+    return f"{run.run}: {status}; {privacy}; {tested}; {len(steps)} checkpoints in {outcome.run_dir}{tracked}{bounds}"
 

@@ -38,9 +38,13 @@ class Quantity:
 
 
 # Every quantity a result row may hold (accounting.md §2): Δ* (sum rule); Δ_B with its k, and
-# the dataset statistics d*, v_X, b_X of §3.2 (mean rule, coupling); GLA's statistic S.
+# the dataset statistics d*, v_X, b_X of §3.2 (mean rule, coupling); GLA's statistic S; in the tracked table of a run
+# with per-point clipping, each point's clip bound from its row's step on (§12.4) and its filter's Rényi budget at
+# the order `alpha` (§12.1).
 QUANTITIES = {
     "grad_norm": Quantity("sum", "compute_sensitivity.py --reduction sum"),
+    "held_bound": Quantity("sum", "train_dpsgd.py --budget-eps, --budgets or --track-every"),
+    "filter_budget": Quantity("sum", "train_dpsgd.py --budget-eps or --budgets"),
     "batch_sensitivity": Quantity("mean", "compute_sensitivity.py --reduction mean"),
     "center_distance": Quantity("mean", "compute_sensitivity.py --reduction mean"),
     "spread": Quantity("mean", "compute_sensitivity.py --reduction mean"),

@@ -3,8 +3,10 @@ steps between checkpoints, `<run>/tracked/steps_FIRST-LAST.pt`, written atomical
 ends the span, so that a resume needs only what was written; at the end, one result table
 `<run>/tracked_norms.csv` (`.parquet` past storage.AUTO_PARQUET_ROWS, the same stem), which the accountants read.
 
-A segment holds only tensors and integers (torch.load(weights_only=True) reads it): the first and last step, the
-points, and a float32 (steps, 3, points) array of ||h(g)||, loss and correctness at θ_first .. θ_last.
+A segment holds only tensors and integers (torch.load(weights_only=True) reads it): the first step, the steps measured
+(first .. last, or every k-th of them in a run measured every k steps), the points, and a float32 (steps, 3, points)
+array of ||h(g)||, loss and correctness at those θ. A segment written before the steps were kept holds every step
+from first to last.
 """
 
 import os
@@ -40,28 +42,32 @@ def segments(run_dir: str) -> list[tuple[int, int]]:
                   for name in os.listdir(folder) if (match := SEGMENT_PATTERN.match(name)))
 
 
-def save_segment(run_dir: str, first: int, points: np.ndarray, values: np.ndarray) -> None:
-    """Write the values (steps, 3, points) of steps first .. first + steps − 1 atomically."""
+def save_segment(run_dir: str, steps: list[int], points: np.ndarray, values: np.ndarray) -> None:
+    """Write the values (steps, 3, points) measured at `steps` (ascending) atomically."""
     os.makedirs(os.path.join(run_dir, FOLDER), exist_ok=True)
-    fileio.save_torch(segment_path(run_dir, first, first + len(values) - 1),
-                      {"first_step": first, "points": torch.as_tensor(points, dtype=torch.int64),
+    fileio.save_torch(segment_path(run_dir, steps[0], steps[-1]),
+                      {"first_step": steps[0], "steps": torch.as_tensor(steps, dtype=torch.int64),
+                       "points": torch.as_tensor(points, dtype=torch.int64),
                        "values": torch.as_tensor(values, dtype=torch.float32)}, flag="--models-dir")
 
 
-def load_segment(run_dir: str, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-    """(points, values) of one segment; a damaged or foreign one is a one-line error naming it."""
+def load_segment(run_dir: str, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(points, steps, values) of one segment; a damaged or foreign one is a one-line error naming it."""
     path = segment_path(run_dir, first, last)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             payload = torch.load(path, map_location="cpu", weights_only=True)
         points, values = payload["points"].numpy(), payload["values"].numpy()
-        if payload["first_step"] != first or values.shape != (last - first + 1, 3, len(points)):
+        steps = payload["steps"].numpy() if "steps" in payload else np.arange(first, last + 1)
+        if payload["first_step"] != first or steps[0] != first or steps[-1] != last or \
+                values.shape != (len(steps), 3, len(points)):
             raise ValueError("its steps or shape do not match its name")
-    except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, OSError) as error:
+    except (pickle.UnpicklingError, RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError,
+            OSError) as error:
         raise UsageError(FLAG, f"{path} is not a segment of tracked values ({str(error).splitlines()[0]}); "
                                "delete it and the checkpoints after its first step to train them again") from None
-    return points, values
+    return points, steps, values
 
 
 def drop_segments_from(run_dir: str, step: int) -> None:
@@ -76,24 +82,21 @@ def drop_segments_from(run_dir: str, step: int) -> None:
             os.remove(segment_path(run_dir, first, last))
 
 
-def gather(run_dir: str, total_steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """(points, values (T + 1, 3, points)) of θ_0 .. θ_T from the segments, which must tile 0..T."""
+def gather(run_dir: str, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(points, steps, values (steps, 3, points)) from the segments, which must hold exactly the measured steps
+    `schedule` (ascending: 0..T, or every k-th step and T)."""
     spans = segments(run_dir)
-    expected = 0
-    for first, last in spans:
-        if first != expected:
-            break
-        expected = last + 1
-    if expected != total_steps + 1 or not spans:
-        raise UsageError(FLAG, f"the tracked values of {run_dir} do not cover steps 0..{total_steps} (segments "
-                               f"{', '.join(f'{first}-{last}' for first, last in spans) or 'none'} in "
-                               f"{os.path.join(run_dir, FOLDER)}); train the run again with --overwrite")
     loaded = [load_segment(run_dir, first, last) for first, last in spans]
+    steps = np.concatenate([steps for _, steps, _ in loaded]) if loaded else np.zeros(0, dtype=np.int64)
+    if not np.array_equal(steps, schedule):
+        raise UsageError(FLAG, f"the tracked values of {run_dir} do not cover the measured steps {schedule[0]}.."
+                               f"{schedule[-1]} (segments {', '.join(f'{first}-{last}' for first, last in spans) or 'none'}"
+                               f" in {os.path.join(run_dir, FOLDER)}); train the run again with --overwrite")
     points = loaded[0][0]
-    if any(not np.array_equal(other, points) for other, _ in loaded):
+    if any(not np.array_equal(other, points) for other, _, _ in loaded):
         raise UsageError(FLAG, f"the segments in {os.path.join(run_dir, FOLDER)} track different points; train the "
                                "run again with --overwrite")
-    return points, np.concatenate([values for _, values in loaded])
+    return points, steps, np.concatenate([values for _, _, values in loaded])
 
 
 def table_path(run_dir: str) -> str:

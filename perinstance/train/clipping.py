@@ -34,6 +34,12 @@ def scale_weights(grad_norm: torch.Tensor, clipping: str, clip_norm: float, scal
     raise ValueError(f"unknown clipping {clipping!r}")
 
 
+def point_weights(grad_norm: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """w(||g||) of flat clipping at each example's own bound (accounting.md §12.4): min(1, C_i/||g_i||), 0 where
+    C_i = 0. At C_i = C these are scale_weights' flat weights, bit for bit."""
+    return torch.where(bound > 0, bound / torch.maximum(grad_norm, bound), torch.zeros_like(bound))
+
+
 def transformed_norm(grad_norm: torch.Tensor, clipping: str, clip_norm: float, scale_r: float = None,
                      scale_s: float = None) -> torch.Tensor:
     """||h(g)|| from ||g||: the sum-rule sensitivity Δ* of accounting.md §2.

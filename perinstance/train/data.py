@@ -1,11 +1,10 @@
 """Datasets as in-memory tensors, preprocessed once, with a content fingerprint.
 
-DP-SGD here samples Poisson batches by index from a fixed tensor dataset, so every
-dataset is decoded and normalised up front (no augmentation, no per-step transforms).
+DP-SGD here samples Poisson batches by index from a fixed tensor dataset, so every dataset is decoded and normalised
+up front (no augmentation, no per-step transforms).
 
-`Dataset.fingerprint` hashes the full dataset even when `less_point` removed a point,
-so a run on D and its neighbour run on D minus x* record the same fingerprint (and the
-removed index records which neighbour it is).
+`Dataset.fingerprint` hashes the full dataset even when `less_point` removed a point, so a run on D and its neighbour
+run on D minus x* record the same fingerprint (and the removed index records which neighbour it is).
 """
 
 import dataclasses
@@ -23,7 +22,7 @@ from perinstance.errors import UsageError
 from perinstance.train import user_code
 
 DATASET_CHOICES = ("mnist-embedded", "MNIST", "FashionMNIST", "CIFAR10", "synthetic", "imagefolder:PATH",
-                   "scatternet:DATASET", "first:N:DATASET", "PATH.py:NAME", "package.module:NAME")
+                   "scatternet:DATASET", "first:N:DATASET", "holdout:M:DATASET", "PATH.py:NAME", "package.module:NAME")
 
 IMAGE_SIZE = 32
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
@@ -54,6 +53,7 @@ SCATTERNET_PREFIX = "scatternet:"
 # Names the ScatterNet's definition (perinstance/train/nets.py) in the feature cache: change it with the filters.
 SCATTERNET_VERSION = "scatternet-j2-l8-v1"
 FIRST_PREFIX = "first:"
+HOLDOUT_PREFIX = "holdout:"
 
 # Features of datasets with at least this many images are kept in <data-root>/cache/ (CIFAR-10's
 # 60,000 take minutes to compute on 2 cores and seconds to read back); smaller ones are recomputed.
@@ -91,8 +91,8 @@ def load_dataset(name: str, data_root: str = "./data", less_point: int | None = 
 
 def _load_full_dataset(name, data_root, class_labels):
     key = name.lower()
-    if key.startswith(FIRST_PREFIX):
-        return _load_first(name[len(FIRST_PREFIX):], data_root, class_labels)
+    if key.startswith(FIRST_PREFIX) or key.startswith(HOLDOUT_PREFIX):
+        return _load_first(name, data_root, class_labels)
     if key.startswith(SCATTERNET_PREFIX):
         return _load_scatternet(name[len(SCATTERNET_PREFIX):], data_root, class_labels)
     if key.startswith("imagefolder:"):
@@ -144,12 +144,13 @@ def display_images(dataset: Dataset, points: np.ndarray, data_root: str = "./dat
 
 
 def _feature_images(name):
-    """The dataset whose images the ScatterNet features `name` (scatternet:X, first:N:scatternet:X) were computed
-    from, training point for training point (X, first:N:X); None for any other dataset."""
+    """The dataset whose images the ScatterNet features `name` (scatternet:X, first:N:scatternet:X, holdout:M:...) were
+    computed from, training point for training point (X, first:N:X, holdout:M:X); None for any other dataset."""
     prefix = ""
-    if name.lower().startswith(FIRST_PREFIX):
-        count, _, name = name[len(FIRST_PREFIX):].partition(":")
-        prefix = f"{FIRST_PREFIX}{count}:"
+    for subset in (FIRST_PREFIX, HOLDOUT_PREFIX):  # the same training points, in the same order, as X's
+        if name.lower().startswith(subset):
+            count, _, name = name[len(subset):].partition(":")
+            prefix = f"{subset}{count}:"
     return prefix + name[len(SCATTERNET_PREFIX):] if name.lower().startswith(SCATTERNET_PREFIX) else None
 
 
@@ -445,31 +446,37 @@ def _read_feature_cache(path, name, base, fingerprint):
                    num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint)
 
 
-# --- first:N:DATASET ----------------------------------------------------------------------
+# --- first:N:DATASET, holdout:M:DATASET -----------------------------------------------------
 
-def _load_first(spec, data_root, class_labels):
-    """The first N training points of DATASET, its test set whole: a training set small enough
-    that the realised-size mean rule's rare small batches are frequent (docs/audit.md).
-
-    Named by N and DATASET's fingerprint (which fixes every point of it, hence the first N), so
-    that a run is recognised whatever the last bits of DATASET's preprocessing in this process.
-    """
-    count_text, _, base_name = spec.partition(":")
+def _load_first(name, data_root, class_labels):
+    """first:N:DATASET, the first N training points of DATASET with its test set whole: a training set small
+    enough that the realised-size mean rule's rare small batches are frequent (docs/audit.md).
+    holdout:M:DATASET, DATASET's training points but its last M, which become the test set: a held-out split never
+    trained on, to choose a setting by (a filtered run's cap) before DATASET's own test set is looked at.
+    Named by N (M) and DATASET's fingerprint (which fixes every point of it): a run is recognised whatever the last
+    bits of DATASET's preprocessing in this process."""
+    prefix = HOLDOUT_PREFIX if name.lower().startswith(HOLDOUT_PREFIX) else FIRST_PREFIX
+    count_text, _, base_name = name[len(prefix):].partition(":")
     try:
         count = int(count_text)
     except ValueError:
         count = 0
     if count < 1 or not base_name:
-        raise UsageError("--dataset", f"first:N:DATASET needs an integer N >= 1 and a dataset, e.g. "
-                                      f"first:64:mnist-embedded (got first:{spec})")
+        raise UsageError("--dataset", f"{prefix}N:DATASET needs an integer N >= 1 and a dataset, e.g. "
+                                      f"{prefix}64:mnist-embedded (got {name})")
     base = _load_full_dataset(base_name, data_root, class_labels)
-    if count > len(base.train_y):
-        raise UsageError("--dataset", f"first:{count}: {base.name} has only {len(base.train_y)} training points")
-    fingerprint = hashlib.sha256(f"{FIRST_PREFIX}{count}:{base.fingerprint}".encode()).hexdigest()
-    return Dataset(name=f"{FIRST_PREFIX}{count}:{base.name}", train_x=base.train_x[:count].clone(),
-                   train_y=base.train_y[:count].clone(), test_x=base.test_x, test_y=base.test_y,
-                   num_classes=base.num_classes, class_names=base.class_names, fingerprint=fingerprint,
-                   pixel_scale=base.pixel_scale)
+    if count > len(base.train_y) or (prefix == HOLDOUT_PREFIX and count == len(base.train_y)):
+        raise UsageError("--dataset", f"{prefix}{count}: {base.name} has only {len(base.train_y)} training points")
+    fingerprint = hashlib.sha256(f"{prefix}{count}:{base.fingerprint}".encode()).hexdigest()
+    if prefix == FIRST_PREFIX:
+        train_x, train_y, test_x, test_y = base.train_x[:count], base.train_y[:count], base.test_x, base.test_y
+    else:
+        kept = len(base.train_y) - count
+        train_x, train_y = base.train_x[:kept], base.train_y[:kept]
+        test_x, test_y = base.train_x[kept:], base.train_y[kept:]
+    return Dataset(name=f"{prefix}{count}:{base.name}", train_x=train_x.clone(), train_y=train_y.clone(),
+                   test_x=test_x.clone(), test_y=test_y.clone(), num_classes=base.num_classes,
+                   class_names=base.class_names, fingerprint=fingerprint, pixel_scale=base.pixel_scale)
 
 
 # --- synthetic --------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from opacus.accountants.utils import get_noise_multiplier
 
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, fileio
-from perinstance.train import clipping, user_code
+from perinstance.train import clipping, filtering, user_code
 from perinstance.train.canaries import check_canary_flags, parse_canary_norms
 from perinstance.train.data import Dataset
 from perinstance.train.points import parse_points
@@ -37,7 +37,8 @@ DEFAULT_CHECKPOINTS = 10
 NON_IDENTITY_FLAGS = {"overwrite", "device", "eval_freq", "data_root", "models_dir", "save_name", "id"}
 # Flags added after runs were first named: left out of a run's identity while not given, so that the default
 # names of runs trained before them stay the same.
-LATER_FLAGS = {"save_steps", "canaries", "canary_norms", "input_canaries", "loss"}
+LATER_FLAGS = {"save_steps", "canaries", "canary_norms", "input_canaries", "loss", "total_steps", "track_every",
+               "budget_eps", "budgets", "filter_order", "filter_every", "filter_margin"}
 # A larger target ε promises no privacy, and Opacus's calibration of σ does not end for ~1e15.
 MAX_TARGET_EPS = 1e6
 # Bounds T = round(epochs·N/B_exp) far below where it overflows.
@@ -91,6 +92,18 @@ class TrainingFlags:
     canaries: int | None
     canary_norms: str | None
     input_canaries: int | None
+    total_steps: int | None = None
+    track_every: int | None = None
+    budget_eps: float | None = None
+    budgets: str | None = None
+    filter_order: float | None = None
+    filter_every: int | None = None
+    filter_margin: float | None = None
+
+    @property
+    def filtered(self) -> bool:
+        """Whether the run has an individual Rényi filter (--budget-eps or --budgets)."""
+        return self.budget_eps is not None or self.budgets is not None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,6 +147,7 @@ def resolve_training_args(args: TrainingFlags) -> TrainingFlags:
         raise UsageError("--input-canaries", "crafted input canaries carry random class labels, which only the default "
                                              "loss (cross-entropy) takes; with --loss, audit with gradient canaries "
                                              "(--canaries)")
+    args = filtering.check_flags(args)
     if args.save_freq is not None and args.save_freq <= 0:
         raise UsageError("--save-freq", f"must be > 0, got {args.save_freq}")
     if args.eval_freq is not None and args.eval_freq <= 0:
@@ -188,9 +202,11 @@ def _resolve_scaling(args):
 
 
 def identity_args(args: TrainingFlags) -> dict:
-    """The flags that determine what is trained (a resumed run must agree on all of them)."""
+    """The flags that determine what is trained (a resumed run must agree on all of them); --epochs does not where
+    --total-steps gives T."""
     return {key: value for key, value in sorted(args.as_dict().items())
-            if key not in NON_IDENTITY_FLAGS and not (key in LATER_FLAGS and value is None)}
+            if key not in NON_IDENTITY_FLAGS and not (key in LATER_FLAGS and value is None)
+            and not (key == "epochs" and args.total_steps is not None)}
 
 
 def default_save_name(args: TrainingFlags) -> str:
@@ -205,6 +221,8 @@ def default_save_name(args: TrainingFlags) -> str:
         parts.append(f"canaries{args.canaries}")
     if args.input_canaries is not None:
         parts.append(f"inputcanaries{args.input_canaries}")
+    if args.filtered:
+        parts.append("filter" + ("" if args.budget_eps is None else f"{args.budget_eps:g}"))
     if args.id is not None:
         parts.append(str(args.id))
     digest = hashlib.sha256(json.dumps(identity_args(args), sort_keys=True).encode()).hexdigest()[:8]
@@ -221,7 +239,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
     if not 0 < args.batch_size <= dataset_size:
         raise UsageError("--batch-size", f"must be in 1..{dataset_size} (the training set size), got {args.batch_size}")
     sample_rate = args.batch_size / dataset_size
-    total_steps = max(1, round(args.epochs * dataset_size / args.batch_size))
+    total_steps = args.total_steps or max(1, round(args.epochs * dataset_size / args.batch_size))
     checkpoint_steps = checkpoint_schedule(args.save_freq, args.save_steps, total_steps)
     if args.dp == 0:
         noise_multiplier = 0.0
@@ -232,6 +250,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
     tracked = None
     if args.track_points is not None:
         tracked = tuple(parse_points(args.track_points, dataset_size, args.seed, flag="--track-points").tolist())
+    point_filter = filtering.plan_filter(args, dataset_size, sample_rate, noise_multiplier) if args.filtered else None
     return RunConfig(
         run=os.path.basename(os.path.normpath(run_dir_for(args))),
         flags=identity_args(args),
@@ -271,6 +290,9 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         canary_norms=(parse_canary_norms(args.canary_norms) or (1.0,)) if args.canaries else None,
         input_canaries=args.input_canaries or 0,
         user_code=user_code.sources(args.model, args.dataset, args.loss),
+        point_filter=point_filter,
+        measure_every=args.filter_every or args.track_every or 1,
+        clip_margin=filtering.clip_margin(args),
     )
 
 
@@ -350,6 +372,9 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
         existing = load_run(run_dir)
         user_code.check_unchanged(existing.user_code, config.user_code, run_dir)
         differing = run_differences(existing, config)
+        if not differing and existing.point_filter != config.point_filter:
+            raise UsageError("--budgets", f"{run_dir} holds a run filtered with other budgets (their file's sha256 "
+                                          "or order differ); use another --save-name or --overwrite")
         if differing:
             raise UsageError("--overwrite", f"{run_dir} holds a run with different flags ({', '.join(differing)}); "
                              "use another --save-name or --overwrite")
@@ -362,5 +387,5 @@ def prepare_run_dir(args: TrainingFlags, run_dir: str, config: RunConfig) -> Non
 
 def _foreign_files(run_dir):
     """Names in `run_dir` that a run does not write (checkpoints, lock and temp files are a run's)."""
-    own = re.compile(r"^(step_\d{7}\.pt|tracked_norms\.(csv|parquet)(\.lock)?|tracked|canaries\.csv|canary_projections\.npy|\.tmp-.*)$")
+    own = re.compile(r"^(step_\d{7}\.pt|(tracked_norms|filter_points)\.(csv|parquet)(\.lock)?|tracked|canaries\.csv|canary_projections\.npy|\.tmp-.*)$")
     return sorted(name for name in os.listdir(run_dir) if not own.match(name))

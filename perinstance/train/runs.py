@@ -84,10 +84,23 @@ class RunConfig:
     # The --loss spec of the per-example loss; None: cross-entropy on class indices (and in run.json files written
     # before --loss existed).
     loss: str | None = None
+    # The individual Rényi filter (accounting.md §12; train/filtering.py): {"order", "delta", "budget_eps",
+    # "budgets_file", "budgets_sha256", "smallest_eps"}; None without one (and in run.json files written before it).
+    point_filter: dict | None = None
+    # The tracked points are measured at θ_s for every step s that is a multiple of this (and at θ_T); above 1, each
+    # is clipped at its own bound between measurements (§12.4).
+    measure_every: int = 1
+    # m of per-point clipping (§12.4, §13): each point clipped at min(Γ, (1 + m)·Δ*(θ_s)); None without it.
+    clip_margin: float | None = None
 
     @property
     def private(self) -> bool:
         return self.dp == 1
+
+    @property
+    def per_point_clipping(self) -> bool:
+        """Whether each point is clipped at its own bound (a filter, or measurements every k > 1 steps, §12.4)."""
+        return self.clip_margin is not None
 
     def to_json(self) -> dict:
         fields = dataclasses.asdict(self)
@@ -95,6 +108,9 @@ class RunConfig:
             fields[name] = None if fields[name] is None else list(fields[name])
         if fields["loss"] is None:  # the default loss: run.json as it was before --loss existed
             del fields["loss"]
+        if not self.per_point_clipping:  # neither filter nor per-point clipping: run.json as it was before them
+            for name in ("point_filter", "measure_every", "clip_margin"):
+                del fields[name]
         return {"format": RUN_FORMAT, **fields}
 
     @classmethod
@@ -220,10 +236,16 @@ RUN_KEYS = {
     "planted_fault": (f"null or one of {', '.join(PLANTED_FAULTS)}", lambda value: value is None or value in PLANTED_FAULTS),
     "canary_norms": ("a list of numbers in (0, 1] or null",
                      _optional(lambda value: isinstance(value, list) and all(_number(c) and 0 < c <= 1 for c in value))),
+    "point_filter": ("an object with an order > 1 and a delta, or null",
+                     _optional(lambda value: isinstance(value, dict) and _number(value.get("order")) and
+                               value["order"] > 1 and _number(value.get("delta")) and 0 < value["delta"] < 1)),
+    "measure_every": ("an integer >= 1", lambda value: _integer(value) and value >= 1),
+    "clip_margin": ("a number >= 0 or null", _optional(lambda value: _number(value) and value >= 0)),
 }
-# Runs written before canaries, before --model / --dataset specs, or before --loss, existed have none.
+# Runs written before canaries, before --model / --dataset specs, before --loss, or before filters existed have none.
 LATER_KEY_DEFAULTS = {"canaries": 0, "canary_norms": None, "user_code": None, "input_canaries": 0,
-                      "planted_fault": None, "loss": None}
+                      "planted_fault": None, "loss": None, "point_filter": None, "measure_every": 1,
+                      "clip_margin": None}
 
 
 def _json_type(value):

@@ -9,6 +9,10 @@ them; at the end they become models/<run>/tracked_norms.csv (.parquet past the s
 the accountants read. Under torchrun with fewer runs than processes, every rank follows rank 0 through the run in
 lockstep: rank 0 trains and sends θ_{t−1} before each step, each rank measures its share of the points (item i to rank
 i mod W), and rank 0 gathers the shares and writes them.
+
+A run with per-point clipping (filtering.py: a filter, or --track-every k) measures at θ_0, θ_k, θ_2k, ... and θ_T
+only, and its rank 0 gathers the shares at each measurement, since the next step's bounds and charges need them; a
+filter's points out of training are not measured until θ_T (NaN, left out of the table).
 """
 
 import time
@@ -22,7 +26,7 @@ from perinstance.errors import UsageError
 from perinstance.files import results, tracked_rows
 from perinstance.persample import batches, gradients
 from perinstance.persample.layer_pass import eval_mode
-from perinstance.train import distributed, runs
+from perinstance.train import distributed, filtering, runs
 from perinstance.train.clipping import Transform
 
 # The values recorded per point and step, in the order of a segment's second axis.
@@ -44,34 +48,73 @@ class Tracker:
         self.train_x, self.train_y = train_x, train_y
         self.transform = Transform.of_run(run) if run.private else None
         self.chunk = per_pass  # the trainer's examples per pass (gradients.examples_per_pass)
-        self.held, self.first = [], None
+        self.held, self.held_steps = [], []
         self.seconds = 0.0
         self.following = False  # rank 0: the other ranks are in the lockstep and wait for it
+        # Per-point clipping (filtering.py) needs every point's value before the next step: rank 0 gathers the shares
+        # at each measurement rather than at each checkpoint.
+        self.gather_each = world is not None and run.per_point_clipping
 
     @property
     def leads(self) -> bool:
         """Whether this process writes the values (rank 0, or a process alone)."""
         return self.world is None or self.world.rank == 0
 
-    def measure(self, step: int) -> None:
-        """Hold the values at the current parameters as those of θ_step (under lockstep, rank 0's parameters)."""
+    def due(self, step: int) -> bool:
+        """Whether θ_step is measured: every run.measure_every steps from θ_0, and θ_T."""
+        return step % self.run.measure_every == 0 or step == self.run.total_steps
+
+    def measure(self, step: int, wanted: np.ndarray | None = None) -> np.ndarray:
+        """Hold the values at the current parameters as those of θ_step (under lockstep, rank 0's parameters), and
+        return them: every tracked point's where this process leads and gathers at each measurement, else its own.
+        `wanted`: which tracked points to measure (a filter's points still in training; rank 0's under lockstep;
+        None: all); the others' values are NaN."""
         started = time.perf_counter()
         if self.world is not None:
             distributed.rank0_says_go(self.world)
             distributed.broadcast_from_rank0(self.model.state_dict().values())
+            if self.gather_each:
+                shared = torch.ones(len(self.points), dtype=torch.uint8, device=self.indices.device)
+                if wanted is not None:
+                    shared.copy_(torch.as_tensor(wanted, dtype=torch.uint8))
+                distributed.broadcast_from_rank0([shared])
+                wanted = shared.bool().cpu().numpy()[self.world.rank::self.world.size]
         with eval_mode(self.model):
-            self.held.append(self.values())
-        self.first = step if self.first is None else self.first
+            values = self.values(wanted)
+        if self.gather_each:
+            values = self._gathered(values)
+        self.held.append(values)
+        self.held_steps.append(step)
         self.seconds += time.perf_counter() - started
+        return values
 
-    def values(self) -> np.ndarray:
+    def _gathered(self, values):
+        """Rank 0: every rank's share put together as (3, points); the others: their own share."""
+        distributed.rank0_says_go(self.world)
+        shares = distributed.gather_to_rank0(self.world, values)
+        if shares is None:
+            return values
+        whole = np.empty((len(VALUES), len(self.points)), dtype=np.float32)
+        for rank, share in enumerate(shares):
+            whole[:, rank::self.world.size] = share
+        return whole
+
+    def values(self, wanted: np.ndarray | None = None) -> np.ndarray:
         """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness (nan where the
-        targets are not class labels, batches.correct_predictions)."""
-        if not len(self.indices):  # more ranks than points
+        targets are not class labels, batches.correct_predictions); NaN for the points `wanted` leaves out."""
+        if wanted is not None:
+            values = np.full((len(VALUES), len(self.indices)), np.nan, dtype=np.float32)
+            if wanted.any():
+                values[:, wanted] = self._measured(self.indices[torch.as_tensor(wanted, device=self.indices.device)])
+            return values
+        return self._measured(self.indices)
+
+    def _measured(self, indices):
+        if not len(indices):  # more ranks than points
             return np.zeros((len(VALUES), 0), dtype=np.float32)
         norms, losses, correct = [], [], []
-        for start in range(0, len(self.indices), self.chunk):
-            chunk = self.indices[start:start + self.chunk]
+        for start in range(0, len(indices), self.chunk):
+            chunk = indices[start:start + self.chunk]
             inputs, labels = self.train_x.index_select(0, chunk), self.train_y.index_select(0, chunk)
             grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels, self.loss_fn)
             norms.append(grad_norms if self.transform is None else self.transform.norms(grad_norms))
@@ -87,21 +130,23 @@ class Tracker:
         self.flush(run_dir)
 
     def flush(self, run_dir: str) -> None:
-        """Write the values held as one segment (rank 0 gathers the others' shares first) and let them go."""
+        """Write the values held as one segment (rank 0 gathers the others' shares first, unless it gathered them at
+        each measurement) and let them go; a span without a measurement writes nothing."""
         started = time.perf_counter()
-        values = np.stack(self.held)
-        if self.world is not None:
+        if self.held and self.world is not None and not self.gather_each:
+            values = np.stack(self.held)
             distributed.rank0_says_go(self.world)
             shares = distributed.gather_to_rank0(self.world, values)
             if shares is not None:
                 values = np.empty((len(values), len(VALUES), len(self.points)), dtype=np.float32)
                 for rank, share in enumerate(shares):
                     values[:, :, rank::self.world.size] = share
-        if self.leads:
-            tracked_rows.save_segment(run_dir, self.first, self.points, values)
-        if self.first + len(self.held) > self.run.total_steps:  # θ_T is in: the lockstep is over
+                self.held = list(values)
+        if self.held and self.leads:
+            tracked_rows.save_segment(run_dir, self.held_steps, self.points, np.stack(self.held))
+        if self.held_steps and self.held_steps[-1] == self.run.total_steps:  # θ_T is in: the lockstep is over
             self.following = False
-        self.held, self.first = [], None
+        self.held, self.held_steps = [], []
         self.seconds += time.perf_counter() - started
 
     def stop(self, error: UsageError) -> None:
@@ -118,21 +163,32 @@ class Tracker:
         legacy = payload.get("tracked_norms")
         if legacy is not None and step and not tracked_rows.segments(run_dir):
             rows = legacy.numpy().reshape(step, len(VALUES), len(self.points))
-            tracked_rows.save_segment(run_dir, 0, self.points, rows)
+            tracked_rows.save_segment(run_dir, list(range(step)), self.points, rows)
 
-    def write_table(self, run_dir: str, labels: torch.Tensor) -> str:
-        """models/<run>/tracked_norms.csv (or .parquet) from the segments; returns its path."""
-        points, values = tracked_rows.gather(run_dir, self.run.total_steps)
-        return tracked_rows.write_table(run_dir, table(self.run, points, values, labels.cpu().numpy()))
+    def write_table(self, run_dir: str, labels: torch.Tensor, bounds: "filtering.PerPointBounds | None" = None) -> str:
+        """models/<run>/tracked_norms.csv (or .parquet) from the segments, with the rows of the per-point bounds
+        `bounds` (filtering.py) and its filter's record first; returns its path."""
+        labels = labels.cpu().numpy()
+        schedule = [step for step in range(self.run.total_steps + 1) if self.due(step)]
+        points, steps, values = tracked_rows.gather(run_dir, schedule)
+        frame = table(self.run, points, steps, values, labels)
+        if bounds is not None and bounds.filter is not None:  # a point out of training is measured again at θ_T only
+            left, step_of = np.tile(bounds.filter.left_at[points], len(steps)), np.repeat(steps, len(points))
+            frame = frame[(left == 0) | (step_of < left) | (step_of == self.run.total_steps)].reset_index(drop=True)
+        if bounds is not None:
+            if bounds.filter is not None:
+                results.write_sized(filtering.RECORD, run_dir, bounds.record(labels), "--models-dir")
+            frame = pd.concat([frame, bounds.table_rows(steps, values, labels)], ignore_index=True)
+        return tracked_rows.write_table(run_dir, frame)
 
 
-def table(run: runs.RunConfig, points: np.ndarray, values: np.ndarray, labels: np.ndarray) -> pd.DataFrame:
+def table(run: runs.RunConfig, points: np.ndarray, steps: np.ndarray, values: np.ndarray,
+          labels: np.ndarray) -> pd.DataFrame:
     """The tracked values as result rows (quantity grad_norm, exp "tracked"): row (step s, point) holds the values at
-    θ_s, which step s + 1 uses (accounting.md §4); step T holds the final parameters'."""
-    steps = len(values)
-    frame = results.result_rows(run, "sum", np.repeat(np.arange(steps), len(points)), {
-        "point": np.tile(points, steps),
-        "label": results.class_labels(labels)[np.tile(points, steps)],
+    θ_s, which step s + 1 uses (accounting.md §4); step T holds the final parameters'. `steps`: the steps measured."""
+    frame = results.result_rows(run, "sum", np.repeat(np.asarray(steps), len(points)), {
+        "point": np.tile(points, len(steps)),
+        "label": results.class_labels(labels)[np.tile(points, len(steps))],
         "value": values[:, 0, :].astype(np.float64).ravel(),
         "loss": values[:, 1, :].astype(np.float64).ravel(),
         "correct": results.correct_column(values[:, 2, :].ravel()),
@@ -151,7 +207,8 @@ def follow(tracker: Tracker, resumed_from: int) -> int:
     run = tracker.run
     planned = set(run.checkpoint_steps)
     for step in range(resumed_from + 1, run.total_steps + 1):
-        tracker.measure(step - 1)
+        if tracker.due(step - 1):
+            tracker.measure(step - 1)
         if step in planned:
             tracker.checkpoint("", step)
     return resumed_from

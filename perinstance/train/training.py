@@ -21,7 +21,7 @@ from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
 from perinstance.files import checkpoints, tracked_rows
 from perinstance.persample import batches, gradients, layer_pass
-from perinstance.train import canaries, clipping, distributed, run_plan, runs, sampling, tracking, user_code
+from perinstance.train import canaries, clipping, distributed, filtering, run_plan, runs, sampling, tracking, user_code
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.input_canaries import InputCanaries
 from perinstance.train.nets import build_model
@@ -44,6 +44,7 @@ class Outcome:
     steps_seconds: float = 0.0  # in the training steps themselves (batches, gradients, noise, update)
     tracking_seconds: float = 0.0  # measuring the tracked points (tracking.py)
     final_test_loss: float = math.nan  # the mean test loss, where this call evaluated the final parameters
+    point_bounds: str = ""  # what per-point clipping and the filter did (filtering.PerPointBounds.summary)
 
     @property
     def trained(self) -> bool:
@@ -194,6 +195,8 @@ class Trainer:
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
         self.tracker = None if run.tracked_points is None else \
             tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, self.chunk, world, self.loss_fn)
+        # Each point clipped at its own bound, and the filter (§12.2, §12.4), where the run has them.
+        self.point_bounds = filtering.PerPointBounds(run, self.device) if run.per_point_clipping else None
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
@@ -203,6 +206,7 @@ class Trainer:
             "test_accuracy": accuracy,
             **(self.projections.payload(step, self.run.canaries + self.run.input_canaries) if self.projections
                else {}),
+            **(self.point_bounds.payload() if self.point_bounds else {}),
         }
 
     def restore(self, payload: dict) -> None:
@@ -213,13 +217,16 @@ class Trainer:
                 raise UsageError("--save-name", f"checkpoint {payload['step']} of {self.run.run} holds no canary "
                                                 "projections (an earlier version's); train the run again")
             self.projections.restart(payload["step"])
+        if self.point_bounds:
+            self.point_bounds.restore(payload, payload["step"])
 
     def per_sample_pass(self, indices: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Under privacy, over `indices`: the transformed-gradient sum u(B) and the per-sample losses."""
         summed, losses = None, []
         for span in gradients.batch_passes(len(indices), self.chunk):
+            weights = self.point_bounds.weights(indices[span]) if self.point_bounds else self._weights
             chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(self.model, *self._examples(indices[span]),
-                                                                            self._weights, self.loss_fn)
+                                                                            weights, self.loss_fn)
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
             # every chunk to zeros.
             summed = chunk_sums if summed is None else [total.add_(part) for total, part in zip(summed, chunk_sums)]
@@ -263,6 +270,8 @@ class Trainer:
         extra = drawn[drawn >= run.dataset_size] - run.dataset_size
         gradient_members = self.canaries.members(extra[extra < run.canaries]) if self.canaries else extra[:0]
         batch = drawn[drawn < run.dataset_size]
+        if self.point_bounds:  # a point out of the filter is dropped; the others' draws stay the same
+            batch = self.point_bounds.keep(batch)
         if self.input_canaries:
             batch = np.concatenate([batch, run.dataset_size + self.input_canaries.members(
                 extra[extra >= run.canaries] - run.canaries)])
@@ -404,9 +413,14 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     progress = tqdm(range(resume_step + 1, run.total_steps + 1), initial=resume_step, total=run.total_steps,
                     desc=f"train {run.run}", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     unread, loss, steps_seconds = [], None, 0.0
+    bounds = trainer.point_bounds
     for step in progress:
-        if tracker:
-            tracker.measure(step - 1)
+        if tracker and tracker.due(step - 1):
+            values = tracker.measure(step - 1, bounds.measuring() if bounds else None)
+            if bounds:
+                bounds.measured(values[0])
+        if bounds:
+            bounds.before_step(step)
         step_started = time.perf_counter()
         batch_loss = trainer.step(step)
         steps_seconds += time.perf_counter() - step_started
@@ -436,17 +450,20 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
             postfix["test_loss"] = f"{test_loss:.4g}"
         else:
             postfix["test_acc"] = f"{accuracy:.3f}"
-        if epsilon_spent:
+        if bounds and bounds.filter is not None:  # each point's own ε is its budget: show who is still in
+            postfix["in"] = int(bounds.filter.active.sum())
+        elif epsilon_spent:
             postfix["eps"] = f"{epsilon_spent(step):.2f}"
         progress.set_postfix(postfix, refresh=False)
     progress.close()
     if tracker and not tracked_rows.has_table(run_dir):
-        tracker.write_table(run_dir, trainer.train_y)
+        tracker.write_table(run_dir, trainer.train_y, bounds)
     if trainer.projections:
         canaries.write_canaries(run_dir, run, trainer.canary_record(run_dir))
     return Outcome(run=run, run_dir=run_dir, resumed_from=resume_step, final_test_accuracy=accuracy,
                    final_test_loss=test_loss, train_seconds=time.time() - started, steps_seconds=steps_seconds,
-                   tracking_seconds=tracker.seconds if tracker else 0.0)
+                   tracking_seconds=tracker.seconds if tracker else 0.0,
+                   point_bounds=bounds.summary() if bounds else "")
 
 
 class Diverged(UsageError):
