@@ -60,6 +60,10 @@ STATEMENTS = [
     (COMMANDS_MD, r"`--res-name` \(in `--res-dir`, default `(?P<value>[^`]+)`\)", "--res-dir", ACCOUNTANTS),
     (COMMANDS_MD, r"- `(?P<value>mnist-embedded)` \(the default everywhere\)", "--dataset", TRAINING),
     (COMMANDS_MD, r"to `--out-dir` \(default `(?P<value>[^`]+)`\)", "--out-dir", ("report.py",)),
+    (COMMANDS_MD, r"`--filter-order λ` \(default: (?P<value>of the orders 1\.25\.\.64, the one at which uniform DP-SGD[^,]+),",
+     "--filter-order", TRAINING),
+    (COMMANDS_MD, r"`--filter-every K` \(default (?P<value>\d+)\)", "--filter-every", TRAINING),
+    (COMMANDS_MD, r"`--filter-margin m`\s+\(default (?P<value>[\d.]+) when K > 1\)", "--filter-margin", TRAINING),
     (API_MD, r"the scripts' default `(?P<value>[^`]+)`\s+for the sum rule", "--holder-b", COMPOSE, "sum rule"),
     (API_MD, r"(?P<value>[\d.]+) is the scripts' `--rounding` default", "--rounding", COMPOSE),
 ]
@@ -95,7 +99,8 @@ def agrees(stated, effective, case=None):
     """A stated default agrees with the effective one: the same number, the same words at its start, or the same
     numbers (a grid "47 orders from 1.25 to 256" against "1.25 … 256 (47 values)"). `case`: the statement is about
     the part of a default that names it ("3T for the sum rule by Rényi DP, inf for the mean rule ...")."""
-    stated, effective = stated.strip().strip("`").lower(), effective.strip().lower()
+    # A statement may wrap across lines of its page.
+    stated, effective = " ".join(stated.strip().strip("`").lower().split()), effective.strip().lower()
     if case is not None:
         return any(part.startswith(stated) for part in re.split(r"[;,]\s+", effective) if case in part)
     try:

@@ -42,70 +42,71 @@ FIGURES = [HISTOGRAM_FIGURE, CORRECTNESS_FIGURE, *RATE_FIGURES.values(), CURVES_
 # Per figure file: its title, and a caption that says what to look at and what it shows (the report renders both).
 CAPTIONS: dict[str, tuple[str, str]] = {
     HISTOGRAM_FIGURE: (
-        "Per-step ε of every training point at the final checkpoint",
+        "Figure 1: per-step ε of every training point at the final checkpoint",
         "One per-step (ε, δ) guarantee per point at δ = {delta} (sum rule, Δ* of the final checkpoint), on a log axis. Look at the "
         "orange median against the dashed worst case, and at the red bar: the points whose gradient is clipped "
         "(Δ* = Γ) sit at the worst case, and the share of them is written next to it. The title gives the share of "
         "points at or below half the worst case and the share at it."),
     CORRECTNESS_FIGURE: (
-        "Per-step ε of correctly classified against misclassified points",
+        "Figure 2: per-step ε of correctly classified against misclassified points",
         "The share of points at or below each per-step ε at δ = {delta} (log axis), for the points the final model classifies "
         "correctly and those it misclassifies, with each group's median and its 95% interval. The title gives the "
         "ratio of the two medians with its interval: above 1, misclassified points pay more."),
     RATE_FIGURES["per_step"]: (
-        "The mean rule per sampling rate: one step",
+        "Figure 3a: the mean rule per sampling rate, one step",
         "The per-step Rényi DP of the mean update rule at each sampling rate q, one panel per controlled design "
         "(two fixed checkpoints analysed as one step at every q, and one run per q trained for the same number of "
         "steps). Medians over the points with 95% intervals, the certified bound's 10-90% band shaded, next to the "
         "mean rule's data-independent baseline and the sum rule at the same weights and σ. Rényi bounds have no δ."),
     RATE_FIGURES["composed"]: (
-        "The mean rule per sampling rate: ε over the whole run",
+        "Figure 3b: the mean rule per sampling rate, ε over the whole run",
         "ε at δ = {delta} over the whole run per sampling rate, per design, with the per-step values held between "
         "checkpoints: held-Δ* estimates, not bounds (accounting.md §4). They also change with the number of steps "
         "and σ at each q, so they do not judge GLA's claim; figure 3c does."),
     RATE_FIGURES["ratios"]: (
-        "The mean rule per sampling rate: per step relative to its baseline",
+        "Figure 3c: the mean rule per sampling rate, per step relative to its baseline",
         "GLA's sampling-rate claim: the per-step data-dependent value divided by the mean rule's own baseline "
         "should fall as q grows. Each point is a median ratio with its 95% interval, for the certified bound and "
-        "the Monte Carlo estimate; a step up in q supports the claim where both intervals fall apart downwards."),
+        "the Monte Carlo estimate; a step up in q supports the claim where both intervals fall apart downwards. "
+        "Rényi bounds have no δ."),
     CURVES_FIGURE: (
-        "Composed ε over training of a few points",
+        "Figure 4: composed ε over training of a few points",
         "Composed ε at δ = {delta} after every step for an easy, a median, a misclassified point and the point whose "
         "held-Δ* estimate falls furthest below its bound. Solid: Δ* at every step, a bound along the run; "
         "dashed: Δ* held between the checkpoints marked on the step axis, a held-Δ* estimate. The dashed black line is the "
         "worst case: a point whose gradient is clipped at every step follows it, and a curve flattens where the "
         "point's gradient norm falls far below Γ."),
     INDIVIDUAL_FIGURE: (
-        "Individual accounting: ε against loss, per class, by accountant",
+        "Figure 5: individual accounting, ε against loss, per class, by accountant",
         "Left: every point's composed ε (δ = {delta}) against its final training loss, with the median ε of each twelfth of the "
         "points by loss and its 95% interval (the medians stay inside the data and at or below the worst case); "
         "the Pearson r of ε and ln loss is in the title. Middle: each class's mean ε against its test accuracy. "
         "Right: the share of points at or below each ε, by accountant (RDP, PLD, and the held-Δ* estimate), "
         "with each accountant's worst case."),
     ESTIMATE_FIGURE: (
-        "The held-Δ* estimate against the bound",
+        "Figure 6: the held-Δ* estimate against the bound",
         "Each point's composed ε (δ = {delta}) from Δ* held between checkpoints (a held-Δ* estimate) against ε from "
         "Δ* at every step (the bound along the run). Points below the diagonal, in red, are points whose estimate is "
         "below their bound: a composition over checkpoints is not a bound. The title gives the relative error and the share "
         "below."),
     AUDIT_FIGURES["sum"]: (
-        "Audit of one step of the main run (sum rule)",
+        "Figure 7: audit of one step of the main run (sum rule)",
         "Each audited point's lower bound on its per-step ε at δ = {delta} (95% confidence, from simulated "
         "releases) against the accountant's upper bound. Colours are the report's groups: easy and hard are correctly classified points "
         "below / at or above the median upper bound of the correct points, then the misclassified ones. A point "
         "above the diagonal would prove its upper bound wrong; none is expected."),
     AUDIT_FIGURES["mean"]: (
-        "Audit of one step of a mean-rule run",
+        "Figure 7, mean rule: audit of one step of a mean-rule run",
         "As figure 7 (δ = {delta}), for the realised-size mean rule on the matched-steps run at the main batch size; its upper "
         "bound is the Monte Carlo estimate of the mean rule, not a certified bound."),
     MEMBERSHIP_FIGURE: (
-        "Membership inference per class, with and without DP",
+        "Figure 8: membership inference per class, with and without DP",
         "Left: the loss-threshold attack's accuracy per class (its spread over random splits) against the class's "
         "mean composed ε (δ = {delta}) of the DP run; 0.5 is chance. Right: each class's test accuracy. The legends state each "
         "model's learning rate and test accuracy: the non-private run's rate is the best of a small grid on held-out "
         "training points (never the test set), so it is trained to its own best accuracy."),
     GAP_FIGURE: (
-        "The realised-size mean rule against the sum rule's accounting",
+        "Figure 9: the realised-size mean rule against the sum rule's accounting",
         "The audit's lower bound on the per-step ε (δ = {delta}) of each point of a small mean-rule run (64 points, about 4 a "
         "batch, σ = 1), ranked, against the per-step ε the sum rule's accounting gives at the same σ and q (dashed) "
         "and the mean rule's own baseline (solid). Points above the dashed line show leakage the sum rule's "
@@ -114,14 +115,14 @@ CAPTIONS: dict[str, tuple[str, str]] = {
         "many points its final model gets right against chance, and how far its weights moved against the most its "
         "clipped gradients could move them."),
     GAP_BOUNDS_FIGURE: (
-        "Audit of the small mean-rule run: lower against upper bounds",
+        "Figure 9, bounds: audit of the small mean-rule run, lower against upper bounds",
         "Figure 9's points, each lower bound against the mean rule's Monte Carlo estimate of its per-step ε "
         "(δ = {delta}), "
         "coloured by the report's groups. Where the misclassified group is most of the run, it is because the "
         "model has not learned (the note under the figure compares its accuracy with chance), not because those "
         "points are hard."),
     ONE_RUN_FIGURE: (
-        "One-run audit of the trained main run",
+        "Figure 10: one-run audit of the trained main run",
         "Per group of gradient canaries (norm c·Γ): the lower bounds on ε at δ = {delta} over the whole run from the "
         "canaries (two statistics; the f-DP family bounds, which assume the subsampled-Gaussian shape), the same test on the idealised mechanism, and the RDP and PLD upper bounds for a point of that "
         "sensitivity, with the test's cap as a dashed tick. A lower bar above an upper one would be a violation "
