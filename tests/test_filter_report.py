@@ -5,6 +5,7 @@ per class and per group) against a count of filter_points.csv, every point's com
 report's rules on the written report.md."""
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -178,3 +179,22 @@ def test_the_written_report_keeps_the_rules(filtered):
         assert (workdir / "figures" / "filt" / figure.file).read_bytes()[:4] == b"\x89PNG", figure.file
     assert {filter_findings.FIGURES[key] for key in ("class", "group", "guarantee")} <= {
         figure.file for figure in document.figures}
+
+
+@pytest.mark.parametrize("total, expected", [
+    # T_u = 10, cap 30: the later leavers (11..29 steps) in four ranges.
+    (30, [("fewer than T_u", 1), ("T_u (where uniform DP-SGD stops)", 2), ("11–15", 1), ("16–19", 0),
+          ("20–24", 1), ("25–29", 1), ("30 (stayed to the cap)", 2)]),
+    # A cap one step past T_u: no later range.
+    (11, [("fewer than T_u", 1), ("T_u (where uniform DP-SGD stops)", 2), ("11 (stayed to the cap)", 2)]),
+])
+def test_the_table_of_leaving_steps_counts_each_range(total, expected):
+    trained = np.array([7, 10, 10, 12, 22, 29, total, total]) if total == 30 else np.array([7, 10, 10, 11, 11])
+    left = np.where(trained < total, trained + 1, np.nan)
+    count = len(trained)
+    filtered = filter_findings.FilterRun(SimpleNamespace(total_steps=total), 2.0, 1e-5, 10, 3.0, np.arange(count),
+                                         trained, left, np.full(count, 3.0), np.full(count, 2.0), None)
+    rows = filter_findings.leaving_rows(filtered)
+    assert [(row[0], int(row[2])) for row in rows] == [pair for pair in expected if pair[1] or "fewer" not in pair[0]]
+    assert sum(int(row[2]) for row in rows) == count
+    assert rows[-1][1] == "–" and rows[1][1] == "11"

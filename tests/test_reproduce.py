@@ -228,7 +228,7 @@ def test_the_filtered_run_against_uniform_dp_sgd(image_runs):
     # The test accuracies are the trainer's own at those checkpoints.
     for column, run, step in ((1, uniform, main.total_steps), (2, filtered, main.total_steps)):
         payload = torch.load(workdir / "models" / run.run / f"step_{step:07d}.pt", weights_only=True)
-        assert rows[f"test accuracy at step T = {main.total_steps}"][column] == f"{payload['test_accuracy']:.4g}"
+        assert rows[f"test accuracy at step T = {main.total_steps}"][column] == f"{payload['test_accuracy']:.4f}"
     headline = [row for row in report_markdown.summary_rows(report) if row["report"] == "[20](#filter-run)"]
     assert len(headline) == 3
 

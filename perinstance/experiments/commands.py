@@ -132,9 +132,10 @@ CAPTIONS: dict[str, tuple[str, str]] = {
     FILTER_FIGURES["training"]: (
         "The individual filter: points still training, per class",
         "The filtered run at the main run's σ and q, every point's budget the main run's ε at δ = {delta}: the number "
-        "of points of each class still in the training set at each step, against the step where uniform DP-SGD at "
-        "the same ε stops (dashed; the main run's T). A point leaves once its next charge would pass its budget; the "
-        "classes whose lines fall furthest lose most of their points for the steps past it."),
+        "of points of each class still in the training set at each step, against T_u (dashed), the steps uniform "
+        "DP-SGD at the same ε takes, after which a point charged at Γ at every step leaves. A point leaves once its "
+        "next charge would pass its budget; the classes whose lines fall furthest lose most of their points for the "
+        "steps past T_u."),
     FILTER_FIGURES["guarantee"]: (
         "The individual filter: composed ε against the guarantee",
         "The share of the filtered run's points at or below each composed ε along the run at δ = {delta} (certified, "

@@ -137,9 +137,11 @@ def leaving_rows(filtered: FilterRun) -> tuple[tuple[str, ...], ...]:
     stayed = filtered.stayed
     ranges = [("fewer than T_u", ~stayed & (trained < uniform)), ("T_u (where uniform DP-SGD stops)",
                                                                   ~stayed & (trained == uniform))]
-    edges = np.unique(np.linspace(uniform + 1, total, LATER_RANGES + 1).round().astype(int))
+    # The later leavers trained T_u + 1 .. T − 1 steps (a point that trained T stayed); none where the cap is that close.
+    edges = np.unique(np.linspace(uniform + 1, total, LATER_RANGES + 1).round().astype(int)) if uniform + 1 < total \
+        else np.zeros(0, dtype=int)
     for first, after in zip(edges[:-1], edges[1:], strict=False):
-        last = after - 1 if after < total else total - 1
+        last = after - 1
         ranges.append((f"{first}–{last}" if last > first else str(first),
                        ~stayed & (trained >= first) & (trained <= last)))
     ranges.append((f"{total} (stayed to the cap)", stayed))

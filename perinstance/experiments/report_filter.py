@@ -57,10 +57,10 @@ def filter_findings(config: ReproduceConfig, comparison: dict | None) -> tuple[l
 def accuracy_verdict(change: intervals.Interval) -> str:
     """Whether the filter's test accuracy is above or below uniform DP-SGD's, from the change's interval (§10)."""
     if change.low > 0:
-        return "is higher"
+        return "is higher than"
     if change.high < 0:
-        return "is lower"
-    return "shows no difference at this precision"
+        return "is lower than"
+    return "shows no difference at this precision from"
 
 
 def filter_run_finding(config: ReproduceConfig, comparison: dict) -> Finding:
@@ -77,8 +77,8 @@ def filter_run_finding(config: ReproduceConfig, comparison: dict) -> Finding:
              f"{guarantee_text(filtered)} (its guarantee)")]
     accuracy = comparison["accuracy"]
     if accuracy is not None:
-        rows += [(f"test accuracy at step T = {steps}", number(accuracy["uniform"], 4), number(accuracy["at_steps"], 4)),
-                 (f"test accuracy at the cap ({cap})", EMPTY, number(accuracy["at_cap"], 4)),
+        rows += [(f"test accuracy at step T = {steps}", f"{accuracy['uniform']:.4f}", f"{accuracy['at_steps']:.4f}"),
+                 (f"test accuracy at the cap ({cap})", EMPTY, f"{accuracy['at_cap']:.4f}"),
                  ("filter − uniform, test accuracy at step T [95% interval]", EMPTY,
                   percent(accuracy["change_at_steps"])),
                  (CHANGE_AT_CAP, EMPTY, percent(accuracy["change_at_cap"]))]
@@ -97,9 +97,9 @@ def filter_run_finding(config: ReproduceConfig, comparison: dict) -> Finding:
         takeaway = (f"At the same σ, q and ε the filter trained {share_text(past)} of the points past step {steps}, "
                     "each within its guarantee.")
     else:
-        takeaway = (f"At the same σ, q and ε the filter trained {share_text(past)} of the points past step {steps}; "
-                    f"against uniform DP-SGD's at step {steps}, its test accuracy at the cap "
-                    f"{accuracy_verdict(accuracy['change_at_cap'])}: {percent(accuracy['change_at_cap'])}.")
+        takeaway = (f"At the same σ, q and ε the filter trained {share_text(past)} of the points past step {steps}, "
+                    f"and its test accuracy at the cap {accuracy_verdict(accuracy['change_at_cap'])} uniform "
+                    f"DP-SGD's at step {steps}: {percent(accuracy['change_at_cap'])}.")
     if above:
         takeaway = (f"FAULT: {of(above, len(left))} points have a composed ε above their guarantee, which the "
                     "filter's charges make impossible.")
