@@ -95,7 +95,7 @@ def test_the_counts_of_points_that_left_are_the_records(filtered):
     counts = {row[0]: int(row[2].replace(",", "")) for row in finding.table.rows}
     assert sum(counts.values()) == len(record)
     assert counts["40 (stayed to the cap)"] == np.sum(~left)
-    assert counts["T_u (where uniform DP-SGD stops)"] == np.sum(left & (trained == uniform))
+    assert counts[f"{uniform} (T_u, where uniform DP-SGD stops)"] == np.sum(left & (trained == uniform))
     for label, count in counts.items():
         found = re.fullmatch(r"(\d+)–(\d+)", label)
         if found:
@@ -183,10 +183,10 @@ def test_the_written_report_keeps_the_rules(filtered):
 
 @pytest.mark.parametrize("total, expected", [
     # T_u = 10, cap 30: the later leavers (11..29 steps) in four ranges.
-    (30, [("fewer than T_u", 1), ("T_u (where uniform DP-SGD stops)", 2), ("11–15", 1), ("16–19", 0),
+    (30, [("fewer than 10", 1), ("10 (T_u, where uniform DP-SGD stops)", 2), ("11–15", 1), ("16–19", 0),
           ("20–24", 1), ("25–29", 1), ("30 (stayed to the cap)", 2)]),
     # A cap one step past T_u: no later range.
-    (11, [("fewer than T_u", 1), ("T_u (where uniform DP-SGD stops)", 2), ("11 (stayed to the cap)", 2)]),
+    (11, [("fewer than 10", 1), ("10 (T_u, where uniform DP-SGD stops)", 2), ("11 (stayed to the cap)", 2)]),
 ])
 def test_the_table_of_leaving_steps_counts_each_range(total, expected):
     trained = np.array([7, 10, 10, 12, 22, 29, total, total]) if total == 30 else np.array([7, 10, 10, 11, 11])

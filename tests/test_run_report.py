@@ -210,7 +210,7 @@ def test_tracked_points_get_their_bound_and_the_others_the_held_estimate(synthet
                                accountant_eps(ratios / config.clip_bound, config, float(points["delta"].iloc[0])),
                                rtol=1e-6)
     summary = dict(document.summary.rows)
-    assert summary["what each point's composed ε is"].startswith("held estimate")
+    assert summary["what each point's composed ε is"].startswith("held-Δ* estimate")
     # The held-below table: the tracked points whose held estimate falls furthest below their bound, relative to it.
     held_below = next(finding for finding in document.findings if finding.key == "points-held-below-bound")
     shortfall = ((points["eps_rdp"] - points["eps_held"]) / points["eps_rdp"])[tracked]
@@ -257,8 +257,8 @@ window.addEventListener("load", () => {
   probe.id = "probe";
   probe.textContent = JSON.stringify({images: images.length,
     loaded: images.filter((image) => image.complete && image.naturalWidth > 0).length,
-    summary: document.querySelector("#summary + table") !== null,
-    summaryRows: document.querySelectorAll("#summary + table tbody tr").length});
+    summary: document.querySelector("#summary + div.table table") !== null,
+    summaryRows: document.querySelectorAll("#summary + div.table tbody tr").length});
   document.body.appendChild(probe);
 });
 </script>"""

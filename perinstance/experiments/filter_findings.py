@@ -135,8 +135,8 @@ def leaving_rows(filtered: FilterRun) -> tuple[tuple[str, ...], ...]:
     its share of the points and that share's 95% interval."""
     trained, total, uniform = filtered.steps_trained, filtered.total_steps, filtered.uniform_steps
     stayed = filtered.stayed
-    ranges = [("fewer than T_u", ~stayed & (trained < uniform)), ("T_u (where uniform DP-SGD stops)",
-                                                                  ~stayed & (trained == uniform))]
+    ranges = [(f"fewer than {uniform}", ~stayed & (trained < uniform)),
+              (f"{uniform} (T_u, where uniform DP-SGD stops)", ~stayed & (trained == uniform))]
     # The later leavers trained T_u + 1 .. T − 1 steps (a point that trained T stayed); none where the cap is that close.
     edges = np.unique(np.linspace(uniform + 1, total, LATER_RANGES + 1).round().astype(int)) if uniform + 1 < total \
         else np.zeros(0, dtype=int)

@@ -123,6 +123,8 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     kind = point_table.composed_kind(headline["kind"].iloc[0])
     delta = float(headline["delta"].iloc[0])
     eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
+    # A filtered run's worst case is each point's guarantee (§12.3).
+    worst_name = "worst case" if record is None else "guarantee"
     names = [str(name) for name in dataset.class_names]
 
     def path(key):
@@ -130,11 +132,12 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
 
     findings, figures = [composed_finding(main, accounted, points)], []
     if class_labels:
-        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label)
+        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label,
+                                        worst_name)
         findings.append(finding)
         figures.append(figure)
     if groups is not None:
-        finding, figure = group_finding(table, eps, worst, path("group"), eps_label)
+        finding, figure = group_finding(table, eps, worst, path("group"), eps_label, worst_name)
         findings.append(finding)
         figures.append(figure)
     gallery = Gallery(table, eps, kind, names, lambda rows: display_images(dataset, points[rows], data_root), delta,
@@ -248,7 +251,7 @@ def _extremes(kind_of_group: str, names: list[str], medians: list[Interval]) -> 
 
 
 def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: list[str], class_accuracy: list[float],
-                  path: str, eps_label: str) -> tuple[Finding, Figure]:
+                  path: str, eps_label: str, worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each class with its 95% interval, beside its misclassified share and test accuracy."""
     labels = table["label"].to_numpy()
     present = [label for label in range(len(names)) if np.any(labels == label)]
@@ -259,19 +262,20 @@ def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: lis
                   f"{100 * class_accuracy[label]:.1f}%")
                  for label, member, median in zip(present, members, medians, strict=True))
     class_names = [names[label] for label in present]
-    plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label)
+    plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label,
+                       worst_label=f"{worst_name} ε")
     finding = Finding("points-per-class", "Per class", _extremes("class", class_names, medians),
                       Table(("class", "training points", "median composed ε [95% interval]",
                              "misclassified by the final model", "test accuracy"), rows),
                       figures=(os.path.basename(path),))
     return finding, Figure(os.path.basename(path), "Composed ε per class",
                            "Each class's median composed ε (dot) with its 95% interval over the class's points (bar), "
-                           "against the worst case (dashed). Classes whose bars do not overlap differ at this "
+                           f"against the {worst_name} (dashed). Classes whose bars do not overlap differ at this "
                            "precision.")
 
 
-def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
-                  eps_label: str) -> tuple[Finding, Figure]:
+def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str, eps_label: str,
+                  worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each group of --groups with its 95% interval (Yu et al.'s fairness question)."""
     grouped = table["group"]
     names = sorted(grouped.dropna().unique())
@@ -281,7 +285,8 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
                   percent_text(intervals.share_interval(at_worst_case(eps[member], worst))))
                  for name, member, median in zip(names, members, medians, strict=True))
     outside = int(grouped.isna().sum())
-    plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label)
+    plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label,
+                       worst_label=f"{worst_name} ε")
     finding = Finding("points-per-group", "Per group", _extremes("group", names, medians),
                       Table(("group", "points", "median composed ε [95% interval]",
                              "points at the worst case [95% interval]"), rows),
@@ -289,7 +294,7 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
                       note=f"{outside:,} points are in no group." if outside else "")
     return finding, Figure(os.path.basename(path), "Composed ε per group",
                            "Each group's median composed ε (dot) with its 95% interval over the group's points (bar), "
-                           "against the worst case (dashed): groups whose bars do not overlap differ at this "
+                           f"against the {worst_name} (dashed): groups whose bars do not overlap differ at this "
                            "precision.")
 
 
