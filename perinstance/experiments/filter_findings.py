@@ -18,8 +18,8 @@ import pandas as pd
 
 import perinstance
 from perinstance.accounting import individual_filter, intervals, rdp_composition
-from perinstance.accounting.intervals import Interval
 from perinstance.accounting.mechanism import Mechanism
+from perinstance.experiments.report_cells import more_link, percent
 from perinstance.files import results, storage
 from perinstance.plots.document import Figure, Finding, Table
 from perinstance.plots.filter_plots import plot_eps_against_guarantee, plot_points_training
@@ -29,18 +29,13 @@ from perinstance.train.runs import RunConfig
 
 FIGURES = {"class": "filter_points_training_per_class.png", "group": "filter_points_training_per_group.png",
            "guarantee": "filter_eps_against_guarantee.png"}
-MORE = "docs/findings.md#{anchor}"
 # Step ranges between T_u and the cap that the table of leaving steps splits the later leavers into.
 LATER_RANGES = 4
 
 
-def more(anchor: str) -> str:
-    return MORE.format(anchor=anchor)
-
-
-def percent_text(interval: Interval) -> str:
-    """'12.3% [11.6%, 13%]': a share with its 95% interval."""
-    return f"{100 * interval.estimate:.3g}% [{100 * interval.low:.3g}%, {100 * interval.high:.3g}%]"
+def share_text(holds: np.ndarray) -> str:
+    """'78.6% [77.8%, 79.6%]': the share of the points where `holds`, with its 95% interval (§10)."""
+    return percent(intervals.share_interval(holds), sign="")
 
 
 @dataclass(frozen=True)
@@ -151,7 +146,7 @@ def leaving_rows(filtered: FilterRun) -> tuple[tuple[str, ...], ...]:
             continue
         left = filtered.left_step[members]
         rows.append((label, "–" if stayed[members].all() or not members.any() else span(left),
-                     f"{int(members.sum()):,}", percent_text(intervals.share_interval(members))))
+                     f"{int(members.sum()):,}", share_text(members)))
     return tuple(rows)
 
 
@@ -160,9 +155,8 @@ def leaving_finding(filtered: FilterRun) -> Finding:
     training past T_u."""
     count = len(filtered.points)
     left = ~filtered.stayed
-    past = intervals.share_interval(filtered.past_uniform)
     takeaway = (f"{int(left.sum()):,} of the {count:,} points left before the cap of {filtered.total_steps} steps, "
-                f"and {percent_text(past)} trained past step {filtered.uniform_steps}, where uniform DP-SGD at the "
+                f"and {share_text(filtered.past_uniform)} trained past step {filtered.uniform_steps}, where uniform DP-SGD at the "
                 "same σ, q and worst-case ε stops.")
     return Finding(
         "filter-left", "Points that left the training set, and when", takeaway,
@@ -172,14 +166,14 @@ def leaving_finding(filtered: FilterRun) -> Finding:
                     f"(individual_filter.uniform_steps: the steps a point charged at Γ at every step trains within "
                     f"the smallest budget); cap T = {filtered.total_steps}"),
         note="A point trained s steps is in the training set at steps 1 to s and leaves at step s + 1.",
-        more=more("filter-left"))
+        more=more_link("filter-left"))
 
 
 def breakdown_rows(filtered: FilterRun, names: list[str], members: list[np.ndarray]) -> tuple[tuple[str, ...], ...]:
     rows = []
     for name, member in zip(names, members, strict=True):
-        rows.append((name, f"{int(member.sum()):,}", percent_text(intervals.share_interval(filtered.past_uniform[member])),
-                     percent_text(intervals.share_interval(filtered.stayed[member])),
+        rows.append((name, f"{int(member.sum()):,}", share_text(filtered.past_uniform[member]),
+                     share_text(filtered.stayed[member]),
                      interval_text(intervals.median_interval(filtered.steps_trained[member]), 4)))
     return tuple(rows)
 
@@ -197,8 +191,8 @@ def breakdown_finding(filtered: FilterRun, kind_of_group: str, names: list[str],
                     f"{100 * estimates[high]:.3g}%.")
     else:
         takeaway = (f"The {kind_of_group} that keeps most of its points to the cap is {names[high]} "
-                    f"({percent_text(stayed[high])}), the one that keeps fewest {names[low]} "
-                    f"({percent_text(stayed[low])}).")
+                    f"({percent(stayed[high], sign='')}), the one that keeps fewest {names[low]} "
+                    f"({percent(stayed[low], sign='')}).")
     key = "class" if kind_of_group == "class" else "group"
     title = f"Points still training, per {kind_of_group}" + (" (--groups)" if key == "group" else "")
     plot_points_training(names, [filtered.still_training(member) for member in members], filtered.uniform_steps,
@@ -209,7 +203,7 @@ def breakdown_finding(filtered: FilterRun, kind_of_group: str, names: list[str],
                f"stayed to the cap ({filtered.total_steps}) [95% interval]", "median steps trained [95% interval]"),
               breakdown_rows(filtered, names, members),
               title="Each interval is over the " + kind_of_group + "'s own points"),
-        figures=(os.path.basename(path),), more=more("filter-left"))
+        figures=(os.path.basename(path),), more=more_link("filter-left"))
     return finding, Figure(os.path.basename(path), title,
                            f"The number of points of each {kind_of_group} still in the training set at each step "
                            f"(a point leaves once its next charge would pass its budget), with the step "
@@ -253,7 +247,7 @@ def guarantee_finding(filtered: FilterRun, path: str) -> tuple[Finding, Figure]:
                     "composed ε along this run's (§4), from the bounds each point was clipped at (§12.4)"),
         figures=(os.path.basename(path),),
         note="By RDP the composition includes λ_f, at which a point's charges sum to at most its budget.",
-        more=more("filter-guarantee"))
+        more=more_link("filter-guarantee"))
     return finding, Figure(os.path.basename(path), "Composed ε against the guarantee",
                            f"The share of points at or below each composed ε at δ = {filtered.delta:g} along this "
                            f"run (certified; by RDP{'' if filtered.eps_pld is None else ' and PLD'}), against each "
@@ -265,25 +259,25 @@ def guarantee_finding(filtered: FilterRun, path: str) -> tuple[Finding, Figure]:
 def uniform_finding(filtered: FilterRun) -> Finding:
     """Against uniform DP-SGD at the same σ, q and worst-case ε: it stops after T_u steps with every point at its
     ε; the filter trains to the cap, each point within its guarantee, with the composed ε shown."""
-    past = intervals.share_interval(filtered.past_uniform)
+    past = share_text(filtered.past_uniform)
     median = intervals.median_interval(filtered.eps_rdp)
     steps = intervals.median_interval(filtered.steps_trained)
     rows = (("steps", str(filtered.uniform_steps), f"{filtered.total_steps} (the cap)"),
             ("steps a point trains, median [95% interval]", str(filtered.uniform_steps), interval_text(steps, 4)),
-            ("points trained past step T_u [95% interval]", "0%", percent_text(past)),
+            ("points trained past step T_u [95% interval]", "0%", past),
             ("ε of every point (data-independent)", f"{filtered.uniform_eps:.4g}", guarantee_text(filtered)),
             ("composed ε along the run, median [95% interval]", "–", interval_text(median, 4)))
     return Finding(
         "filter-uniform", "Against uniform DP-SGD at the same worst-case ε",
         f"Uniform DP-SGD at this σ and q stops after {filtered.uniform_steps} steps with every point at ε = "
-        f"{filtered.uniform_eps:.4g}; the filter trained {percent_text(past)} of the points past that step, each "
+        f"{filtered.uniform_eps:.4g}; the filter trained {past} of the points past that step, each "
         f"within its guarantee.",
         Table(("", "uniform DP-SGD", "individual filter (this run)"), rows,
               title=f"Same σ = {filtered.run.noise_multiplier:.4g} and q = {filtered.run.sample_rate:.4g}; ε at "
                     f"δ = {filtered.delta:g}, uniform DP-SGD's by RDP over the composition's orders and λ_f, the "
                     f"filter's guarantee at λ_f = {filtered.order:g}"),
         note="Whether the extra steps buy accuracy is a question for a held-out split, not for this table.",
-        more=more("filter-uniform"))
+        more=more_link("filter-uniform"))
 
 
 def left_first_rows(filtered: FilterRun, losses: np.ndarray, size: int) -> np.ndarray:

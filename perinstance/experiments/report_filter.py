@@ -9,7 +9,7 @@ import numpy as np
 from perinstance.accounting import intervals
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.experiments.config import ReproduceConfig
-from perinstance.experiments.filter_findings import guarantee_text
+from perinstance.experiments.filter_findings import guarantee_text, share_text
 from perinstance.experiments.report_cells import (
     BOUND,
     EMPTY,
@@ -30,11 +30,6 @@ CHANGE_AT_CAP = "filter − uniform, test accuracy at the cap [95% interval]"
 PAST_UNIFORM = "points trained past uniform DP-SGD's last step [95% interval]"
 ABOVE_GUARANTEE = "points whose composed ε passes their guarantee"
 MEASURED = "measured on the test points (one seed)"
-
-
-def share_text(holds: np.ndarray) -> str:
-    """'78.6% [77.8%, 79.6%]': a share of points with its 95% interval."""
-    return percent(intervals.share_interval(holds), sign="")
 
 
 def filter_findings(config: ReproduceConfig, comparison: dict | None) -> tuple[list[Finding], list[Headline]]:

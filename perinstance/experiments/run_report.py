@@ -18,6 +18,7 @@ from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.intervals import Interval
 from perinstance.experiments import filter_findings, point_table
 from perinstance.experiments.main_run import Accounted, MainRun
+from perinstance.experiments.report_cells import more_link, percent
 from perinstance.persample import batches
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
@@ -75,7 +76,7 @@ class PointReport:
 
 def percent_text(interval: Interval) -> str:
     """'12.3% [11.6%, 13%]': a share with its 95% interval."""
-    return f"{100 * interval.estimate:.3g}% [{100 * interval.low:.3g}%, {100 * interval.high:.3g}%]"
+    return percent(interval, sign="")
 
 
 def at_worst_case(eps: np.ndarray, worst: float | np.ndarray) -> np.ndarray:
@@ -401,7 +402,7 @@ class Gallery:
         finding = Finding("filter-left-first", title,
                           f"They left at step{'' if '–' not in steps else 's'} {steps}; {wrong} of the {len(chosen)} "
                           "are misclassified by the final model.", table,
-                          figures=() if figure is None else (figure.file,), more=filter_findings.more("filter-left"),
+                          figures=() if figure is None else (figure.file,), more=more_link("filter-left"),
                           note=f"{ties:,} points left at step {last:.0f}: of them, those of highest final loss are "
                                "shown." if ties > int(np.sum(filtered.left_step[chosen] == last)) else "")
         return finding, figure
