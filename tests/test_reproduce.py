@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import report_markdown
+import torch
 from conftest import assert_usage_error, run_in_process, snapshot
 from PIL import Image
 from scipy.special import logit
@@ -15,8 +16,9 @@ from scipy.stats import binom
 
 from perinstance.accounting import one_run_audit
 from perinstance.accounting.intervals import FALLS, NO_DIFFERENCE, RISES
-from perinstance.experiments import main_run, one_run, report_audits, run_report
-from perinstance.experiments.commands import CAPTIONS, FIGURES, ONE_RUN_FIGURE
+from perinstance.errors import UsageError
+from perinstance.experiments import main_run, one_run, report_audits, report_filter, run_report
+from perinstance.experiments.commands import CAPTIONS, FIGURES, FILTER_FIGURES, ONE_RUN_FIGURE
 from perinstance.experiments.config import (
     MAIN_RUN_FIELDS,
     MEAN_RULE_FIELDS,
@@ -29,6 +31,7 @@ from perinstance.experiments.config import (
 from perinstance.experiments.report import figures_drawn, report_figures
 from perinstance.experiments.sampling_rates import FIXED_WHOLE_RUN, MATCHED_WHOLE_RUN
 from perinstance.files import storage
+from perinstance.train.runs import load_run
 
 # The tiny preset on a small image folder instead of its synthetic points (a dataset override),
 # with the sizes that need more points than the folder has overridden too.
@@ -109,15 +112,17 @@ def test_report_states_findings_with_numbers(image_runs):
     # matched steps) and GLA's claim judged on them; four of composition; the audits (sum rule, mean rule, the
     # realised-size mean rule's gap), the membership attack, and the one-run audit (a finding per canary group, what
     # it can show, the realised-size mean rule's canaries against the sum rule's accounting).
-    # Then the main run's points (run_report.per_point_report): its galleries, classes and points.csv.
-    points = [finding["key"] for finding in found[19:]]
+    # Then the individual filter against uniform DP-SGD, and the main run's points (run_report.per_point_report):
+    # its galleries, classes and points.csv.
+    points = [finding["key"] for finding in found[20:]]
     assert points and all(key.startswith("points-") for key in points), points
-    found = found[:19]
-    assert [finding["number"] for finding in found] == list(range(1, 20))
+    found = found[:20]
+    assert [finding["number"] for finding in found] == list(range(1, 21))
     assert [finding["key"] for finding in found] == [
         "per-step-eps", "misclassified", "mean-rule-early", "mean-rule-final", "mean-rule-matched", "gla-claim",
         "composed-eps", "accountants", "loss-and-class", "held-estimate", "audit-sum", "audit-mean", "mean-rule-gap",
-        "membership", "one-run-c0-1", "one-run-c0-3", "one-run-c1", "one-run-scope", "mean-rule-gap-canaries"]
+        "membership", "one-run-c0-1", "one-run-c0-3", "one-run-c1", "one-run-scope", "mean-rule-gap-canaries",
+        "filter-run"]
     for finding in found:
         assert finding["tables"] and any(re.search(r"\d", cell) for cell in report_markdown.cells(finding)), finding
         assert "More: [docs/findings.md#" in "\n".join(finding["lines"]), finding["key"]
@@ -143,7 +148,7 @@ def test_report_states_findings_with_numbers(image_runs):
     steps = sum(len(design["tables"][3][0]) - 1 for design in designs)
     assert len(claim["tables"][0]) == steps + 1
     interval = re.compile(r"-?[\d.e+-]+%? \[-?[\d.e+-]+%?, -?[\d.e+-]+%?\]")
-    for finding in (found[0], found[1], found[6], found[7], found[8], found[9], found[13]):
+    for finding in (found[0], found[1], found[6], found[7], found[8], found[9], found[13], found[19]):
         assert any(interval.fullmatch(cell) for cell in report_markdown.cells(finding)), finding["key"]
     accountants = {row[0]: row for row in found[7]["tables"][0][1:]}
     assert {"RDP", "PLD"} <= set(accountants)
@@ -194,6 +199,52 @@ def test_report_html_beside_report_md(image_runs):
     # Every figure the Markdown shows is inlined in the page: the reproduction's own and the main run's galleries.
     shown = [line for line in report.splitlines() if line.startswith("![")]
     assert len(shown) > len(FIGURES) and page.count('<img src="data:image/png;base64,') == len(shown)
+
+
+def test_the_filtered_run_against_uniform_dp_sgd(image_runs):
+    """The main job's individual filter (filtered_run.py, report_filter.py): trained at the main run's σ and δ with its
+    ε as every budget to 2·T, against the main run retrained without canaries; its numbers against the runs' own
+    files."""
+    workdir, _, runs = image_runs
+    report = runs["first"][1]
+    finding = {finding["key"]: finding for finding in report_markdown.findings(report)}["filter-run"]
+    (main, filtered, uniform) = (load_run(str(next((workdir / "models").glob(f"*-{suffix}"))))
+                                 for suffix in ("sum", "filter", "uniform"))
+    assert filtered.noise_multiplier == uniform.noise_multiplier == main.noise_multiplier and not uniform.canaries
+    assert filtered.total_steps == 2 * main.total_steps and filtered.measure_every == PRESETS["tiny"].filter_every
+    assert filtered.point_filter["budget_eps"] == PRESETS["tiny"].eps and filtered.delta == main.delta
+    assert main.total_steps in filtered.checkpoint_steps
+    trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
+    assert sum("--budget-eps 10.0 " in line and f"--sigma {main.noise_multiplier!r} " in line for line in trainings) == 1
+    rows = {row[0]: row for row in finding["tables"][0][1:]}
+    record = pd.read_csv(workdir / "models" / filtered.run / "filter_points.csv")
+    left = record["left_step"].notna()
+    assert rows["points that left before the cap"][2] == f"{left.sum()} of {len(record)}"
+    past = (record["steps_active"] > main.total_steps).mean()
+    assert rows["points trained past uniform DP-SGD's last step [95% interval]"][2].startswith(f"{100 * past:.3g}% [")
+    assert rows["points whose composed ε passes their guarantee"][2] == f"0 of {len(record)}"
+    composed = main_run.guarantees(pd.read_csv(workdir / "res" / f"{filtered.run}_compo.csv"), ["point"])
+    assert np.all(composed["eps"] <= composed["guarantee_eps"])
+    # The test accuracies are the trainer's own at those checkpoints.
+    for column, run, step in ((1, uniform, main.total_steps), (2, filtered, main.total_steps)):
+        payload = torch.load(workdir / "models" / run.run / f"step_{step:07d}.pt", weights_only=True)
+        assert rows[f"test accuracy at step T = {main.total_steps}"][column] == f"{payload['test_accuracy']:.4f}"
+    headline = [row for row in report_markdown.summary_rows(report) if row["report"] == "[20](#filter-run)"]
+    assert len(headline) == 3
+
+
+def test_a_preset_without_a_filtered_run_says_so():
+    assert PRESETS["mnist"].filter_cap == PRESETS["cifar10"].filter_cap == 0
+    skipped = dataclasses.replace(PRESETS["tiny"], filter_cap=0.0)
+    assert not set(FILTER_FIGURES.values()) & set(figures_drawn(skipped))
+    assert set(FILTER_FIGURES.values()) <= set(figures_drawn(PRESETS["tiny"]))
+    (finding,), headlines = report_filter.filter_findings(skipped, None)
+    assert finding.key == "filter-run" and finding.takeaway.startswith("Not run: filter_cap = 0") and not headlines
+    for value, fragment in (("0.5", "at least 1"), ("-1", "at least 1")):
+        with pytest.raises(UsageError, match=fragment):
+            check_config(apply_overrides(PRESETS["tiny"], [f"filter_cap={value}"]))
+    with pytest.raises(UsageError, match="filter_every=0"):
+        check_config(apply_overrides(PRESETS["tiny"], ["filter_every=0"]))
 
 
 def test_one_run_audit_of_the_tiny_preset(image_runs):
@@ -247,10 +298,11 @@ def test_report_reflects_the_dataset_override(image_runs):
     assert "| `num_batches` | `64` |" in report  # not overridden: the preset's value, unmarked
     trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
     # The main run, one mean-rule run per batch size, the small runs of the gap audit and of its one-run audit (the
-    # dataset's first points, the second with canaries), and the non-private runs of the membership attack: one per
-    # learning rate of the grid on the points less the held-out fifth (the first 77 of 96), then the chosen one.
+    # dataset's first points, the second with canaries), the non-private runs of the membership attack: one per
+    # learning rate of the grid on the points less the held-out fifth (the first 77 of 96), then the chosen one; and
+    # the filtered run with its uniform reference (the main run without canaries).
     grid = PRESETS["tiny"].nodp_lrs
-    assert len(trainings) == 6 + len(grid) and all(f"{dataset} " in line for line in trainings)
+    assert len(trainings) == 8 + len(grid) and all(f"{dataset} " in line for line in trainings)
     assert sum(f"--dataset first:32:{dataset} " in line for line in trainings) == 2
     assert sum(f"--dataset first:77:{dataset} " in line and "--no-dp" in line for line in trainings) == len(grid)
     assert sum("--canaries" in line for line in trainings) == 2
@@ -287,10 +339,10 @@ def test_rerun_reuses_everything(image_runs):
     assert uncached_accountants(runs["again"][1]) == []
     # Four accountants of the main run; per checkpoint of the fixed-checkpoint design its measurement and one
     # accountant per rate; four accountants per mean-rule run; three audits and the membership attack; the one-run
-    # audits of the main run and of the gap run with canaries.
+    # audits of the main run and of the gap run with canaries; the filtered run's composition.
     rates = len(PRESETS["tiny"].fixed_sample_rates)
     assert sum(line.endswith("  # cached") for line in report_command_lines(runs["again"][1])) == (
-        4 + 2 * (1 + rates) + 4 * 2 + 4 + 2)
+        4 + 2 * (1 + rates) + 4 * 2 + 4 + 2 + 1)
     assert runs["again"][2] == runs["first"][2]
 
 
@@ -391,11 +443,16 @@ def test_tiny_preset_without_canaries(tmp_path):
     assert not any("one-run audit" in row["finding"] for row in report_markdown.summary_rows(report))
     commands = report_commands(report)
     assert not [line for line in commands if line.startswith("python compute_sensitivity.py") and "-sum " in line]
-    composed = [line for line in commands if line.startswith("python renyi_per_instance_sum_compo.py --res-file models/")]
+    composed = [line for line in commands if line.startswith("python renyi_per_instance_sum_compo.py --res-file models/")
+                and "-filter/" not in line]
     assert len(composed) == 3 and all("tracked_norms.csv" in line for line in composed)
     assert sum("--steps 0,1,2,4,8,16,24,32 " in line for line in composed) == 1
     assert "canaries against the sum rule's accounting" in findings[15]["title"]
-    assert all(finding["key"].startswith("points-") for finding in findings[16:])
+    # Without canaries the main run is the uniform run the filtered run is compared with.
+    assert findings[16]["key"] == "filter-run" and "uniform DP-SGD: the main run (`tiny-synthetic-" in "\n".join(
+        findings[16]["lines"])
+    assert not [line for line in commands if line.startswith("python train_dpsgd.py") and "-uniform " in line + " "]
+    assert all(finding["key"].startswith("points-") for finding in findings[17:])
     assert not (tmp_path / "out" / ONE_RUN_FIGURE).exists() and f"({ONE_RUN_FIGURE})" not in report
     assert "figure 10" not in report and "figure 10" not in result.stdout
     for name in figures_drawn(PRESETS["tiny"]):

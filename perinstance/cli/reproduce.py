@@ -25,6 +25,7 @@ from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument, ch
 from perinstance.experiments import (
     audits,
     figures,
+    filtered_run,
     main_run,
     membership,
     nonprivate_run,
@@ -118,7 +119,11 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     gap_canary_name = f"{name}{variant_tag(config, preset, GAP_CANARY_RUN_FIELDS)}-gap-canaries"
     attack_findings["one_run_gap"] = one_run.gap_run_audit(commands, config, gap_canary_name, device)
 
-    # 7. Figures and report.
+    # 7. The individual Rényi filter at the main run's σ, q and ε against uniform DP-SGD (skipped when filter_cap
+    # is 0).
+    attack_findings["filter"] = filtered_run.filter_comparison(commands, config, preset, name, main, out_dir, device)
+
+    # 8. Figures and report.
     with commands.timed("figures 1-6 and their numbers"):
         findings = figures.draw_figures(out_dir, config, main, accounted, mean_results, device)
     # The main run's points: points.csv, the galleries, ε per class and per group (run_report.PointReport).

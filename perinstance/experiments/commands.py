@@ -37,8 +37,11 @@ GAP_FIGURE = "9_mean_rule_gap_audit.png"
 GAP_BOUNDS_FIGURE = "9_gap_audit_bounds.png"
 # Drawn only when the main run carries canaries (canaries > 0).
 ONE_RUN_FIGURE = "10_one_run_audit.png"
+# Drawn only with a filtered run (filter_cap > 0), by filtered_run.py.
+FILTER_FIGURES = {"training": "11_filter_points_training.png", "guarantee": "11_filter_eps_against_guarantee.png"}
 FIGURES = [HISTOGRAM_FIGURE, CORRECTNESS_FIGURE, *RATE_FIGURES.values(), CURVES_FIGURE, INDIVIDUAL_FIGURE,
-           ESTIMATE_FIGURE, *AUDIT_FIGURES.values(), MEMBERSHIP_FIGURE, GAP_FIGURE, GAP_BOUNDS_FIGURE, ONE_RUN_FIGURE]
+           ESTIMATE_FIGURE, *AUDIT_FIGURES.values(), MEMBERSHIP_FIGURE, GAP_FIGURE, GAP_BOUNDS_FIGURE, ONE_RUN_FIGURE,
+           *FILTER_FIGURES.values()]
 # Per figure file: its title, and a caption that says what to look at and what it shows (the report renders both).
 CAPTIONS: dict[str, tuple[str, str]] = {
     HISTOGRAM_FIGURE: (
@@ -124,9 +127,22 @@ CAPTIONS: dict[str, tuple[str, str]] = {
     ONE_RUN_FIGURE: (
         "Figure 10: one-run audit of the trained main run",
         "Per group of gradient canaries (norm c·Γ): the lower bounds on ε at δ = {delta} over the whole run from the "
-        "canaries (two statistics; the f-DP family bounds, which assume the subsampled-Gaussian shape), the same test on the idealised mechanism, and the RDP and PLD upper bounds for a point of that "
-        "sensitivity, with the test's cap as a dashed tick. A lower bar above an upper one would be a violation "
+        "canaries (two statistics; the f-DP family bounds, which assume the subsampled-Gaussian shape), the same "
+        "test on the idealised mechanism, and the RDP and PLD upper bounds for a point of that sensitivity, with the test's cap as a dashed tick. A lower bar above an upper one would be a violation "
         "(hatched); a lower bound below says nothing about how loose the upper one is."),
+    FILTER_FIGURES["training"]: (
+        "Figure 11: the individual filter, points still training, per class",
+        "The filtered run at the main run's σ and q, every point's budget the main run's ε at δ = {delta}: the number "
+        "of points of each class still in the training set at each step, against T_u (dashed), the steps uniform "
+        "DP-SGD at the same ε takes, after which a point charged at Γ at every step leaves. A point leaves once its "
+        "next charge would pass its budget; the classes whose lines fall furthest lose most of their points for the "
+        "steps past T_u."),
+    FILTER_FIGURES["guarantee"]: (
+        "Figure 11, guarantee: the individual filter, composed ε against the guarantee",
+        "The share of the filtered run's points at or below each composed ε along the run at δ = {delta} (certified, "
+        "RDP, from the bounds each point was clipped at), against every point's guarantee (dashed: it holds over "
+        "every trajectory) and uniform DP-SGD's ε after its steps (dotted). The curve reaches 1 at or before the "
+        "guarantee: no point passes it."),
 }
 
 

@@ -74,6 +74,13 @@ class ReproduceConfig:
     canary_norms: tuple[float, ...] = (0.1, 0.3, 1.0)
     audit_significance: float = 0.05
     gap_canaries: int = 16
+    # The individual Rényi filter (docs/accounting.md §12-§13; filtered_run.py): the main run's configuration at its
+    # σ and q, every point's budget its target ε, trained to a cap of `filter_cap` × the main run's T steps (fixed
+    # before training), Δ* of every point measured every `filter_every` steps; against uniform DP-SGD at the same
+    # σ, q and ε (the main run, trained again without its canaries where it has them). 0 skips it: a filtered run
+    # measures every point, which the paper-scale presets (1,000 tracked points) do not afford.
+    filter_cap: float = 2.0
+    filter_every: int = 10
     # The accountants.
     delta: float = 1e-5  # δ of every reported (ε, δ) guarantee
     per_step_method: typing.Literal["exact", "holder"] = "exact"  # eps_delta.py --method of the sum rule (§3.3)
@@ -92,11 +99,11 @@ PRESETS = {
     "mnist": ReproduceConfig(  # paper scale, meant for a GPU
         dataset="MNIST", model="lenet5", batch_size=256, lr=2.0, epochs=20.0, eps=10.0, save_freq=100,
         track_points="random:1000", mean_batch_sizes=(64, 256, 1024, 4096), mean_points="random:1000",
-        num_batches=10_000),
+        num_batches=10_000, filter_cap=0.0),
     "cifar10": ReproduceConfig(  # paper scale, meant for a GPU
         dataset="CIFAR10", model="resnet20", batch_size=512, lr=2.0, epochs=40.0, eps=10.0, save_freq=200,
         track_points="random:1000", mean_batch_sizes=(128, 512, 2048), mean_points="random:1000",
-        num_batches=10_000),
+        num_batches=10_000, filter_cap=0.0),
     # CIFAR-10 on 2 CPU cores: a linear head trained with DP-SGD on fixed ScatterNet features (Tramèr &
     # Boneh, "Differentially Private Learning Needs Better Features (or Much More Data)", ICLR 2021).
     # For the JPEGs: --dataset scatternet:imagefolder:PATH. docs/paper-scale.md: "CIFAR-10 on a CPU".
@@ -115,6 +122,8 @@ GAP_RUN_FIELDS = ("model", "gap_points", "gap_batch_size", "gap_sigma", "gap_epo
 GAP_CANARY_RUN_FIELDS = (*GAP_RUN_FIELDS, "gap_canaries")
 # The non-private runs are named by their learning rate (and the selection's by the held-out points) besides these.
 NODP_RUN_FIELDS = ("model", "batch_size", "epochs")
+# The filtered run and its uniform reference (the main run without canaries): σ comes from eps and epochs.
+FILTER_RUN_FIELDS = ("model", "batch_size", "lr", "epochs", "eps", "save_freq", "filter_cap", "filter_every")
 
 
 def field_types() -> dict[str, type]:
@@ -240,9 +249,12 @@ def check_config(config: ReproduceConfig) -> None:
               (0 < config.audit_significance < 1,
                f"audit_significance={config.audit_significance:g}: must be in (0, 1)"),
               (config.gap_canaries == 0 or config.gap_canaries >= 2,
-               f"gap_canaries={config.gap_canaries}: 0 (no gap run with canaries) or at least 2")]
+               f"gap_canaries={config.gap_canaries}: 0 (no gap run with canaries) or at least 2"),
+              (config.filter_cap == 0 or config.filter_cap >= 1,
+               f"filter_cap={config.filter_cap:g}: 0 (no filtered run) or at least 1 (a multiple of the main run's T)")]
     checks += [(getattr(config, name) >= 1, f"{name}={getattr(config, name)}: must be >= 1")
-               for name in ("mean_checkpoints", "gap_points", "gap_batch_size", "num_batches", "audit_points")]
+               for name in ("mean_checkpoints", "gap_points", "gap_batch_size", "num_batches", "audit_points",
+                            "filter_every")]
     for holds, problem in checks:
         if not holds:
             raise UsageError("--set", problem)

@@ -62,13 +62,14 @@ class Accounted:
     """The accountants' outputs on the main run, one row per point (guarantees()): the per-step (ε, δ) at the final
     checkpoint; the headline composition of every point by RDP and by PLD; the composition from every-step Δ*
     (`bound`, the tracked points; None for a run without them) and the one holding Δ* between checkpoints
-    (`estimate`, every point: a held-Δ* estimate)."""
+    (`estimate`, every point: a held-Δ* estimate; None for a run with per-point clipping that tracked every point,
+    whose headline is a bound from its held clip bounds)."""
 
     per_step: pd.DataFrame
     composed: pd.DataFrame
     composed_pld: pd.DataFrame
     bound: pd.DataFrame | None
-    estimate: pd.DataFrame
+    estimate: pd.DataFrame | None
 
 
 def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, name: str, device: str) -> MainRun:
@@ -87,7 +88,13 @@ def measured_run(commands: Commands, run_dir: str, run_flags: list[str]) -> Main
     run = runs.load_run(run_dir)
     if tracked_rows.has_table(run_dir):
         tracked_path = tracked_rows.table_path(run_dir)
-        tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
+        if run.per_point_clipping:
+            # Its table also holds each point's clip bounds and filter budget (held_bound, filter_budget rows,
+            # accounting.md §13.6): Δ* is the grad_norm rows.
+            tracked = storage.read_frame(tracked_path, [*TRACKED_COLUMNS, "quantity"])
+            tracked = tracked[tracked["quantity"] == "grad_norm"].drop(columns="quantity").reset_index(drop=True)
+        else:
+            tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
     else:
         tracked_path, tracked = None, pd.DataFrame({column: [] for column in TRACKED_COLUMNS})
     every_point = tracked["point"].nunique() == run.dataset_size
@@ -139,23 +146,28 @@ def account_run(commands: Commands, main: MainRun, delta: float, per_step_method
     composed = account("renyi_per_instance_sum_compo.py", [*flags, *compose], "_compo", source)
     composed_pld = account("renyi_per_instance_sum_compo.py", [*flags, *compose, "--accountant", "pld"], "_compo_pld",
                            source)
-    other = None if main.tracked_path is None else \
+    # A run with per-point clipping composes the bounds training clipped at, a bound however rarely it measured
+    # (§12.4): no composition over its checkpoints stands beside it.
+    held_bounds = main.every_point and main.run.per_point_clipping
+    other = None if main.tracked_path is None or held_bounds else \
         account("renyi_per_instance_sum_compo.py", [*other_flags, *compose], other_suffix, main.tracked_path)
     bound, estimate = (composed, other) if main.every_point else (other, composed)
     return Accounted(guarantees(per_step, ["step", "point"]), guarantees(composed, ["point"]),
                      guarantees(composed_pld, ["point"]), None if bound is None else guarantees(bound, ["point"]),
-                     guarantees(estimate, ["point"]))
+                     None if estimate is None else guarantees(estimate, ["point"]))
 
 
 def guarantees(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     """An accountant's long output (one row per `kind`) as one row per `index`: `eps` the point's own value (the
     max over directions where rows have one), `kind` what it is (certified, or held_estimate where the composition
-    holds Δ* between checkpoints), `baseline_eps` the baseline, and `delta`."""
+    holds Δ* between checkpoints), `baseline_eps` the baseline, `delta`, and for a filtered run's composition
+    `guarantee_eps`, the point's guarantee at δ (accounting.md §12.3)."""
     if "direction" in rows:
         rows = rows[rows["direction"] == "max"]
     table = rows.pivot_table(index=index, columns="kind", values="eps", aggfunc="first")
     kind = next(kind for kind in (Kind.CERTIFIED, Kind.HELD_ESTIMATE, Kind.ESTIMATE) if kind in table.columns)
-    table = table.rename(columns={kind: "eps", "baseline": "baseline_eps"})[["eps", "baseline_eps"]]
+    kept = ["eps", "baseline_eps"] + (["guarantee_eps"] if Kind.GUARANTEE in table.columns else [])
+    table = table.rename(columns={kind: "eps", "baseline": "baseline_eps", Kind.GUARANTEE: "guarantee_eps"})[kept]
     return table.join(rows.groupby(index)["delta"].first()).reset_index().assign(kind=kind)
 
 

@@ -17,9 +17,11 @@ from perinstance.experiments.main_run import Accounted, MainRun
 from perinstance.files import results, storage
 
 POINTS_NAME = "points"
-# The table's columns, in order; `group` follows them with --groups.
+# The table's columns, in order; a filtered run's (FILTER_COLUMNS) follow them, then `group` with --groups.
 COLUMNS = ["point", "label", "prediction", "correct", "loss", "grad_norm", "sensitivity_ratio", "eps_rdp",
            "eps_rdp_kind", "eps_pld", "eps_pld_kind", "eps_held", "eps_step", "delta"]
+# A filtered run's: each point's guarantee at δ (accounting.md §12.3) and the step it left the training set at.
+FILTER_COLUMNS = ["eps_guarantee", "eps_guarantee_kind", "left_step"]
 GROUP_COLUMNS = ("point", "group")
 
 
@@ -93,11 +95,14 @@ def final_grad_norms(main: MainRun) -> pd.Series:
 
 
 def point_table(main: MainRun, accounted: Accounted, labels: np.ndarray, predicted: np.ndarray, losses: np.ndarray,
-                correct: np.ndarray, groups: Groups | None = None) -> pd.DataFrame:
+                correct: np.ndarray, groups: Groups | None = None,
+                left_step: pd.Series | None = None) -> pd.DataFrame:
     """The per-point table, one row per point of accounted.composed (ascending): `labels`, `predicted`, `losses`
     and `correct` are aligned with those points (the final model's, training.example_outputs). eps_rdp is the
     point's bound from Δ* at every step where the run tracked the point, else the composition holding Δ* between
-    checkpoints; eps_pld is the headline composition's by PLD; eps_held the held composition by RDP of every point."""
+    checkpoints; eps_pld is the headline composition's by PLD; eps_held the held composition by RDP of every point
+    (empty for a run with per-point clipping, whose headline is a bound from the bounds it clipped at). A filtered
+    run (`left_step`: the filter record's, by point, NaN for a point that stayed) adds FILTER_COLUMNS."""
     composed = accounted.composed.sort_values("point").set_index("point")
     points = composed.index.to_numpy()
     rdp = composed["eps"].astype(float)
@@ -114,8 +119,13 @@ def point_table(main: MainRun, accounted: Accounted, labels: np.ndarray, predict
         "grad_norm": grad_norm, "sensitivity_ratio": grad_norm / main.run.clip_bound, "eps_rdp": rdp.to_numpy(),
         "eps_rdp_kind": rdp_kind.to_numpy(), "eps_pld": pld["eps"].reindex(points).to_numpy(dtype=float),
         "eps_pld_kind": composed_kind(pld["kind"].iloc[0]),
-        "eps_held": accounted.estimate.set_index("point")["eps"].reindex(points).to_numpy(dtype=float),
+        "eps_held": np.nan if accounted.estimate is None else
+        accounted.estimate.set_index("point")["eps"].reindex(points).to_numpy(dtype=float),
         "eps_step": per_step["eps"].reindex(points).to_numpy(dtype=float), "delta": float(composed["delta"].iloc[0])})
+    if left_step is not None:
+        table["eps_guarantee"] = composed["guarantee_eps"].to_numpy(dtype=float)
+        table["eps_guarantee_kind"] = Kind.GUARANTEE.value
+        table["left_step"] = left_step.reindex(points).astype("Int64").to_numpy()
     if groups is not None:
         table["group"] = groups.of_point.reindex(points).to_numpy()
     return table

@@ -6,10 +6,11 @@ configuration, every command and the timing table.
 import dataclasses
 import shlex
 
-from perinstance.experiments.commands import CAPTIONS, FIGURES, ONE_RUN_FIGURE, Commands
+from perinstance.experiments.commands import CAPTIONS, FIGURES, FILTER_FIGURES, ONE_RUN_FIGURE, Commands
 from perinstance.experiments.config import ReproduceConfig, field_text, field_types, overridden
 from perinstance.experiments.report_audits import audit_findings
 from perinstance.experiments.report_cells import Headline, summary_table
+from perinstance.experiments.report_filter import filter_findings
 from perinstance.experiments.report_privacy import privacy_findings
 from perinstance.experiments.report_rates import rates_findings
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
@@ -19,16 +20,21 @@ from perinstance.train.runs import RunConfig
 
 def report_findings(config: ReproduceConfig, findings: dict) -> tuple[list[Finding], list[Headline]]:
     """Every finding of the report in its order (one step, the mean rule per sampling rate, the whole run, the
-    audits) and the summary table's rows, in the order of the summary table."""
+    audits, the individual filter) and the summary table's rows, in the order of the summary table."""
     privacy, privacy_headlines = privacy_findings(config, findings)
     rates, rates_headlines = rates_findings(config, findings["rates"])
     attacks, attack_headlines = audit_findings(config, findings)
-    return [*privacy[:2], *rates, *privacy[2:], *attacks], [*privacy_headlines, *attack_headlines, *rates_headlines]
+    filtered, filter_headlines = filter_findings(config, findings.get("filter"))
+    return [*privacy[:2], *rates, *privacy[2:], *attacks, *filtered], [*privacy_headlines, *attack_headlines,
+                                                                       *filter_headlines, *rates_headlines]
 
 
 def figures_drawn(config: ReproduceConfig) -> list[str]:
-    """The figures a run of `config` writes: all of FIGURES, less the one-run audit's when `canaries` is 0."""
-    return [figure for figure in FIGURES if config.canaries or figure != ONE_RUN_FIGURE]
+    """The figures a run of `config` writes: all of FIGURES, less the one-run audit's when `canaries` is 0 and the
+    filtered run's when `filter_cap` is 0."""
+    skipped = ([] if config.canaries else [ONE_RUN_FIGURE]) + ([] if config.filter_cap else
+                                                                list(FILTER_FIGURES.values()))
+    return [figure for figure in FIGURES if figure not in skipped]
 
 
 def report_figures(config: ReproduceConfig) -> list[Figure]:

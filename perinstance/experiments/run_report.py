@@ -16,8 +16,9 @@ import pandas as pd
 from perinstance.accounting import intervals
 from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.intervals import Interval
-from perinstance.experiments import point_table
+from perinstance.experiments import filter_findings, point_table
 from perinstance.experiments.main_run import Accounted, MainRun
+from perinstance.experiments.report_cells import more_link, percent
 from perinstance.persample import batches
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
@@ -29,7 +30,10 @@ from perinstance.train.runs import OpenRun
 
 GALLERY_SIZE = 16
 FIGURES = {"class": "eps_per_class.png", "group": "eps_per_group.png", "highest": "gallery_highest_eps.png",
-           "lowest": "gallery_lowest_eps.png", "held_below": "gallery_held_below_bound.png"}
+           "lowest": "gallery_lowest_eps.png", "held_below": "gallery_held_below_bound.png",
+           "left_first": "gallery_left_first.png"}
+# A gallery's column of the step a filtered run's point left at (the other columns are ε).
+LEFT_AT = "left at step"
 # A point "at the worst case": its composed ε within this fraction of the data-independent one (Δ* rounded up to Γ at
 # every step composes to it; the table's RDP evaluation and the baseline's may differ in the last digits).
 WORST_CASE_TOLERANCE = 1e-3
@@ -49,9 +53,12 @@ COLUMN_MEANINGS = {
     "eps_rdp_kind": "certified (Δ* at every step) or held_estimate",
     "eps_pld": "composed ε by PLD, max of both directions",
     "eps_pld_kind": "certified or held_estimate",
-    "eps_held": "composed ε by RDP, Δ* held between the checkpoints",
+    "eps_held": "composed ε by RDP, Δ* held between the checkpoints (empty for a run with per-point clipping)",
     "eps_step": "per-step ε at the final checkpoint (exact, §3.3)",
     "delta": "δ of every ε",
+    "eps_guarantee": "a filtered run: the point's guarantee at δ, its filter budget (every trajectory)",
+    "eps_guarantee_kind": "guarantee",
+    "left_step": "a filtered run: the step the point left the training set at (empty: it stayed to the end)",
     "group": "the point's group in --groups (empty: none)",
 }
 
@@ -69,11 +76,23 @@ class PointReport:
 
 def percent_text(interval: Interval) -> str:
     """'12.3% [11.6%, 13%]': a share with its 95% interval."""
-    return f"{100 * interval.estimate:.3g}% [{100 * interval.low:.3g}%, {100 * interval.high:.3g}%]"
+    return percent(interval, sign="")
 
 
-def at_worst_case(eps: np.ndarray, worst: float) -> np.ndarray:
+def at_worst_case(eps: np.ndarray, worst: float | np.ndarray) -> np.ndarray:
     return eps >= worst * (1 - WORST_CASE_TOLERANCE)
+
+
+def worst_eps(frame: pd.DataFrame) -> np.ndarray:
+    """Each point's worst case in a composition's rows (main_run.guarantees): its guarantee in a filtered run, which
+    no composition along the run passes (accounting.md §12.3), else the data-independent baseline."""
+    return frame["guarantee_eps" if "guarantee_eps" in frame else "baseline_eps"].to_numpy(dtype=float)
+
+
+def worst_text(worst: np.ndarray) -> str:
+    """'10', or '8–12' where points have different worst cases (a filter's --budgets)."""
+    low, high = f"{worst.min():.4g}", f"{worst.max():.4g}"
+    return low if low == high else f"{low}–{high}"
 
 
 def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Accounted,
@@ -94,15 +113,19 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
                                                           loss_fn=training.loss_for_run(config))
     class_labels = batches.class_indices(targets)
     labels = targets.numpy().astype(float) if class_labels else np.full(len(points), np.nan)
-    table = point_table.point_table(main, accounted, labels, predicted, losses, correct, groups)
+    record = None if config.point_filter is None else filter_findings.read_record(main.run_dir)
+    table = point_table.point_table(main, accounted, labels, predicted, losses, correct, groups,
+                                    None if record is None else record.set_index("point")["left_step"])
     points_path = point_table.write_points(out_dir, table)
     class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
                                                  device) if class_labels else None
     headline = accounted.composed.set_index("point").loc[points]
-    eps, worst = headline["eps"].to_numpy(dtype=float), float(headline["baseline_eps"].iloc[0])
+    eps, worst = headline["eps"].to_numpy(dtype=float), float(worst_eps(headline).max())
     kind = point_table.composed_kind(headline["kind"].iloc[0])
     delta = float(headline["delta"].iloc[0])
     eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
+    # A filtered run's worst case is each point's guarantee (§12.3).
+    worst_name = "worst case" if record is None else "guarantee"
     names = [str(name) for name in dataset.class_names]
 
     def path(key):
@@ -110,55 +133,81 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
 
     findings, figures = [composed_finding(main, accounted, points)], []
     if class_labels:
-        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label)
+        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label,
+                                        worst_name)
         findings.append(finding)
         figures.append(figure)
     if groups is not None:
-        finding, figure = group_finding(table, eps, worst, path("group"), eps_label)
+        finding, figure = group_finding(table, eps, worst, path("group"), eps_label, worst_name)
         findings.append(finding)
         figures.append(figure)
     gallery = Gallery(table, eps, kind, names, lambda rows: display_images(dataset, points[rows], data_root), delta,
                       out_dir)
+    filtered = None if record is None else \
+        filter_findings.filter_run(config, record, headline.reset_index(), accounted.composed_pld)
+    if filtered is not None:
+        found, drawn = filter_findings.filter_report(out_dir, filtered, table, names, class_labels, gallery)
+        findings += found
+        figures += drawn
     for key in ("highest", "lowest"):
         finding, figure = gallery.extreme(key)
         findings.append(finding)
         figures += [figure] if figure else []
-    if accounted.bound is not None:
+    if accounted.bound is not None and accounted.estimate is not None:
         finding, figure = gallery.held_below(accounted, len(main.checkpoint_steps))
         findings.append(finding)
         figures += [figure] if figure else []
     findings.append(points_finding(points_path, table))
-    summary = summary_table(main, accounted, points, float(payload["test_accuracy"]))
+    summary = summary_table(main, accounted, points, float(payload["test_accuracy"]), filtered)
     return PointReport(tuple(findings), tuple(figures), points_path, summary)
 
 
-def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_accuracy: float) -> Table:
+def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_accuracy: float,
+                  filtered: filter_findings.FilterRun | None = None) -> Table:
     """The summary: the run's mechanism, δ, the test accuracy, the worst case and the median composed ε by RDP and PLD
-    with their 95% intervals, and the share of the points at the worst case."""
+    with their 95% intervals, and the share of the points at the worst case. A filtered run (`filtered`) gives each
+    point's guarantee and uniform DP-SGD's steps and ε in place of the worst case, the share of the points at their
+    guarantee, and the shares that left before the cap and that trained past uniform DP-SGD's stop."""
     config = main.run
     rdp = accounted.composed.set_index("point").loc[points]
     pld = accounted.composed_pld.set_index("point").loc[points]
     rdp_eps, pld_eps = rdp["eps"].to_numpy(dtype=float), pld["eps"].to_numpy(dtype=float)
-    worst_rdp, worst_pld = float(rdp["baseline_eps"].iloc[0]), float(pld["baseline_eps"].iloc[0])
+    worst_rdp = worst_eps(rdp)
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
+    at_worst = percent_text(intervals.share_interval(at_worst_case(rdp_eps, worst_rdp)))
     rows = [("run", config.run), ("training points N", f"{config.dataset_size:,}"), ("steps T", str(config.total_steps)),
             ("sampling rate q", f"{config.sample_rate:.4g}"), ("noise multiplier σ", f"{config.noise_multiplier:.4g}"),
             ("δ", f"{float(rdp['delta'].iloc[0]):g}"),
-            ("test accuracy", "n/a" if np.isnan(test_accuracy) else f"{100 * test_accuracy:.2f}%"),
-            ("worst-case ε (data-independent), RDP / PLD", f"{worst_rdp:.4g} / {worst_pld:.4g}"),
-            ("what each point's composed ε is", KIND_TEXT[kind]),
-            ("median composed ε, RDP [95% interval]", interval_text(intervals.median_interval(rdp_eps), 4)),
-            ("median composed ε, PLD [95% interval]", interval_text(intervals.median_interval(pld_eps), 4)),
-            (f"points at the worst case (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
-             percent_text(intervals.share_interval(at_worst_case(rdp_eps, worst_rdp))))]
+            ("test accuracy", "n/a" if np.isnan(test_accuracy) else f"{100 * test_accuracy:.2f}%")]
+    if filtered is None:
+        rows.append(("worst-case ε (data-independent), RDP / PLD",
+                     f"{worst_text(worst_rdp)} / {float(pld['baseline_eps'].iloc[0]):.4g}"))
+    else:
+        rows += [(f"each point's guarantee ε (its filter budget at λ_f = {filtered.order:g}; every trajectory)",
+                  filter_findings.guarantee_text(filtered)),
+                 ("uniform DP-SGD at this σ and q: steps T_u, ε of every point (RDP)",
+                  f"{filtered.uniform_steps}, {filtered.uniform_eps:.4g}")]
+    rows += [("what each point's composed ε is", KIND_TEXT[kind]),
+             ("median composed ε, RDP [95% interval]", interval_text(intervals.median_interval(rdp_eps), 4)),
+             ("median composed ε, PLD [95% interval]", interval_text(intervals.median_interval(pld_eps), 4))]
+    if filtered is None:
+        rows.append((f"points at the worst case (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
+                     at_worst))
+    else:
+        rows += [(f"points at their guarantee (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
+                  at_worst),
+                 ("points that left the training set before the cap [95% interval]",
+                  percent_text(intervals.share_interval(~filtered.stayed))),
+                 (f"points trained past step T_u = {filtered.uniform_steps} [95% interval]",
+                  percent_text(intervals.share_interval(filtered.past_uniform)))]
     return Table(("quantity", "value"), tuple(rows))
 
 
 def _eps_row(label: str, frame: pd.DataFrame) -> tuple[str, ...]:
-    eps, worst = frame["eps"].to_numpy(dtype=float), float(frame["baseline_eps"].iloc[0])
+    eps, worst = frame["eps"].to_numpy(dtype=float), worst_eps(frame)
     return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}",
             interval_text(intervals.median_interval(eps), 4),
-            f"{intervals.quantile(eps, 0.1):.4g} – {intervals.quantile(eps, 0.9):.4g}", f"{worst:.4g}",
+            f"{intervals.quantile(eps, 0.1):.4g} – {intervals.quantile(eps, 0.9):.4g}", worst_text(worst),
             percent_text(intervals.share_interval(at_worst_case(eps, worst))))
 
 
@@ -167,17 +216,20 @@ def composed_finding(main: MainRun, accounted: Accounted, points: np.ndarray) ->
     estimate where every point was tracked, the bound of the tracked points otherwise."""
     rdp = accounted.composed.set_index("point").loc[points].reset_index()
     rows = [_eps_row("RDP (b = ∞)", rdp), _eps_row("PLD (both directions)", accounted.composed_pld)]
-    if main.every_point:
+    if main.every_point and accounted.estimate is not None:
         rows.append(_eps_row(f"RDP, Δ* held between the {len(main.checkpoint_steps)} checkpoints", accounted.estimate))
-    elif accounted.bound is not None:
+    elif not main.every_point and accounted.bound is not None:
         rows.append(_eps_row("RDP, Δ* at every step (the tracked points)", accounted.bound))
     median = intervals.median_interval(rdp["eps"].to_numpy(dtype=float))
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
+    # A filtered run's worst case is each point's guarantee, which holds over every trajectory (§12.3).
+    worst = "its guarantee" if "guarantee_eps" in rdp else "a worst case"
     return Finding(
         "points-composed-eps", "Composed ε of every point",
-        f"The median point's composed ε is {interval_text(median, 4)} by RDP ({KIND_TEXT[kind]}), against a worst "
-        f"case of {float(rdp['baseline_eps'].iloc[0]):.4g}.",
-        Table(("composition", "kind", "points", "median ε [95% interval]", "10% – 90% of the points", "worst case ε",
+        f"The median point's composed ε is {interval_text(median, 4)} by RDP ({KIND_TEXT[kind]}), against {worst} "
+        f"of {worst_text(worst_eps(rdp))}.",
+        Table(("composition", "kind", "points", "median ε [95% interval]", "10% – 90% of the points",
+               "worst case ε" if "guarantee_eps" not in rdp else "worst case ε: the guarantee",
                "points at the worst case [95% interval]"), tuple(rows)),
         note="Each ε holds along this run's trajectory, not over every run, and depends on the point's own data.",
         more=MORE)
@@ -200,7 +252,7 @@ def _extremes(kind_of_group: str, names: list[str], medians: list[Interval]) -> 
 
 
 def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: list[str], class_accuracy: list[float],
-                  path: str, eps_label: str) -> tuple[Finding, Figure]:
+                  path: str, eps_label: str, worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each class with its 95% interval, beside its misclassified share and test accuracy."""
     labels = table["label"].to_numpy()
     present = [label for label in range(len(names)) if np.any(labels == label)]
@@ -211,19 +263,20 @@ def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: lis
                   f"{100 * class_accuracy[label]:.1f}%")
                  for label, member, median in zip(present, members, medians, strict=True))
     class_names = [names[label] for label in present]
-    plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label)
+    plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label,
+                       worst_label=f"{worst_name} ε")
     finding = Finding("points-per-class", "Per class", _extremes("class", class_names, medians),
                       Table(("class", "training points", "median composed ε [95% interval]",
                              "misclassified by the final model", "test accuracy"), rows),
                       figures=(os.path.basename(path),))
     return finding, Figure(os.path.basename(path), "Composed ε per class",
                            "Each class's median composed ε (dot) with its 95% interval over the class's points (bar), "
-                           "against the worst case (dashed). Classes whose bars do not overlap differ at this "
+                           f"against the {worst_name} (dashed). Classes whose bars do not overlap differ at this "
                            "precision.")
 
 
-def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
-                  eps_label: str) -> tuple[Finding, Figure]:
+def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str, eps_label: str,
+                  worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each group of --groups with its 95% interval (Yu et al.'s fairness question)."""
     grouped = table["group"]
     names = sorted(grouped.dropna().unique())
@@ -233,7 +286,8 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
                   percent_text(intervals.share_interval(at_worst_case(eps[member], worst))))
                  for name, member, median in zip(names, members, medians, strict=True))
     outside = int(grouped.isna().sum())
-    plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label)
+    plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label,
+                       worst_label=f"{worst_name} ε")
     finding = Finding("points-per-group", "Per group", _extremes("group", names, medians),
                       Table(("group", "points", "median composed ε [95% interval]",
                              "points at the worst case [95% interval]"), rows),
@@ -241,7 +295,7 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
                       note=f"{outside:,} points are in no group." if outside else "")
     return finding, Figure(os.path.basename(path), "Composed ε per group",
                            "Each group's median composed ε (dot) with its 95% interval over the group's points (bar), "
-                           "against the worst case (dashed): groups whose bars do not overlap differ at this "
+                           f"against the {worst_name} (dashed): groups whose bars do not overlap differ at this "
                            "precision.")
 
 
@@ -253,6 +307,11 @@ def points_finding(points_path: str, table: pd.DataFrame) -> Finding:
                    "on `point`.",
                    Table(("column", "what it holds"),
                          tuple((column, COLUMN_MEANINGS[column]) for column in table.columns)))
+
+
+def value_text(name: str, value: float) -> str:
+    """A gallery's value: a step as a whole number, an ε at 4 significant digits."""
+    return f"{value:.0f}" if name == LEFT_AT else f"{value:.4g}"
 
 
 def span_text(values: np.ndarray) -> str:
@@ -287,19 +346,20 @@ class Gallery:
         table = self.table
         return tuple((str(table["point"].iloc[row]), self._class(table["label"].iloc[row]),
                       self._class(table["prediction"].iloc[row]), f"{table['loss'].iloc[row]:.3g}",
-                      *(f"{column[row]:.4g}" for column in values.values())) for row in chosen)
+                      *(value_text(name, column[row]) for name, column in values.items())) for row in chosen)
 
     def _draw(self, key: str, chosen: np.ndarray, values: dict[str, np.ndarray], title: str,
               caption: str) -> tuple[Table | None, Figure | None]:
         """The chosen rows as a figure of their images, or as a table for other data."""
         images = self.images_of(chosen)
         if images is None:
-            headings = (name if name == "ε" else f"{name} ε" for name in values)
+            headings = (name if name in ("ε", LEFT_AT) else f"{name} ε" for name in values)
             return Table(("point", "label", "prediction", "final loss", *headings), self._rows(chosen, values)), None
         table = self.table
         captions = [f"#{table['point'].iloc[row]}  {self._class(table['label'].iloc[row])}→"
                     f"{self._class(table['prediction'].iloc[row])}\nloss {table['loss'].iloc[row]:.3g}\n"
-                    + "\n".join(f"{name} {column[row]:.4g}" for name, column in values.items()) for row in chosen]
+                    + "\n".join(f"{name} {value_text(name, column[row])}" for name, column in values.items())
+                    for row in chosen]
         flagged = [table["correct"].iloc[row] == 0 for row in chosen]
         plot_gallery(images, captions, flagged, f"{title}; δ = {self.delta:g}; red frame: misclassified "
                      "by the final model", os.path.join(self.out_dir, FIGURES[key]))
@@ -321,6 +381,30 @@ class Gallery:
         finding = Finding(f"points-{key}-eps", f"The {len(chosen)} points of {key} composed ε",
                           f"Their composed ε {span_text(picked)}; {wrong} of the {len(chosen)} are misclassified by "
                           "the final model.", table, figures=() if figure is None else (figure.file,), note=tie_note)
+        return finding, figure
+
+    def left_first(self, filtered: filter_findings.FilterRun) -> tuple[Finding, Figure | None]:
+        """A filtered run's GALLERY_SIZE points that left the training set first (filter_findings.left_first_rows),
+        with the step each left at and its composed ε."""
+        chosen = filter_findings.left_first_rows(filtered, self.table["loss"].to_numpy(), GALLERY_SIZE)
+        title = f"The {len(chosen)} points that left the training set first"
+        if not len(chosen):
+            return Finding("filter-left-first", "The points that left first",
+                           f"No point left the training set before the cap of {filtered.total_steps} steps."), None
+        wrong = int(np.sum(self.table["correct"].to_numpy()[chosen] == 0))
+        table, figure = self._draw("left_first", chosen, {LEFT_AT: filtered.left_step, "ε": self.eps}, title,
+                                   "Each image with its point index, label→prediction of the final model, final loss, "
+                                   "the step it left the training set at and its composed ε along the run (bound); a "
+                                   "red frame marks a misclassified point.")
+        last = filtered.left_step[chosen[-1]]
+        ties = int(np.sum(filtered.left_step == last))
+        steps = filter_findings.span(filtered.left_step[chosen])
+        finding = Finding("filter-left-first", title,
+                          f"They left at step{'' if '–' not in steps else 's'} {steps}; {wrong} of the {len(chosen)} "
+                          "are misclassified by the final model.", table,
+                          figures=() if figure is None else (figure.file,), more=more_link("filter-left"),
+                          note=f"{ties:,} points left at step {last:.0f}: of them, those of highest final loss are "
+                               "shown." if ties > int(np.sum(filtered.left_step[chosen] == last)) else "")
         return finding, figure
 
     def held_below(self, accounted: Accounted, checkpoints: int) -> tuple[Finding, Figure | None]:
@@ -362,7 +446,10 @@ def run_document(point_report: PointReport, main: MainRun, commands: list[tuple[
     """`perinstance report`'s Report: the per-point findings of one run, the run's configuration, and every command
     whose output the numbers come from (`commands`: (command line, whether a cached output was reused))."""
     config = main.run
-    tracked = "every point at every step" if main.every_point else (
+    measured = "every point at every step" if config.measure_every == 1 else (
+        f"every point every {config.measure_every} steps and at θ_T, each clipped at (1 + {config.clip_margin:g})·Δ* of "
+        "its latest measurement in between (accounting.md §12.4)")
+    tracked = measured if main.every_point else (
         f"{main.tracked['point'].nunique():,} tracked points at every step; every point at "
         f"{len(main.checkpoint_steps)} checkpoints" if main.tracked_path else
         f"every point at {len(main.checkpoint_steps)} checkpoints")
@@ -371,13 +458,22 @@ def run_document(point_report: PointReport, main: MainRun, commands: list[tuple[
                 ("update rule", config.update_rule), ("expected batch size B_exp", str(config.batch_size)),
                 ("seed", str(config.seed)), ("Δ* measured at", tracked),
                 ("checkpoints", ", ".join(map(str, main.checkpoint_steps))))
+    opening = ("Every training point's privacy loss over this DP-SGD run (sum rule): its composed ε by RDP and by "
+               "PLD, `certified` where Δ* was measured at every step (a bound along the observed run) or "
+               "`held_estimate` where Δ* is held between checkpoints (not a bound). The values are conditional on "
+               "this run's trajectory, and publishing them releases information about the points that the run's "
+               "DP guarantee does not cover (docs/accounting.md §4).")
+    if config.point_filter is not None:
+        point_filter = config.point_filter
+        budgets = f"ε = {point_filter['budget_eps']:g}" if point_filter["budgets_file"] is None else \
+            f"from {point_filter['budgets_file']} (smallest ε = {point_filter['smallest_eps']:g})"
+        run_rows += (("individual filter", f"order λ_f = {point_filter['order']:g}, budgets {budgets} at δ = "
+                                           f"{point_filter['delta']:g}, trained to the cap T = {config.total_steps}"),)
+        opening += (" This run is an individual Rényi filter (§12): each point's `guarantee`, its budget, holds over "
+                    "every trajectory; a point left the training set once its next charge would pass it.")
     return Report(
         title=f"Per-point privacy of run {config.run}",
-        opening=("Every training point's privacy loss over this DP-SGD run (sum rule): its composed ε by RDP and by "
-                 "PLD, `certified` where Δ* was measured at every step (a bound along the observed run) or "
-                 "`held_estimate` where Δ* is held between checkpoints (not a bound). The values are conditional on "
-                 "this run's trajectory, and publishing them releases information about the points that the run's "
-                 "DP guarantee does not cover (docs/accounting.md §4)."),
+        opening=opening,
         summary=point_report.summary, findings=point_report.findings, figures=point_report.figures,
         sections=(Section("Run", table=Table(("setting", "value"), run_rows)),
                   Section("Commands", intro="Every number above comes from these commands, in this order (\"cached\": "
