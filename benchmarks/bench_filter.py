@@ -1,0 +1,338 @@
+"""Does the individual Rényi filter help? Uniform DP-SGD against the filtered run (train_dpsgd.py --budget-eps) at the
+same worst-case (ε, δ), the same σ and the same q, over several seeds (docs/filter.md).
+
+Each workload trains on a holdout:M: split of its training set: the last M training points are held out, never
+trained on, and every choice is made on them; the dataset's own test set is looked at only to report. Per seed:
+
+- uniform DP-SGD for T_u = round(epochs·N/B) steps, σ Opacus's calibration of (ε, δ) over T_u steps at q = B/N; it
+  picks its best checkpoint of T_u·{0.5, 0.75, 1} on the held-out split (plain DP-SGD's T_u is reported too);
+- the filter measuring Δ* at every step (K = 1, every point clipped at Γ as in DP-SGD) and every --filter-every
+  steps (K = 10, each point clipped at 1.25·Δ* of its last measurement in between, accounting.md §12.4): budget ε
+  for every point at the default order, the same σ, one run to the largest cap T_u·{1, 1.5, 2, 3} with a checkpoint
+  at each; the cap is picked on the held-out split. A filtered run's first t steps do not depend on its cap (batches
+  and noise come from (seed, step), the filter's rule from the past, no learning-rate schedule): the first seed
+  checks it, training each variant again to the second cap and comparing that checkpoint's bytes.
+
+Reported: test accuracy of the selected models on the real test set, mean and 95% t-interval over seeds, the paired
+difference filtered − uniform with its interval, steps, who left the filter (when, and by class), each class's test
+accuracy, and what the filter costs: seconds per step of each run against the uniform run's, measured side by side
+(the same seed's three runs one after the other in this process).
+
+    python benchmarks/bench_filter.py --cifar-data /work/data --seeds 3 --threads 1 --clock cpu --out DIR
+    python benchmarks/bench_filter.py --workloads mnist --seeds 5 --k1-seeds 3   # K = 1 on the first 3 seeds only
+    python benchmarks/bench_filter.py --smoke     # seconds: 384 synthetic points, an MLP, two seeds (K = 1 on one)
+
+Writes, under --out: checkpoints.csv (every candidate checkpoint's held-out and test accuracy, and which was
+selected), runs.csv (per run: steps, times, who left), classes.csv (per run and class: points, left, test accuracy of
+the selected model), summary.md (the printed tables). The runs go to --work (default <out>/models) and resume there.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import pandas as pd
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _filter_tables as tables  # noqa: E402
+from _workloads import device_name, parse_timed, timer  # noqa: E402
+
+from perinstance.accounting import individual_filter  # noqa: E402
+from perinstance.cli import options  # noqa: E402
+from perinstance.experiments.config import PRESETS  # noqa: E402
+from perinstance.files import checkpoints, fileio, results, storage  # noqa: E402
+from perinstance.train import distributed, filtering, run_plan, training  # noqa: E402
+from perinstance.train.data import load_dataset  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterWorkload:
+    """A preset's main run, trained on its training set less the last `holdout` points."""
+
+    name: str
+    dataset: str  # the base dataset (its test set is the real one)
+    holdout: int  # M of holdout:M:dataset
+    model: str
+    batch_size: int
+    lr: float
+    epochs: float
+
+    @property
+    def selection_dataset(self) -> str:
+        return f"holdout:{self.holdout}:{self.dataset}"
+
+
+def preset_workload(name: str, preset: str, dataset: str, holdout: int) -> FilterWorkload:
+    config = PRESETS[preset]
+    return FilterWorkload(name, dataset, holdout, config.model, config.batch_size, config.lr, config.epochs)
+
+
+# The quick preset's main run on the embedded MNIST (8,000 training points: 1,000 held out) and the cifar10-cpu preset
+# (ScatterNet features of CIFAR-10's JPEGs, 50,000 training points: 5,000 held out).
+CIFAR_DATASET = "scatternet:imagefolder:{path}"
+SMOKE_WORKLOAD = FilterWorkload("smoke", "synthetic", 128, "mlp", 32, 0.5, 1.0)
+SMOKE_SIZES = {"workloads": ["smoke"], "seeds": 2, "k1_seeds": 1}
+# The methods of one seed, in the order they are trained (side by side: the same seed's runs one after the other).
+UNIFORM = "uniform"
+
+
+def filter_method(every: int) -> str:
+    return f"filter-k{every}"
+
+
+def every_of(method: str) -> int:
+    """K of a filter method's name."""
+    return int(method.removeprefix("filter-k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One workload's mechanism, shared by its methods and seeds."""
+
+    workload: FilterWorkload
+    size: int  # N, the training points (the held-out ones excluded)
+    sample_rate: float  # q = B/N
+    uniform_steps: int  # T_u
+    sigma: float  # Opacus's calibration of (ε, δ) over T_u steps at q
+    order: float  # the filter's λ_f (individual_filter.default_order)
+    full_charge_steps: int  # steps a point charged at Γ stays in the filter
+    uniform_candidates: tuple[int, ...]
+    caps: tuple[int, ...]
+
+    def candidates(self, method: str) -> tuple[int, ...]:
+        return self.uniform_candidates if method == UNIFORM else self.caps
+
+
+def scaled_steps(steps: int, factors: list[float]) -> tuple[int, ...]:
+    """T·factor rounded half up, each at least 1."""
+    return tuple(sorted({max(1, math.floor(steps * factor + 0.5)) for factor in factors}))
+
+
+def plan_workload(workload: FilterWorkload, size: int, args: argparse.Namespace) -> Plan:
+    sample_rate = workload.batch_size / size
+    uniform_steps = max(1, round(workload.epochs * size / workload.batch_size))
+    sigma = run_plan.calibrated_noise_multiplier(args.eps, args.delta, sample_rate, uniform_steps)
+    order = individual_filter.default_order(sample_rate, sigma, args.eps, args.delta)
+    budget = float(individual_filter.budget_rdp([args.eps], args.delta, order)[0])
+    return Plan(workload, size, sample_rate, uniform_steps, sigma, order,
+                individual_filter.uniform_steps(sample_rate, sigma, budget, order),
+                scaled_steps(uniform_steps, args.uniform_factors), scaled_steps(uniform_steps, args.cap_factors))
+
+
+def training_args(plan: Plan, method: str, seed: int, args: argparse.Namespace, cap: int | None = None,
+                  tag: str | None = None) -> run_plan.TrainingFlags:
+    """The training flags of one run: uniform DP-SGD to T_u, or a filter (K of its method's name) to `cap` (default
+    the largest), each saving a checkpoint at its candidates."""
+    workload = plan.workload
+    flags = ["--dataset", workload.selection_dataset, "--data-root", args.data_root, "--model", workload.model,
+             "--batch-size", str(workload.batch_size), "--lr", repr(workload.lr), "--sigma", repr(plan.sigma),
+             "--target-delta", repr(args.delta), "--seed", str(seed), "--models-dir", args.work,
+             "--device", args.device]
+    if method == UNIFORM:
+        steps = plan.uniform_steps
+    else:
+        steps = cap or plan.caps[-1]
+        every = every_of(method)
+        flags += ["--budget-eps", repr(args.eps), *(["--filter-every", str(every)] if every > 1 else [])]
+    saved = [step for step in plan.candidates(method) if step <= steps]
+    flags += ["--total-steps", str(steps), "--save-steps", *map(str, saved)]
+    if tag is not None:
+        flags += ["--id", tag]
+    return options.parse_training_flags(flags)
+
+
+def timed_run(flags: run_plan.TrainingFlags, args: argparse.Namespace) -> tuple[training.Outcome, dict]:
+    """Train (or find trained) one run; its timing, kept in <out>/timings/<run>.json so that a benchmark resumed
+    later reports the run's own times (NaN for a run this call resumed midway: only part of it was timed)."""
+    clock = timer(args.clock, args.device)
+    started = clock()
+    outcome = training.train(flags, quiet=args.smoke)
+    seconds = clock() - started
+    path = os.path.join(args.out, "timings", f"{outcome.run.run}.json")
+    if outcome.resumed_from == 0:
+        timing = {"seconds": seconds, "clock": args.clock, "steps_seconds": outcome.steps_seconds,
+                  "tracking_seconds": outcome.tracking_seconds, "threads": torch.get_num_threads(),
+                  "load_average": os.getloadavg()[0]}
+        fileio.write_json(path, timing)
+    elif os.path.exists(path) and not outcome.trained:
+        with open(path, encoding="utf-8") as handle:
+            timing = json.load(handle)
+    else:
+        timing = {"seconds": math.nan, "clock": args.clock, "steps_seconds": math.nan, "tracking_seconds": math.nan}
+    return outcome, timing
+
+
+def filter_record(run_dir: str) -> pd.DataFrame:
+    return storage.read_frame(results.results_path(filtering.RECORD, run_dir))
+
+
+@torch.no_grad()
+def evaluate_checkpoints(outcome: training.Outcome, steps: tuple[int, ...], held_out, test, device: str
+                         ) -> list[dict]:
+    """Held-out and test accuracy, and each class's test accuracy, of the run's checkpoints `steps`."""
+    rows = []
+    for step in steps:
+        model, _ = training.load_model(outcome.run, outcome.run_dir, step, device)
+        held_out_accuracy, _ = training.evaluate(model, *held_out, device)
+        test_accuracy, test_loss = training.evaluate(model, *test, device)
+        per_class = training.per_class_accuracy(model, *test, outcome.run.num_classes, device)
+        rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": test_accuracy,
+                     "test_loss": test_loss, "class_accuracy": per_class})
+    return rows
+
+
+def weights_gap(first: training.Outcome, second: training.Outcome, step: int) -> float:
+    """max |θ_first − θ_second| over every parameter at checkpoint `step` of both runs."""
+    (one, _), (two, _) = (training.load_model(outcome.run, outcome.run_dir, step) for outcome in (first, second))
+    return max(float((a - b).abs().max()) for a, b in zip(one.parameters(), two.parameters(), strict=True))
+
+
+def prefix_check(plan: Plan, method: str, seed: int, long_run: training.Outcome, args: argparse.Namespace) -> dict:
+    """Train `method` again to the second cap and compare that checkpoint with the long run's at the same step."""
+    cap = plan.caps[min(1, len(plan.caps) - 1)]
+    short, _ = timed_run(training_args(plan, method, seed, args, cap=cap, tag="prefix"), args)
+    paths = [checkpoints.checkpoint_path(outcome.run_dir, cap) for outcome in (short, long_run)]
+    identical = fileio.sha256_of(paths[0]) == fileio.sha256_of(paths[1])
+    return {"workload": plan.workload.name, "method": method, "seed": seed, "step": cap,
+            "long_cap": long_run.run.total_steps, "identical_bytes": identical,
+            "max_weight_gap": 0.0 if identical else weights_gap(short, long_run, cap)}
+
+
+def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argparse.Namespace) -> dict:
+    """The runs of one seed, side by side; their checkpoints evaluated, the selections made on the held-out split."""
+    outcomes, found = {}, {"checkpoints": [], "runs": [], "classes": [], "prefix": []}
+    for method in methods:
+        outcome, timing = timed_run(training_args(plan, method, seed, args), args)
+        outcomes[method] = outcome
+        rows = evaluate_checkpoints(outcome, plan.candidates(method), data["held_out"], data["test"], args.device)
+        chosen = tables.select(rows)
+        for row in rows:
+            found["checkpoints"].append({
+                "workload": plan.workload.name, "seed": seed, "method": method, "step": row["step"],
+                "factor": row["step"] / plan.uniform_steps, "heldout_accuracy": row["heldout_accuracy"],
+                "test_accuracy": row["test_accuracy"], "test_loss": row["test_loss"],
+                "selected": row["step"] == chosen["step"]})
+        record = filter_record(outcome.run_dir) if method != UNIFORM else None
+        found["runs"].append(tables.run_row(plan, seed, method, outcome, timing, record, chosen["step"]))
+        found["classes"] += tables.class_rows(plan, seed, method, data["labels"], data["class_names"], record,
+                                              chosen)
+        if method != UNIFORM and UNIFORM in outcomes:
+            found["runs"][-1]["weights_gap_at_uniform_steps"] = weights_gap(outcome, outcomes[UNIFORM],
+                                                                            plan.uniform_steps)
+        if method != UNIFORM and seed == args.seed_list[0] and every_of(method) in args.check_prefix:
+            found["prefix"].append(prefix_check(plan, method, seed, outcome, args))
+        print(f"  {plan.workload.name} seed {seed} {method}: {found['runs'][-1]['summary']}", flush=True)
+    return found
+
+
+def workload_list(args: argparse.Namespace) -> list[FilterWorkload]:
+    chosen = []
+    for name in args.workloads:
+        if name == "smoke":
+            chosen.append(SMOKE_WORKLOAD)
+        elif name == "mnist":
+            chosen.append(preset_workload("mnist", "quick", PRESETS["quick"].dataset, args.mnist_holdout))
+        elif args.cifar_data is None or not os.path.isdir(os.path.join(args.cifar_data, "train")):
+            print(f"cifar10-cpu skipped: no CIFAR-10 images at --cifar-data {args.cifar_data} (expected "
+                  "train/<class>/*.jpg and test/<class>/*.jpg)", flush=True)
+        else:
+            dataset = CIFAR_DATASET.format(path=os.path.abspath(args.cifar_data))
+            chosen.append(preset_workload("cifar10-cpu", "cifar10-cpu", dataset, args.cifar_holdout))
+    return chosen
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    found = {"checkpoints": [], "runs": [], "classes": [], "prefix": []}
+    plans = []
+    for workload in workload_list(args):
+        # What the evaluation needs, kept apart from the training inputs (ScatterNet features of CIFAR-10: 3 GB), which
+        # each run loads again.
+        selection = load_dataset(workload.selection_dataset, args.data_root)
+        base = load_dataset(workload.dataset, args.data_root)
+        data = {"held_out": (selection.test_x, selection.test_y), "test": (base.test_x, base.test_y),
+                "labels": selection.train_y.numpy(), "class_names": selection.class_names}
+        plan = plan_workload(workload, len(selection.train_y), args)
+        plans.append(plan)
+        del selection, base
+        print(f"\n{workload.name}: {workload.model} on {workload.selection_dataset} (N = {plan.size}, "
+              f"{workload.holdout} held out; test set {len(data['test'][1])}), B = {workload.batch_size}, "
+              f"lr {workload.lr:g}: q = {plan.sample_rate:.4g}, T_u = {plan.uniform_steps}, sigma = {plan.sigma:.6g} "
+              f"(Opacus, ε = {args.eps:g} at δ = {args.delta:g}); the filter at order {plan.order:g} keeps a point at "
+              f"Γ for {plan.full_charge_steps} steps; caps {list(plan.caps)}, uniform's candidates "
+              f"{list(plan.uniform_candidates)}", flush=True)
+        for seed in args.seed_list:
+            every = [1] if seed in args.k1_seed_list else []
+            methods = [UNIFORM, *(filter_method(k) for k in [*every, args.filter_every])]
+            for key, rows in run_seed(plan, seed, methods, data, args).items():
+                found[key] += rows
+    frames = {key: pd.DataFrame(rows) for key, rows in found.items()}
+    for key in ("checkpoints", "runs", "classes", "prefix"):
+        if len(frames[key]):
+            fileio.write_csv(os.path.join(args.out, f"{key}.csv"), frames[key])
+    text = tables.report(plans, frames, args)
+    fileio.write_text(os.path.join(args.out, "summary.md"), text)
+    print("\n" + text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["mnist", "cifar10-cpu"],
+                        choices=["mnist", "cifar10-cpu", "smoke"], help="default: both")
+    parser.add_argument("--cifar-data", default=None, metavar="PATH",
+                        help="CIFAR-10's JPEGs, PATH/train/<class>/*.jpg and PATH/test/<class>/*.jpg; without it "
+                             "cifar10-cpu is skipped")
+    parser.add_argument("--data-root", default="./data", help="where the ScatterNet features are cached (cache/)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every method (default 3)")
+    parser.add_argument("--k1-seeds", type=int, default=None,
+                        help="the every-step filter (K = 1) on the first N seeds only (default: every seed)")
+    parser.add_argument("--filter-every", type=int, default=10, help="K of the second filter variant (default 10)")
+    parser.add_argument("--check-prefix", type=int, nargs="*", default=None, metavar="K",
+                        help="the filter variants (K) whose independence of the cap is checked on the first seed, by "
+                             "training them again to the second cap (default: both; none: no check)")
+    parser.add_argument("--eps", type=float, default=8.0, help="ε of uniform DP-SGD and of every point's budget")
+    parser.add_argument("--delta", type=float, default=1e-5, help="δ of both (default 1e-5)")
+    parser.add_argument("--cap-factors", type=float, nargs="+", default=[1, 1.5, 2, 3],
+                        help="the filtered run's candidate caps, as multiples of T_u (the largest is trained)")
+    parser.add_argument("--uniform-factors", type=float, nargs="+", default=[0.5, 0.75, 1],
+                        help="uniform DP-SGD's candidate checkpoints, as multiples of T_u (at most 1)")
+    parser.add_argument("--mnist-holdout", type=int, default=1000, help="MNIST's held-out points (default 1000)")
+    parser.add_argument("--cifar-holdout", type=int, default=5000, help="CIFAR-10's held-out points (default 5000)")
+    parser.add_argument("--out", default="bench_filter", help="results folder (default ./bench_filter)")
+    parser.add_argument("--work", default=None, help="run folders (default <out>/models)")
+    args = parse_timed(parser, SMOKE_SIZES)
+    if max(args.uniform_factors) > 1 or min(args.uniform_factors + args.cap_factors) <= 0:
+        parser.error("--uniform-factors: each in (0, 1], and --cap-factors > 0: uniform DP-SGD stops at T_u")
+    if args.filter_every < 2:
+        parser.error("--filter-every: K >= 2 (K = 1 is always measured beside it)")
+    args.check_prefix = [1, args.filter_every] if args.check_prefix is None else args.check_prefix
+    args.seed_list = list(range(args.seeds))
+    args.k1_seed_list = args.seed_list[:args.seeds if args.k1_seeds is None else args.k1_seeds]
+    distributed.make_deterministic(args.device)
+    scratch = tempfile.TemporaryDirectory(prefix="bench_filter_") if args.smoke else None
+    if scratch:
+        args.out, args.data_root = scratch.name, os.path.join(scratch.name, "data")
+    args.work = args.work or os.path.join(args.out, "models")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
+          f"{device_name(args.device)}, {args.clock} clock; load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    started = time.time()
+    try:
+        benchmark(args)
+    finally:
+        if scratch:
+            scratch.cleanup()
+    print(f"\n{time.time() - started:.0f} s in all; load average after: {os.getloadavg()[0]:.2f}; results in "
+          f"{'a temporary folder (removed: --smoke)' if scratch else args.out}")
+
+
+if __name__ == "__main__":
+    main()
