@@ -177,13 +177,29 @@ def class_table(classes: pd.DataFrame) -> list[str]:
     return lines
 
 
+def stayer_lines(plan, runs: pd.DataFrame) -> list[str]:
+    """What the every-step filter trains on past uniform DP-SGD's stop (means over its seeds)."""
+    rows = runs[runs["method"] == "filter-k1"]
+    if not len(rows) or "mass_at_uniform_stop" not in rows:
+        return []
+    after = rows["mass_after_uniform_stop"] / rows["mass_at_uniform_stop"]
+    return ["", f"Past uniform DP-SGD's stop (every-step filter, means over {len(rows)} seed(s)): "
+                f"{rows['stay_past_uniform_stop'].mean() / plan.size:.1%} of the points stay in training after step "
+                f"{plan.uniform_steps}; the gradient mass in training, Σ Δ*/(N·Γ) over the points in, is "
+                f"{rows['mass_at_uniform_stop'].mean():.3f} at step {plan.uniform_steps}, "
+                f"{rows['mass_after_uniform_stop'].mean():.3f} at step {plan.uniform_steps + 1} "
+                f"({after.mean():.1%} of it, against the same noise) and {rows['mass_at_cap'].mean():.3f} at step "
+                f"{plan.caps[-1]}. At θ_{plan.uniform_steps} the points that stay have training loss "
+                f"{rows['stayer_train_loss'].mean():.3f} and accuracy {rows['stayer_train_accuracy'].mean():.1%}; those "
+                f"that leave {rows['leaver_train_loss'].mean():.3f} and {rows['leaver_train_accuracy'].mean():.1%}."]
+
+
 def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
     """The summary: per workload its mechanism, the main table, the candidates, the classes; the prefix checks."""
     out = [f"# Uniform DP-SGD against the individual filter at ε = {args.eps:g}, δ = {args.delta:g}",
            "",
-           f"Seeds {args.seed_list} (the every-step filter on {args.k1_seed_list}); times by the {args.clock} clock "
-           f"with {args.threads} torch thread(s); intervals: 95% Student-t over seeds; accuracy on the dataset's own "
-           "test set, every selection made on the held-out split."]
+           f"Times by the {args.clock} clock with {args.threads} torch thread(s); intervals: 95% Student-t over seeds; "
+           "accuracy on the dataset's own test set, every selection made on the held-out split."]
     for plan in plans:
         name = plan.workload.name
         pick = {key: frame[frame["workload"] == name] for key, frame in frames.items() if len(frame)}
@@ -193,6 +209,8 @@ def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
                 f"{plan.workload.batch_size}, q = {plan.sample_rate:.4g}, lr {plan.workload.lr:g}; uniform DP-SGD "
                 f"T_u = {plan.uniform_steps} steps at σ = {plan.sigma:.6g}; the filter at λ_f = {plan.order:g} keeps a "
                 f"point charged at Γ for {plan.full_charge_steps} steps; caps {list(plan.caps)}.", ""]
+        k1_seeds = sorted(runs.loc[runs["method"] == "filter-k1", "seed"])
+        out += [f"Seeds {sorted(runs['seed'].unique())} (the every-step filter on {k1_seeds}).", ""]
         out += main_table(plan, checkpoints, runs)
         gaps = runs.dropna(subset=["weights_gap_at_uniform_steps"]) if "weights_gap_at_uniform_steps" in runs \
             else runs.iloc[:0]
@@ -202,6 +220,7 @@ def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
                        f"difference {rows['weights_gap_at_uniform_steps'].max():.3g}; test accuracy "
                        f"{interval_text(paired(at_uniform, selected_accuracy(checkpoints, UNIFORM, plan.uniform_steps)), signed=True)} "
                        "points (paired)")
+        out += stayer_lines(plan, runs)
         out += ["", "Every candidate checkpoint:", ""] + cap_table(plan, checkpoints)
         if "classes" in pick:
             out += ["", "By class:", ""] + class_table(pick["classes"])

@@ -37,6 +37,7 @@ import tempfile
 import time
 import warnings
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -48,7 +49,7 @@ from _workloads import device_name, parse_timed, timer  # noqa: E402
 from perinstance.accounting import individual_filter  # noqa: E402
 from perinstance.cli import options  # noqa: E402
 from perinstance.experiments.config import PRESETS  # noqa: E402
-from perinstance.files import checkpoints, fileio, results, storage  # noqa: E402
+from perinstance.files import checkpoints, fileio, results, storage, tracked_rows  # noqa: E402
 from perinstance.train import distributed, filtering, run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
 
@@ -81,7 +82,7 @@ def preset_workload(name: str, preset: str, dataset: str, holdout: int) -> Filte
 # (ScatterNet features of CIFAR-10's JPEGs, 50,000 training points: 5,000 held out).
 CIFAR_DATASET = "scatternet:imagefolder:{path}"
 SMOKE_WORKLOAD = FilterWorkload("smoke", "synthetic", 128, "mlp", 32, 0.5, 1.0)
-SMOKE_SIZES = {"workloads": ["smoke"], "seeds": 2, "k1_seeds": 1}
+SMOKE_SIZES = {"workloads": ["smoke"], "seeds": ["2"], "k1_seeds": ["1"]}
 # The methods of one seed, in the order they are trained (side by side: the same seed's runs one after the other).
 UNIFORM = "uniform"
 
@@ -208,6 +209,34 @@ def prefix_check(plan: Plan, method: str, seed: int, long_run: training.Outcome,
             "max_weight_gap": 0.0 if identical else weights_gap(short, long_run, cap)}
 
 
+def stayers(plan: Plan, outcome: training.Outcome, record: pd.DataFrame) -> dict:
+    """From an every-step filter's tracked table: the gradient mass in training, Σ Δ*_i(θ_{t−1})/(N·Γ) over the points
+    in training at step t, at t = T_u (uniform DP-SGD's last step: every point is in), T_u + 1 (the first step past
+    it) and the largest cap; and, at θ_{T_u}, the training loss and accuracy of the points that stay past T_u against
+    those that leave there."""
+    table = storage.read_frame(tracked_rows.table_path(outcome.run_dir),
+                               columns=["step", "point", "value", "loss", "correct", "quantity"])
+    norms = table[table["quantity"] == "grad_norm"]
+    left = record.set_index("point")["left_step"]
+
+    def in_training(rows: pd.DataFrame, step: int) -> np.ndarray:
+        leaving = left.reindex(rows["point"]).to_numpy(dtype=float)
+        return np.isnan(leaving) | (leaving > step)
+
+    def mass(step: int) -> float:
+        rows = norms[norms["step"] == step - 1]
+        return float(rows["value"].to_numpy()[in_training(rows, step)].sum() / (plan.size * outcome.run.clip_bound))
+
+    at_stop = norms[norms["step"] == plan.uniform_steps]
+    stay = in_training(at_stop, plan.uniform_steps + 1)
+    return {"mass_at_uniform_stop": mass(plan.uniform_steps), "mass_after_uniform_stop": mass(plan.uniform_steps + 1),
+            "mass_at_cap": mass(plan.caps[-1]), "stay_past_uniform_stop": int(stay.sum()),
+            "stayer_train_loss": float(at_stop["loss"][stay].mean()),
+            "leaver_train_loss": float(at_stop["loss"][~stay].mean()),
+            "stayer_train_accuracy": float(at_stop["correct"][stay].mean()),
+            "leaver_train_accuracy": float(at_stop["correct"][~stay].mean())}
+
+
 def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argparse.Namespace) -> dict:
     """The runs of one seed, side by side; their checkpoints evaluated, the selections made on the held-out split."""
     outcomes, found = {}, {"checkpoints": [], "runs": [], "classes": [], "prefix": []}
@@ -224,15 +253,30 @@ def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argpar
                 "selected": row["step"] == chosen["step"]})
         record = filter_record(outcome.run_dir) if method != UNIFORM else None
         found["runs"].append(tables.run_row(plan, seed, method, outcome, timing, record, chosen["step"]))
+        if method == filter_method(1):
+            found["runs"][-1].update(stayers(plan, outcome, record))
         found["classes"] += tables.class_rows(plan, seed, method, data["labels"], data["class_names"], record,
                                               chosen)
         if method != UNIFORM and UNIFORM in outcomes:
             found["runs"][-1]["weights_gap_at_uniform_steps"] = weights_gap(outcome, outcomes[UNIFORM],
                                                                             plan.uniform_steps)
-        if method != UNIFORM and seed == args.seed_list[0] and every_of(method) in args.check_prefix:
+        if method != UNIFORM and seed == 0 and every_of(method) in args.check_prefix:
             found["prefix"].append(prefix_check(plan, method, seed, outcome, args))
         print(f"  {plan.workload.name} seed {seed} {method}: {found['runs'][-1]['summary']}", flush=True)
     return found
+
+
+def seed_counts(parser: argparse.ArgumentParser, flag: str, tokens: list[str], workloads: list[str]) -> dict:
+    """{workload: N} from tokens N (every workload) and WORKLOAD=N (that one, after the plain N)."""
+    counts = {}
+    for token in sorted(tokens, key=lambda text: "=" in text):
+        name, _, count = token.rpartition("=")
+        if not count.isdigit() or (name and name not in workloads) or (name == "" and "=" in token):
+            parser.error(f"{flag}: {token!r} is not N or WORKLOAD=N with WORKLOAD among {workloads}")
+        counts.update({name: int(count)} if name else dict.fromkeys(workloads, int(count)))
+    if any(name not in counts for name in workloads):
+        parser.error(f"{flag}: give a count for every workload ({workloads}), or a plain N")
+    return counts
 
 
 def workload_list(args: argparse.Namespace) -> list[FilterWorkload]:
@@ -270,8 +314,8 @@ def benchmark(args: argparse.Namespace) -> None:
               f"(Opacus, ε = {args.eps:g} at δ = {args.delta:g}); the filter at order {plan.order:g} keeps a point at "
               f"Γ for {plan.full_charge_steps} steps; caps {list(plan.caps)}, uniform's candidates "
               f"{list(plan.uniform_candidates)}", flush=True)
-        for seed in args.seed_list:
-            every = [1] if seed in args.k1_seed_list else []
+        for seed in range(args.seeds[workload.name]):
+            every = [1] if seed < args.k1_seeds[workload.name] else []
             methods = [UNIFORM, *(filter_method(k) for k in [*every, args.filter_every])]
             for key, rows in run_seed(plan, seed, methods, data, args).items():
                 found[key] += rows
@@ -292,9 +336,11 @@ def main() -> None:
                         help="CIFAR-10's JPEGs, PATH/train/<class>/*.jpg and PATH/test/<class>/*.jpg; without it "
                              "cifar10-cpu is skipped")
     parser.add_argument("--data-root", default="./data", help="where the ScatterNet features are cached (cache/)")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every method (default 3)")
-    parser.add_argument("--k1-seeds", type=int, default=None,
-                        help="the every-step filter (K = 1) on the first N seeds only (default: every seed)")
+    parser.add_argument("--seeds", nargs="+", default=["3"], metavar="[WORKLOAD=]N",
+                        help="seeds 0..N-1 of every method, for every workload or one (default 3)")
+    parser.add_argument("--k1-seeds", nargs="+", default=None, metavar="[WORKLOAD=]N",
+                        help="the every-step filter (K = 1) on the first N seeds only (default: every seed), e.g. "
+                             "3 cifar10-cpu=1")
     parser.add_argument("--filter-every", type=int, default=10, help="K of the second filter variant (default 10)")
     parser.add_argument("--check-prefix", type=int, nargs="*", default=None, metavar="K",
                         help="the filter variants (K) whose independence of the cap is checked on the first seed, by "
@@ -315,8 +361,9 @@ def main() -> None:
     if args.filter_every < 2:
         parser.error("--filter-every: K >= 2 (K = 1 is always measured beside it)")
     args.check_prefix = [1, args.filter_every] if args.check_prefix is None else args.check_prefix
-    args.seed_list = list(range(args.seeds))
-    args.k1_seed_list = args.seed_list[:args.seeds if args.k1_seeds is None else args.k1_seeds]
+    args.seeds = seed_counts(parser, "--seeds", args.seeds, args.workloads)
+    args.k1_seeds = args.seeds if args.k1_seeds is None else seed_counts(parser, "--k1-seeds", args.k1_seeds,
+                                                                          args.workloads)
     distributed.make_deterministic(args.device)
     scratch = tempfile.TemporaryDirectory(prefix="bench_filter_") if args.smoke else None
     if scratch:
