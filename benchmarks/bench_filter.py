@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
@@ -260,23 +261,39 @@ def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argpar
         if method != UNIFORM and UNIFORM in outcomes:
             found["runs"][-1]["weights_gap_at_uniform_steps"] = weights_gap(outcome, outcomes[UNIFORM],
                                                                             plan.uniform_steps)
-        if method != UNIFORM and seed == 0 and every_of(method) in args.check_prefix:
+        if method != UNIFORM and seed == 0 and every_of(method) in args.check_prefix[plan.workload.name]:
             found["prefix"].append(prefix_check(plan, method, seed, outcome, args))
         print(f"  {plan.workload.name} seed {seed} {method}: {found['runs'][-1]['summary']}", flush=True)
     return found
 
 
-def seed_counts(parser: argparse.ArgumentParser, flag: str, tokens: list[str], workloads: list[str]) -> dict:
-    """{workload: N} from tokens N (every workload) and WORKLOAD=N (that one, after the plain N)."""
-    counts = {}
+def per_workload(parser: argparse.ArgumentParser, flag: str, tokens: list[str], workloads: list[str],
+                 value: Callable[[str], object]) -> dict:
+    """{workload: value} from tokens V (every workload) and WORKLOAD=V (that one, over a plain V); `value` turns a V
+    into its value, a ValueError for a bad one."""
+    values = {}
     for token in sorted(tokens, key=lambda text: "=" in text):
-        name, _, count = token.rpartition("=")
-        if not count.isdigit() or (name and name not in workloads) or (name == "" and "=" in token):
-            parser.error(f"{flag}: {token!r} is not N or WORKLOAD=N with WORKLOAD among {workloads}")
-        counts.update({name: int(count)} if name else dict.fromkeys(workloads, int(count)))
-    if any(name not in counts for name in workloads):
-        parser.error(f"{flag}: give a count for every workload ({workloads}), or a plain N")
-    return counts
+        name, _, text = token.rpartition("=")
+        try:
+            if "=" in token and name not in workloads:
+                raise ValueError
+            values.update({name: value(text)} if name else dict.fromkeys(workloads, value(text)))
+        except ValueError:
+            parser.error(f"{flag}: {token!r} is neither a value nor WORKLOAD=value with WORKLOAD among {workloads}")
+    if any(name not in values for name in workloads):
+        parser.error(f"{flag}: give a value for every workload ({workloads}), or one for all")
+    return values
+
+
+def count(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(text)
+    return int(text)
+
+
+def variants(text: str) -> list[int]:
+    """--check-prefix's value: K,K,... or none."""
+    return [] if text == "none" else [count(part) for part in text.split(",")]
 
 
 def workload_list(args: argparse.Namespace) -> list[FilterWorkload]:
@@ -342,9 +359,9 @@ def main() -> None:
                         help="the every-step filter (K = 1) on the first N seeds only (default: every seed), e.g. "
                              "3 cifar10-cpu=1")
     parser.add_argument("--filter-every", type=int, default=10, help="K of the second filter variant (default 10)")
-    parser.add_argument("--check-prefix", type=int, nargs="*", default=None, metavar="K",
-                        help="the filter variants (K) whose independence of the cap is checked on the first seed, by "
-                             "training them again to the second cap (default: both; none: no check)")
+    parser.add_argument("--check-prefix", nargs="+", default=None, metavar="[WORKLOAD=]K,K|none",
+                        help="the filter variants (K) whose independence of the cap is checked on seed 0, by training "
+                             "them again to the second cap (default: both), e.g. 1,10 cifar10-cpu=10")
     parser.add_argument("--eps", type=float, default=8.0, help="ε of uniform DP-SGD and of every point's budget")
     parser.add_argument("--delta", type=float, default=1e-5, help="δ of both (default 1e-5)")
     parser.add_argument("--cap-factors", type=float, nargs="+", default=[1, 1.5, 2, 3],
@@ -360,10 +377,11 @@ def main() -> None:
         parser.error("--uniform-factors: each in (0, 1], and --cap-factors > 0: uniform DP-SGD stops at T_u")
     if args.filter_every < 2:
         parser.error("--filter-every: K >= 2 (K = 1 is always measured beside it)")
-    args.check_prefix = [1, args.filter_every] if args.check_prefix is None else args.check_prefix
-    args.seeds = seed_counts(parser, "--seeds", args.seeds, args.workloads)
-    args.k1_seeds = args.seeds if args.k1_seeds is None else seed_counts(parser, "--k1-seeds", args.k1_seeds,
-                                                                          args.workloads)
+    seed_tokens = args.seeds
+    args.seeds = per_workload(parser, "--seeds", seed_tokens, args.workloads, count)
+    args.k1_seeds = per_workload(parser, "--k1-seeds", args.k1_seeds or seed_tokens, args.workloads, count)
+    args.check_prefix = per_workload(parser, "--check-prefix", args.check_prefix or [f"1,{args.filter_every}"],
+                                     args.workloads, variants)
     distributed.make_deterministic(args.device)
     scratch = tempfile.TemporaryDirectory(prefix="bench_filter_") if args.smoke else None
     if scratch:
