@@ -118,8 +118,8 @@ def main_table(plan, checkpoints: pd.DataFrame, runs: pd.DataFrame) -> list[str]
     uniform_at_end = selected_accuracy(checkpoints, UNIFORM, plan.uniform_steps)
     uniform_runs = runs[runs["method"] == UNIFORM].set_index("seed")
     lines = ["| method | seeds | steps (selected on held-out) | test accuracy, % [95% CI] | − uniform (selected), "
-             "points [95% CI] | − uniform at T_u, points [95% CI] | points left by the selected step | s/step ÷ "
-             "uniform's | run ÷ uniform run |",
+             "points [95% CI] | − uniform at T_u, points [95% CI] | points left by the selected step | time of T_u "
+             "steps ÷ uniform's | whole run ÷ uniform's |",
              "| --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |"]
     lines.append(f"| uniform DP-SGD at T_u | {len(uniform_at_end)} | {plan.uniform_steps} | "
                  f"{interval_text(uniform_at_end)} | {interval_text(paired(uniform_at_end, uniform_selected), signed=True)}"
@@ -129,18 +129,18 @@ def main_table(plan, checkpoints: pd.DataFrame, runs: pd.DataFrame) -> list[str]
         accuracy = selected_accuracy(checkpoints, method)
         steps = ", ".join(str(int(step)) for step in method_runs["selected_step"])
         if method == UNIFORM:
-            versus, left, per_step, whole = "—", "—", "1", "1"
+            versus, left, at_stop, whole = "—", "—", "1", "1"
             versus_end = interval_text(paired(accuracy, uniform_at_end), signed=True)
         else:
             versus = interval_text(paired(accuracy, uniform_selected), signed=True)
             versus_end = interval_text(paired(accuracy, uniform_at_end), signed=True)
             left = f"{method_runs['left_by_selected'].mean() / plan.size:.1%}"
-            per_step = ratio_text(same_seed_ratios(method_runs["seconds_per_step"], uniform_runs["seconds_per_step"]))
+            at_stop = ratio_text(same_seed_ratios(method_runs["seconds_to_uniform_steps"], uniform_runs["seconds"]))
             whole = ratio_text(same_seed_ratios(method_runs["seconds"], uniform_runs["seconds"]))
         label = "uniform DP-SGD, best of its checkpoints" if method == UNIFORM else \
             f"filter, Δ* every {method.removeprefix('filter-k')} step(s)"
         lines.append(f"| {label} | {len(accuracy)} | {steps} | {interval_text(accuracy)} | {versus} | {versus_end} | "
-                     f"{left} | {per_step} | {whole} |")
+                     f"{left} | {at_stop} | {whole} |")
     return lines
 
 
@@ -194,6 +194,19 @@ def stayer_lines(plan, runs: pd.DataFrame) -> list[str]:
                 f"that leave {rows['leaver_train_loss'].mean():.3f} and {rows['leaver_train_accuracy'].mean():.1%}."]
 
 
+def prefix_lines(prefix: pd.DataFrame) -> list[str]:
+    """Each variant's runs capped short against its long runs at the same step: identical bytes, or how far apart."""
+    lines = []
+    for (method, step), rows in prefix.groupby(["method", "step"]):
+        same = int(rows["identical_bytes"].sum())
+        gap = "" if same == len(rows) else f"; DIFFERENT in the others (largest weight difference " \
+                                           f"{rows['max_weight_gap'].max():.3g})"
+        lines.append(f"Prefix check, {method}: the checkpoint at step {step} of a run capped there against the run "
+                     f"capped at {rows['long_cap'].iloc[0]}, seeds {sorted(rows['seed'])}: identical bytes in {same} "
+                     f"of {len(rows)}{gap}.")
+    return lines
+
+
 def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
     """The summary: per workload its mechanism, the main table, the candidates, the classes; the prefix checks."""
     out = [f"# Uniform DP-SGD against the individual filter at ε = {args.eps:g}, δ = {args.delta:g}",
@@ -225,9 +238,5 @@ def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
         if "classes" in pick:
             out += ["", "By class:", ""] + class_table(pick["classes"])
         if "prefix" in pick:
-            for row in pick["prefix"].itertuples():
-                verdict = "identical bytes" if row.identical_bytes else \
-                    f"DIFFERENT (largest weight difference {row.max_weight_gap:.3g})"
-                out.append(f"\nprefix check, {row.method} seed {row.seed}: the checkpoint at step {row.step} of a run "
-                           f"capped there and of the run capped at {row.long_cap}: {verdict}")
+            out += [""] + prefix_lines(pick["prefix"])
     return "\n".join(out) + "\n"

@@ -1,7 +1,7 @@
 """Does the individual Rényi filter help? Uniform DP-SGD against the filtered run (train_dpsgd.py --budget-eps) at the
 same worst-case (ε, δ), the same σ and the same q, over several seeds (docs/filter.md).
 
-Each workload trains on a holdout:M: split of its training set: the last M training points are held out, never
+Each workload trains on a holdout:M: split of its training set: M training points drawn at random are held out, never
 trained on, and every choice is made on them; the dataset's own test set is looked at only to report. Per seed:
 
 - uniform DP-SGD for T_u = round(epochs·N/B) steps, σ Opacus's calibration of (ε, δ) over T_u steps at q = B/N; it
@@ -10,13 +10,15 @@ trained on, and every choice is made on them; the dataset's own test set is look
   steps (K = 10, each point clipped at 1.25·Δ* of its last measurement in between, accounting.md §12.4): budget ε
   for every point at the default order, the same σ, one run to the largest cap T_u·{1, 1.5, 2, 3} with a checkpoint
   at each; the cap is picked on the held-out split. A filtered run's first t steps do not depend on its cap (batches
-  and noise come from (seed, step), the filter's rule from the past, no learning-rate schedule): the first seed
-  checks it, training each variant again to the second cap and comparing that checkpoint's bytes.
+  and noise come from (seed, step), the filter's rule from the past, no learning-rate schedule): each variant is
+  trained again capped at T_u on every seed, and at the second cap on seed 0 (--check-prefix), and the checkpoint's
+  bytes compared with the long run's at the same step.
 
 Reported: test accuracy of the selected models on the real test set, mean and 95% t-interval over seeds, the paired
 difference filtered − uniform with its interval, steps, who left the filter (when, and by class), each class's test
-accuracy, and what the filter costs: seconds per step of each run against the uniform run's, measured side by side
-(the same seed's three runs one after the other in this process).
+accuracy, what the every-step filter trains on past T_u, and what the filter costs, measured side by side (the same
+seed's runs one after the other in this process): the run capped at T_u (uniform DP-SGD's steps on the same points,
+plus the measurements and charges) and the whole run to the largest cap, each against the uniform run.
 
     python benchmarks/bench_filter.py --cifar-data /work/data --seeds 3 --threads 1 --clock cpu --out DIR
     python benchmarks/bench_filter.py --workloads mnist --seeds 5 --k1-seeds 3   # K = 1 on the first 3 seeds only
@@ -24,7 +26,8 @@ accuracy, and what the filter costs: seconds per step of each run against the un
 
 Writes, under --out: checkpoints.csv (every candidate checkpoint's held-out and test accuracy, and which was
 selected), runs.csv (per run: steps, times, who left), classes.csv (per run and class: points, left, test accuracy of
-the selected model), summary.md (the printed tables). The runs go to --work (default <out>/models) and resume there.
+the selected model), prefix.csv (the capped runs' checkpoints against the long runs'), summary.md (the printed
+tables). The runs go to --work (default <out>/models) and resume there; each run's time is kept in <out>/timings.
 """
 
 import argparse
@@ -199,15 +202,15 @@ def weights_gap(first: training.Outcome, second: training.Outcome, step: int) ->
     return max(float((a - b).abs().max()) for a, b in zip(one.parameters(), two.parameters(), strict=True))
 
 
-def prefix_check(plan: Plan, method: str, seed: int, long_run: training.Outcome, args: argparse.Namespace) -> dict:
-    """Train `method` again to the second cap and compare that checkpoint with the long run's at the same step."""
-    cap = plan.caps[min(1, len(plan.caps) - 1)]
-    short, _ = timed_run(training_args(plan, method, seed, args, cap=cap, tag="prefix"), args)
+def capped_run(plan: Plan, method: str, seed: int, long_run: training.Outcome, cap: int, tag: str,
+               args: argparse.Namespace) -> tuple[dict, dict]:
+    """Train `method` again, capped at `cap`: (its checkpoint at `cap` against the long run's, its timing)."""
+    short, timing = timed_run(training_args(plan, method, seed, args, cap=cap, tag=tag), args)
     paths = [checkpoints.checkpoint_path(outcome.run_dir, cap) for outcome in (short, long_run)]
     identical = fileio.sha256_of(paths[0]) == fileio.sha256_of(paths[1])
-    return {"workload": plan.workload.name, "method": method, "seed": seed, "step": cap,
+    return {"workload": plan.workload.name, "method": method, "seed": seed, "step": cap, "run": tag,
             "long_cap": long_run.run.total_steps, "identical_bytes": identical,
-            "max_weight_gap": 0.0 if identical else weights_gap(short, long_run, cap)}
+            "max_weight_gap": 0.0 if identical else weights_gap(short, long_run, cap)}, timing
 
 
 def stayers(plan: Plan, outcome: training.Outcome, record: pd.DataFrame) -> dict:
@@ -261,8 +264,15 @@ def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argpar
         if method != UNIFORM and UNIFORM in outcomes:
             found["runs"][-1]["weights_gap_at_uniform_steps"] = weights_gap(outcome, outcomes[UNIFORM],
                                                                             plan.uniform_steps)
-        if method != UNIFORM and seed == 0 and every_of(method) in args.check_prefix[plan.workload.name]:
-            found["prefix"].append(prefix_check(plan, method, seed, outcome, args))
+        if method != UNIFORM:
+            # The filter's own cost: the same run capped at T_u does uniform DP-SGD's steps on the same points (none
+            # leaves before T_u), plus the measurements and the charges.
+            check, at_stop = capped_run(plan, method, seed, outcome, plan.uniform_steps, "timing", args)
+            found["prefix"].append(check)
+            found["runs"][-1]["seconds_to_uniform_steps"] = at_stop["seconds"]
+            if seed == 0 and every_of(method) in args.check_prefix[plan.workload.name]:
+                found["prefix"].append(capped_run(plan, method, seed, outcome, plan.caps[min(1, len(plan.caps) - 1)],
+                                                  "prefix", args)[0])
         print(f"  {plan.workload.name} seed {seed} {method}: {found['runs'][-1]['summary']}", flush=True)
     return found
 
