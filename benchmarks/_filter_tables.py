@@ -202,7 +202,7 @@ def prefix_lines(prefix: pd.DataFrame) -> list[str]:
         gap = "" if same == len(rows) else f"; DIFFERENT in the others (largest weight difference " \
                                            f"{rows['max_weight_gap'].max():.3g})"
         lines.append(f"Prefix check, {method}: the checkpoint at step {step} of a run capped there against the run "
-                     f"capped at {rows['long_cap'].iloc[0]}, seeds {sorted(rows['seed'])}: identical bytes in {same} "
+                     f"capped at {rows['long_cap'].iloc[0]}, seeds {sorted(int(seed) for seed in rows['seed'])}: identical bytes in {same} "
                      f"of {len(rows)}{gap}.")
     return lines
 
@@ -222,8 +222,9 @@ def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
                 f"{plan.workload.batch_size}, q = {plan.sample_rate:.4g}, lr {plan.workload.lr:g}; uniform DP-SGD "
                 f"T_u = {plan.uniform_steps} steps at σ = {plan.sigma:.6g}; the filter at λ_f = {plan.order:g} keeps a "
                 f"point charged at Γ for {plan.full_charge_steps} steps; caps {list(plan.caps)}.", ""]
-        k1_seeds = sorted(runs.loc[runs["method"] == "filter-k1", "seed"])
-        out += [f"Seeds {sorted(runs['seed'].unique())} (the every-step filter on {k1_seeds}).", ""]
+        k1_seeds = sorted(int(seed) for seed in runs.loc[runs["method"] == "filter-k1", "seed"])
+        out += [f"Seeds {sorted(int(seed) for seed in runs['seed'].unique())} (the every-step filter on {k1_seeds}).",
+                ""]
         out += main_table(plan, checkpoints, runs)
         gaps = runs.dropna(subset=["weights_gap_at_uniform_steps"]) if "weights_gap_at_uniform_steps" in runs \
             else runs.iloc[:0]
