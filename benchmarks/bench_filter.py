@@ -62,7 +62,7 @@ warnings.filterwarnings("ignore")
 
 @dataclasses.dataclass(frozen=True)
 class FilterWorkload:
-    """A preset's main run, trained on its training set less the last `holdout` points."""
+    """A preset's main run, trained on its training set less `holdout` points held out at random (holdout:M:)."""
 
     name: str
     dataset: str  # the base dataset (its test set is the real one)
@@ -87,7 +87,7 @@ def preset_workload(name: str, preset: str, dataset: str, holdout: int) -> Filte
 CIFAR_DATASET = "scatternet:imagefolder:{path}"
 SMOKE_WORKLOAD = FilterWorkload("smoke", "synthetic", 128, "mlp", 32, 0.5, 1.0)
 SMOKE_SIZES = {"workloads": ["smoke"], "seeds": ["2"], "k1_seeds": ["1"]}
-# The methods of one seed, in the order they are trained (side by side: the same seed's runs one after the other).
+# The methods' names: uniform DP-SGD, and filter-kK for the filter measuring Δ* every K steps.
 UNIFORM = "uniform"
 
 
@@ -383,8 +383,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench_filter", help="results folder (default ./bench_filter)")
     parser.add_argument("--work", default=None, help="run folders (default <out>/models)")
     args = parse_timed(parser, SMOKE_SIZES)
-    if max(args.uniform_factors) > 1 or min(args.uniform_factors + args.cap_factors) <= 0:
-        parser.error("--uniform-factors: each in (0, 1], and --cap-factors > 0: uniform DP-SGD stops at T_u")
+    if max(args.uniform_factors) != 1 or min(args.uniform_factors) <= 0:
+        parser.error("--uniform-factors: each in (0, 1], 1 among them (uniform DP-SGD stops at T_u)")
+    if 1 not in args.cap_factors or min(args.cap_factors) <= 0:
+        parser.error("--cap-factors: each > 0, 1 among them (at T_u the filtered runs are compared with uniform "
+                     "DP-SGD's)")
     if args.filter_every < 2:
         parser.error("--filter-every: K >= 2 (K = 1 is always measured beside it)")
     seed_tokens = args.seeds
