@@ -21,7 +21,7 @@ RATIO = re.compile(r"(\d+(?:\.\d+)?|nan|inf)\s?[×x](?!\w)")
 def test_every_benchmark_is_found():
     expected = {"bench_accounting.py", "bench_pld.py", "bench_sensitivity.py", "bench_shared_machine.py", "bench_training.py",
                 "bench_tracking.py", "compare_clipping.py", "bench_mean_rule.py", "bench_paper_scale.py",
-                "gpu_check.py"}
+                "gpu_check.py", "bench_filter.py"}
     assert expected <= set(BENCHMARKS)
 
 

@@ -257,6 +257,40 @@ def test_first_takes_the_first_training_points_and_the_whole_test_set():
     assert without.fingerprint == head.fingerprint
 
 
+# --- holdout:M:DATASET ------------------------------------------------------------------
+
+def test_holdout_holds_out_a_random_sample_not_the_last_points(tmp_path):
+    """An imagefolder lists its training points class by class: the last M of them would be one class, missing from
+    the training set. The held-out split is a uniform random sample, the same every time."""
+    write_images(tmp_path, "train", ["ant", "bee", "cat", "dog"], 10)
+    write_images(tmp_path, "test", ["ant", "bee", "cat", "dog"], 1)
+    full = load_dataset(f"imagefolder:{tmp_path}")
+    assert full.train_y.tolist() == sorted(full.train_y.tolist())  # the order that made "the last M" one class
+    split = load_dataset(f"holdout:10:imagefolder:{tmp_path}")
+    assert len(split.test_y) == 10 and len(split.train_y) == 30
+    assert len(set(split.test_y.tolist())) > 1 and set(split.train_y.tolist()) == {0, 1, 2, 3}
+    # Every training point is in exactly one part, each part in the training set's order.
+    rows = {bytes(image.numpy()): index for index, image in enumerate(full.train_x)}
+    held = [rows[bytes(image.numpy())] for image in split.test_x]
+    kept = [rows[bytes(image.numpy())] for image in split.train_x]
+    assert sorted(held + kept) == list(range(40)) and held == sorted(held) and kept == sorted(kept)
+    assert held != list(range(30, 40))
+    assert torch.equal(split.test_y, full.train_y[held]) and torch.equal(split.train_y, full.train_y[kept])
+    again = load_dataset(f"holdout:10:imagefolder:{tmp_path}")
+    assert torch.equal(again.test_x, split.test_x) and again.fingerprint == split.fingerprint
+    assert len({split.fingerprint, full.fingerprint, load_dataset(f"holdout:11:imagefolder:{tmp_path}").fingerprint,
+                load_dataset(f"first:30:imagefolder:{tmp_path}").fingerprint}) == 4
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("holdout:512:synthetic", "only 512 training points"),
+    ("holdout:-3:synthetic", "integer N >= 1"),
+    ("holdout:²:synthetic", "integer N >= 1"),
+])
+def test_bad_holdout_datasets(name, fragment):
+    assert_usage_error(lambda: load_dataset(name), "--dataset", fragment)
+
+
 @pytest.mark.parametrize("name, fragment", [
     ("first:0:synthetic", "integer N >= 1"),
     ("first:x:synthetic", "integer N >= 1"),

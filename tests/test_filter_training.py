@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from conftest import assert_usage_error, run_in_process, snapshot
 from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 from test_distributed import torchrun
@@ -20,7 +21,7 @@ from perinstance.accounting import individual_filter
 from perinstance.cli import options
 from perinstance.files import checkpoints, results, storage, tracked_rows
 from perinstance.persample import gradients
-from perinstance.train import filtering, runs, sampling, training
+from perinstance.train import data, filtering, runs, sampling, training
 
 # 512 synthetic points, q = 1/16, σ = 1, Γ = 4 (so that many points stay below Γ): with a budget of ε = 3.5 at
 # order 4 the points at Γ leave after 21 steps and about a third stay to the cap of 40.
@@ -338,4 +339,7 @@ def test_total_steps_fixes_t_and_holdout_trains_on_all_but_the_held_out_points(t
     assert "epochs" not in outcome.run.flags  # --total-steps gives T: --epochs names nothing
     dataset = training.load_dataset("holdout:112:synthetic")
     full = training.load_dataset("synthetic")
-    assert len(dataset.test_y) == 112 and (dataset.test_x == full.train_x[400:]).all()
+    held = np.sort(np.random.default_rng(data.HOLDOUT_SEED).choice(512, 112, replace=False))
+    kept = np.setdiff1d(np.arange(512), held)
+    assert len(dataset.test_y) == 112 and torch.equal(dataset.test_x, full.train_x[held])
+    assert torch.equal(dataset.train_x, full.train_x[kept]) and torch.equal(dataset.train_y, full.train_y[kept])

@@ -57,8 +57,8 @@ MEANINGS = {
     # --- the training run (perinstance/cli/options.py add_training_args) -------------------------
     "--dataset": Meaning("the dataset: mnist-embedded, MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH, "
                          "scatternet:DATASET (fixed ScatterNet features of its images), first:N:DATASET (its first N "
-                         "training points), holdout:M:DATASET (its training points but the last M, which become the "
-                         "test set), or your own PATH.py:NAME or package.module:NAME (a function returning "
+                         "training points), holdout:M:DATASET (its training points but M drawn at random, which "
+                         "become the test set), or your own PATH.py:NAME or package.module:NAME (a function returning "
                          "(train, test)) (reproduce.py: replaces the preset's)", "dataset", "imagefolder:PATH",
                          # reproduce.py's None: not given, the preset's dataset is used.
                          defaults=("str", "NoneType")),

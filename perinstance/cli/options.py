@@ -236,8 +236,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", default="mnist-embedded",
                        help="mnist-embedded (shipped, offline), MNIST, FashionMNIST, CIFAR10, synthetic, imagefolder:PATH; "
                             "scatternet:DATASET: fixed ScatterNet features of DATASET's images; first:N:DATASET: the "
-                            "first N training points of DATASET; holdout:M:DATASET: DATASET's training points but the "
-                            "last M, which become the test set (never trained on); your own: PATH.py:NAME or "
+                            "first N training points of DATASET; holdout:M:DATASET: DATASET's training points but M "
+                            "drawn at random, which become the test set (never trained on); your own: PATH.py:NAME or "
                             "package.module:NAME (a function returning (train, test))")
     group.add_argument("--data-root", default="./data", help="where torchvision datasets live, and cache/ with scatternet: features")
     group.add_argument("--model", default="lenet5", type=model_flag, metavar="{lenet5,resnet20,mlp,linear,PATH.py:NAME}",

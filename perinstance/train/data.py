@@ -52,8 +52,10 @@ PROGRESS_MIN_FILES = 5000
 SCATTERNET_PREFIX = "scatternet:"
 # Names the ScatterNet's definition (perinstance/train/nets.py) in the feature cache: change it with the filters.
 SCATTERNET_VERSION = "scatternet-j2-l8-v1"
-FIRST_PREFIX = "first:"
-HOLDOUT_PREFIX = "holdout:"
+FIRST_PREFIX, HOLDOUT_PREFIX = "first:", "holdout:"
+# holdout:M: holds out M training points drawn from this seed (a uniform sample whatever the training set's order); the
+# tag puts that rule in the fingerprint (it once held out the last M).
+HOLDOUT_SEED, HOLDOUT_TAG = 20260101, ":random-sample"
 
 # Features of datasets with at least this many images are kept in <data-root>/cache/ (CIFAR-10's
 # 60,000 take minutes to compute on 2 cores and seconds to read back); smaller ones are recomputed.
@@ -449,34 +451,31 @@ def _read_feature_cache(path, name, base, fingerprint):
 # --- first:N:DATASET, holdout:M:DATASET -----------------------------------------------------
 
 def _load_first(name, data_root, class_labels):
-    """first:N:DATASET, the first N training points of DATASET with its test set whole: a training set small
-    enough that the realised-size mean rule's rare small batches are frequent (docs/audit.md).
-    holdout:M:DATASET, DATASET's training points but its last M, which become the test set: a held-out split never
-    trained on, to choose a setting by (a filtered run's cap) before DATASET's own test set is looked at.
-    Named by N (M) and DATASET's fingerprint (which fixes every point of it): a run is recognised whatever the last
-    bits of DATASET's preprocessing in this process."""
+    """first:N:DATASET, the first N training points of DATASET with its test set whole: a training set small enough
+    that the realised-size mean rule's rare small batches are frequent (docs/audit.md). holdout:M:DATASET, DATASET's
+    training points but M drawn at random (HOLDOUT_SEED; not the last M: an imagefolder lists its points class by
+    class), which become the test set: a held-out split never trained on, to choose a setting by (a filtered run's
+    cap) before DATASET's own test set is looked at. Named by N (M) and DATASET's fingerprint (which fixes every point
+    of it): a run is recognised whatever the last bits of DATASET's preprocessing in this process."""
     prefix = HOLDOUT_PREFIX if name.lower().startswith(HOLDOUT_PREFIX) else FIRST_PREFIX
     count_text, _, base_name = name[len(prefix):].partition(":")
-    try:
-        count = int(count_text)
-    except ValueError:
-        count = 0
+    count = int(count_text) if count_text.isascii() and count_text.isdigit() else 0
     if count < 1 or not base_name:
         raise UsageError("--dataset", f"{prefix}N:DATASET needs an integer N >= 1 and a dataset, e.g. "
                                       f"{prefix}64:mnist-embedded (got {name})")
     base = _load_full_dataset(base_name, data_root, class_labels)
     if count > len(base.train_y) or (prefix == HOLDOUT_PREFIX and count == len(base.train_y)):
         raise UsageError("--dataset", f"{prefix}{count}: {base.name} has only {len(base.train_y)} training points")
-    fingerprint = hashlib.sha256(f"{prefix}{count}:{base.fingerprint}".encode()).hexdigest()
+    rule = HOLDOUT_TAG if prefix == HOLDOUT_PREFIX else ""
+    fingerprint = hashlib.sha256(f"{prefix}{count}:{base.fingerprint}{rule}".encode()).hexdigest()
     if prefix == FIRST_PREFIX:
-        train_x, train_y, test_x, test_y = base.train_x[:count], base.train_y[:count], base.test_x, base.test_y
-    else:
-        kept = len(base.train_y) - count
-        train_x, train_y = base.train_x[:kept], base.train_y[:kept]
-        test_x, test_y = base.train_x[kept:], base.train_y[kept:]
-    return Dataset(name=f"{prefix}{count}:{base.name}", train_x=train_x.clone(), train_y=train_y.clone(),
-                   test_x=test_x.clone(), test_y=test_y.clone(), num_classes=base.num_classes,
-                   class_names=base.class_names, fingerprint=fingerprint, pixel_scale=base.pixel_scale)
+        parts = base.train_x[:count].clone(), base.train_y[:count].clone(), base.test_x.clone(), base.test_y.clone()
+    else:  # index_select copies: no clone on top (CIFAR-10's ScatterNet features are 3 GB)
+        held = torch.from_numpy(np.sort(np.random.default_rng(HOLDOUT_SEED).choice(len(base.train_y), count, False)))
+        kept = torch.from_numpy(np.setdiff1d(np.arange(len(base.train_y)), held.numpy()))
+        parts = [tensor.index_select(0, rows) for rows in (kept, held) for tensor in (base.train_x, base.train_y)]
+    return Dataset(f"{prefix}{count}:{base.name}", *parts, num_classes=base.num_classes, class_names=base.class_names,
+                   fingerprint=fingerprint, pixel_scale=base.pixel_scale)
 
 
 # --- synthetic --------------------------------------------------------------------------
