@@ -63,10 +63,15 @@ def test_the_rate_is_the_grids_best_on_held_out_training_points(selected):
     dataset = load_dataset(config.dataset, DATA_ROOT)
     trained, held_out = nonprivate_run.held_out_split(len(dataset.train_y), config.nodp_holdout)
     assert (selection["trained_points"], selection["held_out_points"]) == (trained, held_out)
-    # Every candidate is judged on the training points it was not trained on, none on the test set.
+    # Every candidate is judged on the training points it was not trained on (holdout:M:'s random sample of them),
+    # none on the test set.
+    held = load_dataset(f"holdout:{held_out}:{config.dataset}", DATA_ROOT)
+    kept = [index for index in range(len(dataset.train_y))
+            if not any(torch.equal(dataset.train_x[index], row) for row in held.test_x)]
+    assert len(kept) == trained and torch.equal(dataset.train_x[kept], held.train_x)
     assert len(evaluated) == len(config.nodp_lrs)
     for inputs, labels in evaluated:
-        assert torch.equal(inputs, dataset.train_x[trained:]) and torch.equal(labels, dataset.train_y[trained:])
+        assert torch.equal(inputs, held.test_x) and torch.equal(labels, held.test_y)
         assert inputs.shape != dataset.test_x.shape or not torch.equal(inputs, dataset.test_x)
     # Each held-out accuracy, recomputed here from the candidate's final weights, and the choice its best.
     table = pd.read_csv(selection["table"])
@@ -77,8 +82,8 @@ def test_the_rate_is_the_grids_best_on_held_out_training_points(selected):
         assert run.dataset_size == trained and not run.private and run.lr == rate
         model, _ = training.load_model(run, run_dir, run.total_steps)
         with torch.no_grad():
-            predicted = model(dataset.train_x[trained:]).argmax(dim=1)
-        accuracy = float((predicted == dataset.train_y[trained:]).double().mean())
+            predicted = model(held.test_x).argmax(dim=1)
+        accuracy = float((predicted == held.test_y).double().mean())
         assert selection["held_out_accuracy"][rate] == pytest.approx(accuracy, abs=1e-12)
         assert row["held_out_accuracy"] == pytest.approx(accuracy, rel=1e-9)  # the table's 10 digits
     best = max(selection["held_out_accuracy"].values())
@@ -89,7 +94,7 @@ def test_the_rate_is_the_grids_best_on_held_out_training_points(selected):
     final = runs.load_run(os.path.join("models", name))
     assert (final.lr, final.dataset_size, final.private) == (selection["lr"], len(dataset.train_y), False)
     listed = [line for line, _ in commands.lines]
-    assert sum(f"--dataset first:{trained}:synthetic" in line for line in listed) == len(config.nodp_lrs)
+    assert sum(f"--dataset holdout:{held_out}:synthetic" in line for line in listed) == len(config.nodp_lrs)
     assert any(line.startswith("# in-process: nonprivate_run.select_learning_rate") for line in listed)
 
 

@@ -30,15 +30,16 @@ from perinstance.experiments.config import (
 )
 from perinstance.files import fileio
 from perinstance.train import runs, training
-from perinstance.train.data import FIRST_PREFIX, load_dataset
+from perinstance.train.data import HOLDOUT_PREFIX, load_dataset
 
 # The selection's runs keep their first and last checkpoints only: the last is all the selection reads.
 SELECTION_SAVE_FREQ = 1_000_000
 
 
 def held_out_split(size: int, share: float) -> tuple[int, int]:
-    """(training points the selection's runs are trained on, points held out): the last round(share·size) of `size`
-    training points are held out. A UsageError (--set nodp_holdout) when either part would be empty."""
+    """(training points the selection's runs are trained on, points held out): round(share·size) of `size` training
+    points are held out (which ones: holdout:M:DATASET's random sample). A UsageError (--set nodp_holdout) when
+    either part would be empty."""
     held_out = round(share * size)
     if not 0 < held_out < size:
         raise UsageError("--set", f"nodp_holdout={share:g} holds out {held_out} of {size} training points; "
@@ -63,12 +64,16 @@ def select_learning_rate(commands: Commands, config: ReproduceConfig, preset: st
     choice is the grid's smallest or largest rate, "trained_points", "held_out_points", "table": the table's path}."""
     dataset = load_dataset(config.dataset, DATA_ROOT)
     trained, held_out = held_out_split(len(dataset.train_y), config.nodp_holdout)
-    held_x, held_y = dataset.train_x[trained:], dataset.train_y[trained:]
+    # holdout:M: a random sample of the training points as the test split (the last M of an imagefolder would be
+    # one class): the candidates train on the rest and are measured on it.
+    split = f"{HOLDOUT_PREFIX}{held_out}:{config.dataset}"
+    held_out_data = load_dataset(split, DATA_ROOT)
+    held_x, held_y = held_out_data.test_x, held_out_data.test_y
     base = f"{name}{variant_tag(config, preset, NODP_RUN_FIELDS)}-nodp-holdout{held_out}"
     rows = []
     for rate in config.nodp_lrs:
         run_name = f"{base}-lr{rate:g}"
-        candidate = dataclasses.replace(config, dataset=f"{FIRST_PREFIX}{trained}:{config.dataset}", lr=rate,
+        candidate = dataclasses.replace(config, dataset=split, lr=rate,
                                         save_freq=SELECTION_SAVE_FREQ, save_steps="")
         accuracy = loss = math.nan
         try:
@@ -90,8 +95,8 @@ def select_learning_rate(commands: Commands, config: ReproduceConfig, preset: st
     fileio.write_csv(table, pd.DataFrame(rows).assign(chosen=lambda frame: frame["lr"] == chosen))
     # A choice at either end of the grid may have a better rate beyond it: said, for the grid to be widened.
     at_edge = len(accuracies) > 1 and chosen in (min(accuracies), max(accuracies))
-    commands.note(f"nonprivate_run.select_learning_rate: each run above measured on training points {trained}-"
-                  f"{trained + held_out - 1} (held out; not the test set), learning rate {chosen:g} chosen"
+    commands.note(f"nonprivate_run.select_learning_rate: each run above measured on the {held_out} training points "
+                  f"that {split} holds out (not the test set), learning rate {chosen:g} chosen"
                   + (" (at the end of the grid nodp_lrs)" if at_edge else "") + f"; wrote {table}")
     return {"lr": chosen, "held_out_accuracy": accuracies, "at_edge": at_edge, "trained_points": trained,
             "held_out_points": held_out, "table": table}
