@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import sys
 
 import torch
 
@@ -24,7 +25,12 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> bool:
-    """Return the heap's free pages to the system; False where libc has no malloc_trim."""
+    """Return the heap's free pages to the system, and those that pyarrow's own allocator keeps (where pyarrow is
+    imported: a Parquet table read or written, its buffers come from there, not from the heap); False where libc
+    has no malloc_trim."""
+    pyarrow = sys.modules.get("pyarrow")
+    if pyarrow is not None:
+        pyarrow.default_memory_pool().release_unused()
     trim = _malloc_trim()
     if trim is None:
         return False
