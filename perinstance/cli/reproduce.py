@@ -13,7 +13,6 @@ figures and report.md to --out-dir (default figures/). report.md lists the confi
 every command that produced its numbers.
 """
 
-import os
 import re
 import sys
 import time
@@ -21,7 +20,6 @@ from collections.abc import Sequence
 
 from perinstance.cli.main import script_mains
 from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
-from perinstance.errors import UsageError
 from perinstance.experiments import (
     audits,
     figures,
@@ -46,17 +44,7 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
-
-
-def check_out_dir(out_dir: str) -> None:
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError("--out-dir", f"{out_dir} is a file, not a folder")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as error:
-        raise UsageError("--out-dir", f"cannot create {out_dir}: {error.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UsageError("--out-dir", f"{out_dir} is not writable")
+from perinstance.files import fileio
 
 
 def slug(text: str) -> str:
@@ -82,7 +70,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> tuple[str
     config = apply_overrides(PRESETS[args.preset], assignments)
     check_config(config)
     check_dataset(config, args.preset, "--dataset" if args.dataset is not None else "--set")
-    check_out_dir(args.out_dir)
+    fileio.writable_folder(args.out_dir, "--out-dir")
     return args.preset, config, args.device, args.out_dir
 
 

@@ -231,7 +231,7 @@ def _factor_passes(model, inputs, labels, transform, device, wanted, loss_fn=Non
         chunk = gradients.examples_per_pass(model, inputs, device)
         for start, x, y in example_chunks(inputs, labels, device, chunk):
             gram_pass = gram_forms.gram_factors(model, x, y, transform.weights, wanted, loss_fn)
-            yield start, gram_pass.factors, predictions_of(gram_pass.losses, gram_pass.logits, y)
+            yield start, gram_pass.factors, predictions_of(gram_pass.losses, gram_pass.logits, y, gram_pass.grad_norms)
     else:
         for start, rows, predictions in transformed_gradient_chunks(model, inputs, labels, transform, device,
                                                                     loss_fn=loss_fn):

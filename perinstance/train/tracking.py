@@ -12,6 +12,8 @@ i mod W), and rank 0 gathers the shares and writes them.
 """
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -20,9 +22,9 @@ from torch import nn
 
 from perinstance.errors import UsageError
 from perinstance.files import results, tracked_rows
-from perinstance.persample import batches, gradients
+from perinstance.persample import batches, finite, gradients
 from perinstance.persample.layer_pass import eval_mode
-from perinstance.train import distributed, runs
+from perinstance.train import distributed, non_finite, runs
 from perinstance.train.clipping import Transform
 
 # The values recorded per point and step, in the order of a segment's second axis.
@@ -32,12 +34,13 @@ VALUES = ("value", "loss", "correct")
 class Tracker:
     """The tracked points of one run: measures them at the current parameters, holds the values since the last
     checkpoint, and writes them. `world`: a torchrun launch whose ranks share the points in lockstep (None: this
-    process measures them all)."""
+    process measures them all). `refuse(step, met)`: the error that stops training at `step` for `met`, a
+    value that is not finite at θ_{step−1} (the trainer's `stopped`, which knows whether the steps before made it)."""
 
     def __init__(self, run: runs.RunConfig, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
-                 device: torch.device, per_pass: int, world: distributed.World | None = None,
-                 loss_fn: batches.LossFn | None = None) -> None:
-        self.run, self.model, self.world, self.loss_fn = run, model, world, loss_fn
+                 device: torch.device, per_pass: int, world: distributed.World | None,
+                 loss_fn: batches.LossFn | None, refuse: Callable[[int, non_finite.Seen], Exception]) -> None:
+        self.run, self.model, self.world, self.loss_fn, self.refuse = run, model, world, loss_fn, refuse
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
         mine = self.points if world is None else np.asarray(world.share(self.points), dtype=np.int64)
         self.indices = torch.as_tensor(mine, device=device)
@@ -60,25 +63,48 @@ class Tracker:
             distributed.rank0_says_go(self.world)
             distributed.broadcast_from_rank0(self.model.state_dict().values())
         with eval_mode(self.model):
-            self.held.append(self.values())
+            self.held.append(self.values(step))
         self.first = step if self.first is None else self.first
         self.seconds += time.perf_counter() - started
 
-    def values(self) -> np.ndarray:
-        """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness (nan where the
-        targets are not class labels, batches.correct_predictions)."""
+    def values(self, step: int) -> np.ndarray:
+        """(3, points of this process) float32 at θ_step: ||h(g)|| (||g|| without privacy), loss, correctness (nan
+        where the targets are not class labels, batches.correct_predictions). A norm, loss or output that is not
+        finite is refused (`refuse`), read back with the values."""
         if not len(self.indices):  # more ranks than points
             return np.zeros((len(VALUES), 0), dtype=np.float32)
-        norms, losses, correct = [], [], []
+        norms, losses, correct, grad_norms_seen, outputs_finite = [], [], [], [], []
         for start in range(0, len(self.indices), self.chunk):
             chunk = self.indices[start:start + self.chunk]
             inputs, labels = self.train_x.index_select(0, chunk), self.train_y.index_select(0, chunk)
-            grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels, self.loss_fn)
+            try:
+                grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels,
+                                                                               self.loss_fn)
+            except finite.NonFiniteValues as error:  # met by the engine's check of a user's model
+                point = int(chunk[error.found.position])
+                raise self.refuse(step + 1, non_finite.seen(self.model, inputs, labels, self.loss_fn, error, step,
+                                                            f"tracked point {point}")) from None
             norms.append(grad_norms if self.transform is None else self.transform.norms(grad_norms))
             losses.append(chunk_losses)
             hits = batches.correct_predictions(outputs, labels)
             correct.append(torch.full_like(chunk_losses, torch.nan) if hits is None else hits)
-        return torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float()]).cpu().numpy()
+            grad_norms_seen.append(grad_norms)
+            outputs_finite.append(finite.finite_examples(outputs, len(chunk)))
+        values = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float(),
+                              torch.cat(grad_norms_seen), torch.cat(outputs_finite).float()]).cpu().numpy()
+        if not (np.isfinite(values[1]).all() and np.isfinite(values[3]).all() and values[4].all()):
+            self._refuse(step, values)
+        return values[:len(VALUES)]
+
+    def _refuse(self, step: int, values: np.ndarray) -> None:
+        """Raise `refuse`'s error for the first point whose output, loss or gradient norm at θ_step is not finite
+        (`values` rows: as `values`, then ||g|| and whether the outputs are finite)."""
+        losses, grad_norms, outputs_finite = (torch.from_numpy(values[row]) for row in (1, 3, 4))
+        found = finite.first_non_finite(losses, grad_norms, outputs_finite=outputs_finite.bool())
+        point = self.indices[found.position:found.position + 1]
+        source = non_finite.source_of(self.model, self.train_x.index_select(0, point),
+                                      self.train_y.index_select(0, point), self.loss_fn, replace(found, position=0))
+        raise self.refuse(step + 1, non_finite.Seen(step, f"tracked point {int(point[0])}", found, source))
 
     def checkpoint(self, run_dir: str, step: int) -> None:
         """At checkpoint `step`: the values of θ_T too if it is the last, then the segment written (flush)."""
