@@ -163,8 +163,8 @@ def test_a_dataset_with_values_that_are_not_finite_is_refused_at_load(run, tmp_p
     ("inf", "--model", ["gave an output that is not finite (inf) for point 0"]),
     ("loss-nan", "--loss", ["gave a loss that is not finite (nan"]),
     ("loss-inf", "--loss", ["gave a loss that is not finite (inf"]),
-    ("gradient", "--model", ["it is the backward through the model"]),
-    ("loss-gradient", "--loss", ["it is the loss's gradient in the outputs"]),
+    ("gradient", "--model", ["so it is made by the backward through the model"]),
+    ("loss-gradient", "--loss", ["so it is made by the loss's gradient in the outputs"]),
     ("one", "--model", ["for point 5 at checkpoint step 4"]),
 ])
 @pytest.mark.parametrize("measurement", [["--reduction", "sum"], ["--reduction", "mean", "--num-batches", 4],

@@ -155,11 +155,11 @@ def epsilon_for_delta(probs: ArrayLike, first: ArrayLike, interval: float, infin
     nonincreasing in i. It is first evaluated at the starts of blocks of READ_BLOCK losses, then
     in full inside the one block where it crosses δ; between ℓ_{i−1} and ℓ_i it is linear in e^ε.
     """
-    probs = np.maximum(np.asarray(probs, dtype=float), 0.0)
+    probs = np.asarray(probs, dtype=float)
     rows, columns = probs.shape
     blocks = -(-(first + columns) // READ_BLOCK)
     masses = np.zeros((rows, blocks * READ_BLOCK))
-    masses[:, first:first + columns] = probs
+    np.maximum(probs, 0.0, out=masses[:, first:first + columns])  # in place: no second copy of a chunk's PMFs
     masses = masses.reshape(rows, blocks, READ_BLOCK)
     infinity_mass = np.asarray(infinity_mass, dtype=float)
     # Within a block: e^{−(ℓ_j − ℓ_start)}; across blocks: e^{−READ_BLOCK·interval}.
@@ -292,11 +292,12 @@ def compose_counts(pmfs: list[LossPmf], counts: ArrayLike, interval: float, delt
         used = np.flatnonzero(counts[members].any(axis=0))
         modulus, phase = _log_spectra(level_spectra(pmfs, used, length))
         chunk_counts = counts[members][:, used]
-        composed = fft.irfft(_exp_spectrum(chunk_counts @ modulus, chunk_counts @ phase), n=length, axis=1)
         infinity_mass = (-np.expm1(chunk_counts @ log_finite[used])
                          + ROUNDING * math.sqrt(length) * counts[members].sum(axis=1)
                          + mass_above(log_mgf[members], hard_upper[members], window_upper, interval))
-        eps[members] = read_window(composed, window_lower, interval, infinity_mass, delta)
+        # The composed PMFs are read at once, not kept into the next chunk's spectra.
+        eps[members] = read_window(fft.irfft(_exp_spectrum(chunk_counts @ modulus, chunk_counts @ phase), n=length,
+                                             axis=1), window_lower, interval, infinity_mass, delta)
     return eps
 
 

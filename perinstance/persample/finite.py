@@ -15,8 +15,8 @@ from torch import nn
 
 from perinstance.persample import batches
 
+# What is not finite, in the order a pass makes them.
 INPUT, OUTPUT, LOSS, GRADIENT = "input", "output", "loss", "gradient"
-KINDS = (INPUT, OUTPUT, LOSS, GRADIENT)
 # Where a gradient norm that is not finite was made, when the outputs and the loss are finite (`gradient_source`).
 IN_LOSS, IN_MODEL = "loss", "model"
 
@@ -24,7 +24,8 @@ IN_LOSS, IN_MODEL = "loss", "model"
 @dataclass(frozen=True)
 class NonFinite:
     """The first example, among those checked, with a value that is not finite: its position among them, the first
-    of KINDS that is not finite, and that value (of an input or output: its first element that is not finite)."""
+    of its input, output, loss and gradient norm that is not finite, and that value (of an input or output: its
+    first element that is not finite)."""
 
     position: int
     kind: str

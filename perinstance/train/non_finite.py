@@ -9,8 +9,9 @@ cross-entropy), or where the parameters themselves stop being finite after a ste
 code is fixed, its file's sha256 differs from run.json's, so the run could not be resumed anyway.
 
 The trainer reads nothing back per step to check (training.LOSS_READ_STEPS): each step keeps its per-sample
-losses, norms and whether each example's outputs are finite on the device (StepLog), and folds them into the
-batch loss it returns, NaN where one is not; the loop reads those losses every few steps, as it did.
+losses, norms and whether each example's outputs are finite on the device (StepLog), and folds the norms into
+the batch loss it returns (NaN where one is not; a loss that is not finite makes it so itself); the loop reads
+those losses every few steps, as it did, and only then are the kept values looked at.
 """
 
 from collections.abc import Callable
@@ -59,7 +60,7 @@ def user_parts(run: runs.RunConfig, found: NonFinite, source: str | None = None)
 
 
 def what_happened(found: NonFinite, source: str | None = None) -> str:
-    """`found` in words, after the spec that made it: "gave a non-finite output (nan)"."""
+    """`found` in words, after the spec that made it: "gave an output that is not finite (nan)"."""
     if found.kind == INPUT:
         return f"holds an input value that is not finite ({found.value:g})"
     if found.kind == OUTPUT:
@@ -67,8 +68,8 @@ def what_happened(found: NonFinite, source: str | None = None) -> str:
     if found.kind == LOSS:
         return f"gave a loss that is not finite ({found.value:g}; the model's outputs are finite)"
     where = {IN_LOSS: "the loss's gradient in the outputs", IN_MODEL: "the backward through the model"}.get(source)
-    return (f"gave a gradient that is not finite (||g|| = {found.value:g}, the outputs and the loss finite"
-            f"{'; it is ' + where if where else ''})")
+    return (f"gave a gradient that is not finite (||g|| = {found.value:g}; the outputs and the loss are finite"
+            f"{', so it is made by ' + where if where else ''})")
 
 
 def user_code_stop(parts: dict[str, str], found: NonFinite, example: str, when: str,
