@@ -39,21 +39,25 @@ TRACKED_COLUMNS = ["step", "point", "label", "correct", "loss", "value"]
 
 @dataclass(frozen=True)
 class MainRun:
-    """The trained main run and its Δ*: `sensitivities`, every point at every checkpoint; `tracked`, the tracked
-    points at every step (θ_0 .. θ_T) from the table at `tracked_path`; `every_point`, whether that is every
-    training point (then the headline composition is a bound)."""
+    """The trained main run and its Δ*: `sensitivities`, every point at every checkpoint; the tracked points at every
+    step (θ_0 .. θ_T) in the table at `tracked_path` (`tracked`); `every_point`, whether that is every training
+    point (then the headline composition is a bound)."""
 
     name: str
     run_dir: str
     run: RunConfig
     sensitivities: pd.DataFrame
-    tracked: pd.DataFrame
     tracked_path: str
     every_point: bool
 
     @property
     def checkpoint_steps(self) -> list[int]:
         return sorted(int(step) for step in self.sensitivities["step"].unique())
+
+    def tracked(self) -> pd.DataFrame:
+        """The TRACKED_COLUMNS of the tracked table, read when a figure needs them: a million rows at every-step
+        tracking, not held through the steps in between, where the accountants' own copies of the table peak."""
+        return storage.read_frame(self.tracked_path, TRACKED_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def train_and_measure(commands: Commands, config: ReproduceConfig, preset: str, 
         commands.run("compute_sensitivity.py", [*main_flags, "--exp", "eps_delta", "--reduction", "sum", "--points",
                                                 "all", "--stage", "all", "--res-name", main_name, "--no-train"])
         sensitivities = storage.read_frame(result_file(main_name))
-    return MainRun(main_name, run_dir, main_run, sensitivities, tracked, tracked_path, every_point)
+    return MainRun(main_name, run_dir, main_run, sensitivities, tracked_path, every_point)
 
 
 def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str) -> tuple[str, list[str]]:
