@@ -300,6 +300,7 @@ def _build(model, inputs, labels, num_rows, transform, workload, device, progres
             if kept is not None:
                 parts.append(_centre_rows(kept, num_rows))
                 held_rows, row_width = _as_panels(kept), kept.shape[1]
+                kept = None  # held as panels from here: the matrix is not kept beside them through the products
         for part in parts:
             centred_square += part.centred_square
             mean_dots += part.mean_dots

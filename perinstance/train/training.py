@@ -9,6 +9,7 @@ same bytes as an uninterrupted run.
 import math
 import sys
 import time
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -169,9 +170,12 @@ class Trainer:
         # The values of the steps whose loss is not read yet, and the run's folder, latest step and progress bar
         # for an error (non_finite.py).
         self.log, self.run_dir, self.latest_step, self.progress = non_finite.StepLog(), "", 0, None
+        # The tracker asks the trainer why training stops; it holds the trainer weakly, so that a finished trainer
+        # (its data, model and canaries) is freed when its run returns, not at the next cycle collection.
+        stopped = weakref.WeakMethod(self.stopped)
         self.tracker = None if run.tracked_points is None else \
             tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, self.chunk, world, self.loss_fn,
-                             refuse=self.stopped)
+                             refuse=lambda step, met: stopped()(step, met))
 
     def state(self, step: int, accuracy: float) -> dict:
         return {
