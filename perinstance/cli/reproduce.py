@@ -13,6 +13,7 @@ figures and report.md to --out-dir (default figures/). report.md lists the confi
 every command that produced its numbers.
 """
 
+import gc
 import re
 import sys
 import time
@@ -75,6 +76,18 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> tuple[str
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    """The reproduction, with the objects that exist when it starts (the imported modules', living as long as the
+    process) frozen out of the cycle collector until it ends: the collection after each step
+    (train/memory.release_freed_memory) then takes milliseconds instead of 0.25 s."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return reproduce(argv, prog)
+    finally:
+        gc.unfreeze()
+
+
+def reproduce(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     preset, config, device, out_dir = parse_args(argv, prog)
     name = f"{preset}-{slug(config.dataset)}"
