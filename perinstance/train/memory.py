@@ -27,10 +27,15 @@ def _malloc_trim():
 
 def release_freed_memory() -> bool:
     """Free what only reference cycles still hold (a drawn figure's canvas, tens of MB at the report's resolution,
-    lives in matplotlib's cycles until the collector runs: 40 MB after an audit), then return the heap's free
-    pages to the system, and those that pyarrow's own allocator keeps (where pyarrow is imported: a Parquet table
-    read or written, its buffers come from there, not from the heap); False where libc has no malloc_trim."""
+    lives in matplotlib's cycles until the collector runs: 40 MB after an audit), then return_free_pages."""
     gc.collect()
+    return return_free_pages()
+
+
+def return_free_pages() -> bool:
+    """Return the heap's free pages to the system, and those that pyarrow's own allocator keeps (where pyarrow is
+    imported: a Parquet table read or written, its buffers come from there, not from the heap); False where libc
+    has no malloc_trim."""
     pyarrow = sys.modules.get("pyarrow")
     if pyarrow is not None:
         pyarrow.default_memory_pool().release_unused()
