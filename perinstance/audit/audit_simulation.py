@@ -35,6 +35,7 @@ from perinstance.measure.gradient_rows import (
 from perinstance.measure.predictions import Predictions
 from perinstance.train import sampling, training
 from perinstance.train.clipping import Transform
+from perinstance.train.memory import return_free_pages
 from perinstance.train.runs import OpenRun
 
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
@@ -150,6 +151,9 @@ def directions(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanis
     # The spread is estimated from the first WHITENING_ROWS rows: any direction chosen before the trials keeps the
     # audit's bound valid, and these rows are held in memory, where the randomised SVD's passes cost little.
     sample = rows.leading(min(WHITENING_ROWS, count))
+    # The passes that formed them freed their chunks' gradients; handed back, the SVD's arrays (tens of MB each) do
+    # not stand on them (90 MiB less at the quick preset's audit).
+    return_free_pages()
     if mechanism.rule == "sum":
         # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling, Σ_i over all rows estimated from the sample.
         basis, singular = top_components(sample, None, WHITENING_RANK, seed)
