@@ -327,6 +327,20 @@ BAD_INPUTS = [
 ]
 
 
+def test_outputs_in_missing_folders_create_them_and_a_file_in_the_way_is_refused(audit_run, tmp_path):
+    out, figure = tmp_path / "new" / "deeper" / "a.csv", tmp_path / "figs" / "a.png"
+    audit_run("--points", "0", "--trials", "1000", "--out", out, "--figure", figure)
+    assert len(pd.read_csv(out)) == 1 and figure.exists()
+    (tmp_path / "notes.txt").write_text("the user's\n")
+    before = snapshot(tmp_path)
+    for flag in ("--out", "--figure"):
+        result, _ = audit_run("--points", "0", "--trials", "1000", flag, tmp_path / "notes.txt" / "a.csv",
+                              check=False)
+        assert_usage_error(result, flag)
+        assert "notes.txt is a file" in result.stderr
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("flags, flag", BAD_INPUTS, ids=[" ".join(flags) for flags, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_and_writes_nothing(audit_run, tmp_path, flags, flag):
     before = snapshot(tmp_path)

@@ -135,6 +135,19 @@ def test_per_class_attack_next_to_class_eps_and_accuracy(attack, models, tmp_pat
         assert f"attack accuracy {r:.3f}" in result.stdout
 
 
+def test_outputs_in_missing_folders_create_them_and_a_file_in_the_way_is_refused(attack, tmp_path):
+    out, figure = tmp_path / "new" / "deeper" / "a.csv", tmp_path / "figs" / "a.png"
+    attack("--out", out, "--figure", figure)
+    assert len(pd.read_csv(out)) == 8 and figure.exists()
+    (tmp_path / "notes.txt").write_text("the user's\n")
+    before = snapshot(tmp_path)
+    for flag in ("--out", "--figure"):
+        result, _ = attack(flag, tmp_path / "notes.txt" / "a.csv", check=False)
+        assert_usage_error(result, flag)
+        assert "notes.txt is a file" in result.stderr
+    assert snapshot(tmp_path) == before
+
+
 def test_a_file_without_kinds_is_read_as_it_is(attack, models, tmp_path):
     plain = pd.read_csv(models / "eps.csv").query("kind == 'certified'")[["point", "eps"]]
     plain.to_csv(tmp_path / "plain.csv", index=False)

@@ -385,9 +385,10 @@ BAD_INPUTS = [
     ("eps_delta.py", ["--res-name", "other", "--out", "res/toy_eps_delta.csv"], "--out", copy_input("other")),
     ("eps_delta.py", [], "--out", touch_output),  # its own output, changed since
     ("eps_delta.py", ["--out", "res"], "--out", None),
-    ("eps_delta.py", ["--out", "missing/out.csv"], "--out", None),
     ("eps_delta.py", ["--out", "notes.txt/out.csv"], "--out", None),
+    ("eps_delta.py", ["--out", "notes.txt/deeper/out.csv"], "--out", None),
     ("eps_delta.py", ["--out", "locked/out.csv"], "--out", freeze("locked", make=True)),
+    ("eps_delta.py", ["--out", "locked/new/out.csv"], "--out", freeze("locked", make=True)),
     # accountants: damaged result files, named by file, line and column
     ("eps_delta.py", [], "res/toy.csv line 17 is cut off", cut_in_line),
     ("renyi_per_instance_sum_compo.py", [], "res/toy.csv line 5 has 36 fields", extra_field),
@@ -422,6 +423,24 @@ def test_bad_input_is_one_line_and_changes_nothing(copy, read_only, case):
     assert expected in result.stderr, (expected, result.stderr)
     assert snapshot(folder) == before, "an existing file was changed, or a file was written"
     assert not (folder / "pwned").exists()
+
+
+@pytest.mark.parametrize("script", ACCOUNTANTS)
+def test_an_output_in_missing_folders_creates_them(copy, script):
+    folder, _ = copy
+    result = run(script, "--res-name", "toy", "--out", "new/deeper/out.csv", cwd=folder)
+    assert result.returncode == 0, result.stderr
+    assert len(pd.read_csv(folder / "new" / "deeper" / "out.csv"))
+
+
+def test_measured_rows_and_a_run_in_missing_folders_create_them(copy):
+    folder, _ = copy
+    measured = run(MEASURE, *MEASURE_FLAGS, "--res-dir", "new/res", cwd=folder)
+    assert measured.returncode == 0, measured.stderr
+    assert len(pd.read_csv(folder / "new" / "res" / "toy.csv"))
+    trained = run(TRAIN, *RUN, "--models-dir", "other/models", "--save-name", "fresh", cwd=folder)
+    assert trained.returncode == 0, trained.stderr
+    assert (folder / "other" / "models" / "fresh" / "run.json").exists()
 
 
 def test_own_output_is_replaced_and_overwrite_replaces_a_foreign_file(copy):

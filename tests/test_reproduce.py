@@ -299,12 +299,12 @@ def test_report_reflects_the_dataset_override(image_runs):
     trainings = [line for line in report_commands(report) if line.startswith("python train_dpsgd.py")]
     # The main run, one mean-rule run per batch size, the small runs of the gap audit and of its one-run audit (the
     # dataset's first points, the second with canaries), the non-private runs of the membership attack: one per
-    # learning rate of the grid on the points less the held-out fifth (the first 77 of 96), then the chosen one; and
+    # learning rate of the grid on the points less the held-out fifth (a random 19 of 96 held out), then the chosen one; and
     # the filtered run with its uniform reference (the main run without canaries).
     grid = PRESETS["tiny"].nodp_lrs
     assert len(trainings) == 8 + len(grid) and all(f"{dataset} " in line for line in trainings)
     assert sum(f"--dataset first:32:{dataset} " in line for line in trainings) == 2
-    assert sum(f"--dataset first:77:{dataset} " in line and "--no-dp" in line for line in trainings) == len(grid)
+    assert sum(f"--dataset holdout:19:{dataset} " in line and "--no-dp" in line for line in trainings) == len(grid)
     assert sum("--canaries" in line for line in trainings) == 2
     # Every command of the report is one that the run printed as it executed it, and vice versa.
     printed = [line[2:] for line in result.stdout.splitlines() if line.startswith("$ ")]

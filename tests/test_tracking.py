@@ -68,9 +68,9 @@ def test_tracking_measures_in_eval_mode_and_restores_the_mode(tmp_path):
     assert trainer.model.training
     first, second = trainer.tracker.held
     np.testing.assert_array_equal(first, second)
-    assert not np.array_equal(first, trainer.tracker.values())  # in training mode, dropout draws
+    assert not np.array_equal(first, trainer.tracker.values(2))  # in training mode, dropout draws
     with eval_mode(trainer.model):
-        np.testing.assert_array_equal(first, trainer.tracker.values())
+        np.testing.assert_array_equal(first, trainer.tracker.values(2))
 
 
 def interrupt_after(monkeypatch, step, before_checkpoint):

@@ -38,6 +38,8 @@ TAIL_SHARE = 1e-7
 CHERNOFF_ORDERS = np.concatenate([-(2.0 ** np.arange(6, -6.1, -0.25)), 2.0 ** np.arange(-6, 6.1, 0.25)])
 # Complex spectrum entries held at once (points × frequencies); 2^22 is 64 MiB per array.
 CHUNK_ENTRIES = 2**22
+# Rows of a chunk's composed spectrum exponentiated at once (_exp_spectrum).
+EXP_ROWS = 32
 # The FFT's rounding, allowed for by ROUNDING·sqrt(length)·steps at +∞ (§8.3: well above the
 # measured Σ_bins |error|, which bounds the error of every δ(ε)).
 ROUNDING = 2.0**-50
@@ -153,11 +155,11 @@ def epsilon_for_delta(probs: ArrayLike, first: ArrayLike, interval: float, infin
     nonincreasing in i. It is first evaluated at the starts of blocks of READ_BLOCK losses, then
     in full inside the one block where it crosses δ; between ℓ_{i−1} and ℓ_i it is linear in e^ε.
     """
-    probs = np.maximum(np.asarray(probs, dtype=float), 0.0)
+    probs = np.asarray(probs, dtype=float)
     rows, columns = probs.shape
     blocks = -(-(first + columns) // READ_BLOCK)
     masses = np.zeros((rows, blocks * READ_BLOCK))
-    masses[:, first:first + columns] = probs
+    np.maximum(probs, 0.0, out=masses[:, first:first + columns])  # in place: no second copy of a chunk's PMFs
     masses = masses.reshape(rows, blocks, READ_BLOCK)
     infinity_mass = np.asarray(infinity_mass, dtype=float)
     # Within a block: e^{−(ℓ_j − ℓ_start)}; across blocks: e^{−READ_BLOCK·interval}.
@@ -259,13 +261,17 @@ def _log_spectra(spectra):
 
 
 def _exp_spectrum(log_modulus, phase):
-    """exp(log_modulus + i·phase), 0 where the modulus is below e^{−700} (0 for every purpose; most
-    of a composed spectrum is, and exp is slow on the way to underflow)."""
+    """exp(log_modulus + i·phase), 0 where the modulus is below e^{−700} (0 for every purpose; much
+    of a composed spectrum is, and exp is slow on the way to underflow). Elementwise, EXP_ROWS rows at a
+    time: the same values, with the temporaries of a few rows rather than of the whole chunk (six times its
+    size)."""
     spectrum = np.zeros(log_modulus.shape, dtype=complex)
-    alive = log_modulus > -700.0
-    modulus = np.exp(log_modulus[alive])
-    angle = phase[alive]
-    spectrum[alive] = modulus * np.cos(angle) + 1j * (modulus * np.sin(angle))
+    for start in range(0, len(log_modulus), EXP_ROWS):
+        rows = slice(start, start + EXP_ROWS)
+        alive = log_modulus[rows] > -700.0
+        modulus = np.exp(log_modulus[rows][alive])
+        angle = phase[rows][alive]
+        spectrum[rows][alive] = modulus * np.cos(angle) + 1j * (modulus * np.sin(angle))
     return spectrum
 
 
@@ -286,11 +292,12 @@ def compose_counts(pmfs: list[LossPmf], counts: ArrayLike, interval: float, delt
         used = np.flatnonzero(counts[members].any(axis=0))
         modulus, phase = _log_spectra(level_spectra(pmfs, used, length))
         chunk_counts = counts[members][:, used]
-        composed = fft.irfft(_exp_spectrum(chunk_counts @ modulus, chunk_counts @ phase), n=length, axis=1)
         infinity_mass = (-np.expm1(chunk_counts @ log_finite[used])
                          + ROUNDING * math.sqrt(length) * counts[members].sum(axis=1)
                          + mass_above(log_mgf[members], hard_upper[members], window_upper, interval))
-        eps[members] = read_window(composed, window_lower, interval, infinity_mass, delta)
+        # The composed PMFs are read at once, not kept into the next chunk's spectra.
+        eps[members] = read_window(fft.irfft(_exp_spectrum(chunk_counts @ modulus, chunk_counts @ phase), n=length,
+                                             axis=1), window_lower, interval, infinity_mass, delta)
     return eps
 
 

@@ -79,7 +79,8 @@ def load(source: Source, quantities: list[str], one_run: bool, integer_columns: 
     path, flag = source.path
     rows = read_results(path, flag)
     rows = _apply_filters(rows, source.filters)
-    rows = rows[rows["quantity"].isin(quantities)]
+    kept = rows["quantity"].isin(quantities)
+    rows = rows if kept.all() else rows[kept]  # a million rows: no copy of all of them
     if rows.empty:
         makers = "; ".join(f"{quantity} rows come from {QUANTITIES[quantity].made_by}" for quantity in quantities)
         raise UsageError(flag, f"{path} has no {' or '.join(quantities)} rows left to account ({makers})")
@@ -132,7 +133,7 @@ def _check_single_configuration(rows, one_run):
 
 
 def _numeric(rows, columns, path, flag):
-    rows = rows.copy()
+    rows = rows.copy(deep=False)  # each converted column replaces the caller's in the copy, never in its frame
     for column in columns:
         converted = pd.to_numeric(rows[column], errors="coerce")
         bad = ~np.isfinite(converted.astype(float))
@@ -268,7 +269,8 @@ def every_step(loaded: Loaded) -> bool:
     parameters the T steps start from; a row at step T is allowed and charges no step). Then a composition of
     the rows is a bound along the observed run; otherwise it holds values between measurements: a held estimate
     (`held_estimate`; an `estimate` where the values are Monte Carlo)."""
-    rows, total = loaded.rows, loaded.mechanism.total_steps
+    # The four columns alone: a run's every-step rows are a million, and selecting rows of all columns copies them.
+    rows, total = loaded.rows[["run", "seed", "point", "step"]], loaded.mechanism.total_steps
     pairs = rows.groupby(["run", "seed", "point"], sort=False).ngroups
     # Steps are integers in 0..T (load checks them): T distinct ones below T are all of 0..T−1.
     steps = rows.loc[rows["step"] < total].groupby(["run", "seed", "point"], sort=False)["step"].nunique()

@@ -56,7 +56,8 @@ def output_path(source: Source, script: str) -> Output:
     clobbers a file.
 
     Refused (one line naming --out): the input file itself, a folder, a destination folder that
-    is missing, read-only or a file, and an existing file that Output.check_replaceable refuses.
+    cannot be created or written (fileio.check_output: its missing folders are created when the output is
+    written), and an existing file that Output.check_replaceable refuses.
     """
     if source.out:
         path = source.out
@@ -69,9 +70,7 @@ def output_path(source: Source, script: str) -> Output:
     input_path = source.path[0]
     if _same_file(path, input_path):
         raise UsageError("--out", f"{path} is the input file; choose another output")
-    if os.path.isdir(path):
-        raise UsageError("--out", f"{path} is a folder; give the output a file name")
-    fileio.check_folder(os.path.dirname(path) or ".", "--out", must_exist=True)
+    fileio.check_output(path, "--out")
     output = Output(path, script, input_path, source.overwrite)
     output.check_replaceable()
     return output

@@ -24,6 +24,10 @@ class Examples:
     collate: object = None
     workers: int = 0
 
+    def point(self, position: int) -> int:
+        """The index into data of the chosen example at `position`."""
+        return position if self.index is None else int(self.index[position])
+
     def chunks(self, size: int) -> Iterator[tuple]:
         """(inputs, targets) of each chunk of `size` examples, in the order of the points."""
         if isinstance(self.data, tuple):  # tensors: slices (no copy) or indexed rows

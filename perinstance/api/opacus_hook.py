@@ -72,7 +72,9 @@ def attach(accountant: object, optimizer: DPOptimizer, model: nn.Module, data: D
         due = state["steps"] % every == 0
         if due:
             clip_bound = arguments.positive_finite("clip_bound", optim.max_grad_norm)
-            state["ratios"] = measured_sensitivities(model, chosen, Transform("flat", clip_bound), loss_fn) / clip_bound
+            # A value that is not finite stops the step before the optimizer updates the parameters.
+            state["ratios"] = measured_sensitivities(model, chosen, Transform("flat", clip_bound), loss_fn,
+                                                     f"at step {state['steps'] + 1} since attach") / clip_bound
         if previous is not None:
             previous(optim)
         accountant.step(noise_multiplier=optim.noise_multiplier, sample_rate=sample_rate * optim.accumulated_iterations,

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from perinstance.api import arguments
 from perinstance.api.examples import Examples, examples
-from perinstance.persample import batches, gradients
+from perinstance.persample import batches, finite, gradients
 from perinstance.train import user_code
 from perinstance.train.clipping import CLIPPING_CHOICES, Transform
 
@@ -62,7 +62,8 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
     streamed a chunk of items at a time. points: indices into data (None: all). The model (or the module inside
     an Opacus wrapper) is evaluated in eval mode, as compute_sensitivity.py does, by the norms engine of
     perinstance/persample/gradients.py (layers without a closed form by torch.func, fallback_norms.py), checked as a
-    --model network is. Returns a float64 tensor, one Δ* per point, on the CPU.
+    --model network is. Returns a float64 tensor, one Δ* per point, on the CPU. An input, output, loss or gradient
+    that is not finite (NaN, ±inf) is a one-line ValueError naming data, model or loss_fn and the point.
     """
     if clipping not in CLIPPING_CHOICES:
         raise ValueError(f"clipping must be one of {', '.join(CLIPPING_CHOICES)}, not {clipping!r}")
@@ -78,9 +79,10 @@ def sensitivities(model: nn.Module, data: Dataset | DataLoader | tuple, clip_bou
 
 
 def measured_sensitivities(model: nn.Module, chosen: Examples, transform: Transform,
-                           loss_fn: batches.LossFn | None) -> torch.Tensor:
+                           loss_fn: batches.LossFn | None, when: str = "") -> torch.Tensor:
     """`sensitivities` of the points `chosen` (api/examples.py) under `transform`, its arguments already checked
-    (IndividualAccountant.attach checks them once, then measures at every due step)."""
+    (IndividualAccountant.attach checks them once, then measures at every due step; `when`: which step, for an
+    error)."""
     if chosen.first is None:  # no point chosen
         return torch.zeros(0, dtype=torch.float64)
     norms = []
@@ -94,9 +96,38 @@ def measured_sensitivities(model: nn.Module, chosen: Examples, transform: Transf
             inputs, targets = batches.to_device((inputs, targets), device)
             if loss_fn is None:
                 targets = _class_labels(targets, classes)
-            grad_norms, _, _ = gradients.per_sample_norms(network, inputs, targets, loss_fn)
+            try:
+                grad_norms, losses, outputs = gradients.per_sample_norms(network, inputs, targets, loss_fn)
+                found = finite.first_non_finite(losses, grad_norms, outputs, (inputs, targets))
+            except finite.NonFiniteValues as error:  # met by the engine's check of the network (fallback_norms.py)
+                found = error.found
+            if found is not None:
+                raise non_finite_error(network, inputs, targets, loss_fn, found, chosen.point(sum(map(len, norms)) +
+                                                                                       found.position), when)
             norms.append(transform.norms(grad_norms).double().cpu())
     return torch.cat(norms)
+
+
+def non_finite_error(network: nn.Module, inputs: object, targets: object, loss_fn: batches.LossFn | None,
+                     found: finite.NonFinite, point: int, when: str = "") -> ValueError:
+    """The one-line ValueError for `found` (in a chunk of `inputs` and `targets`), the values of point `point`
+    (an index into data) that are not finite: naming data, model or loss_fn, whichever made it."""
+    where = f"for point {point}{' ' + when if when else ''}"
+    if found.kind == finite.INPUT:
+        return ValueError(f"data: point {point} holds a value that is not finite ({found.value:g}) in its inputs or "
+                          "target")
+    if found.kind == finite.OUTPUT:
+        return ValueError(f"model: its output is not finite ({found.value:g}) {where}")
+    if found.kind == finite.LOSS:
+        name = "loss_fn" if loss_fn is not None else "model"  # the cross-entropy of finite logits is finite
+        return ValueError(f"{name}: the loss is not finite ({found.value:g}; the model's outputs are finite) {where}")
+    one = slice(found.position, found.position + 1)
+    source = finite.gradient_source(network, batches.take(inputs, one), batches.take(targets, one), loss_fn)
+    if source == finite.IN_LOSS and loss_fn is not None:
+        return ValueError(f"loss_fn: its gradient in the model's outputs is not finite (||g|| = {found.value:g}; the "
+                          f"outputs and the loss are finite) {where}")
+    return ValueError(f"model: the gradient of the loss through it is not finite (||g|| = {found.value:g}; the "
+                      f"outputs, the loss and its gradient in the outputs are finite) {where}")
 
 
 def check_loss_fn(loss_fn: object) -> None:

@@ -22,9 +22,8 @@ from tqdm import tqdm
 from perinstance.accounting import audit_bounds, exact_eps_delta, intervals
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.console import progress_bar
-from perinstance.errors import UsageError
-from perinstance.files import results
-from perinstance.measure import poisson_batches
+from perinstance.files import fileio, results
+from perinstance.measure import measurement, poisson_batches
 from perinstance.measure.batch_sums import Bags
 from perinstance.measure.gradient_rows import (
     HeldRows,
@@ -36,6 +35,7 @@ from perinstance.measure.gradient_rows import (
 from perinstance.measure.predictions import Predictions
 from perinstance.train import sampling, training
 from perinstance.train.clipping import Transform
+from perinstance.train.memory import return_free_pages
 from perinstance.train.runs import OpenRun
 
 # Trials per chunk of the simulation: the chunk's batch members (~ CHUNK_TRIALS·B_exp int64)
@@ -151,6 +151,9 @@ def directions(rows: HeldRows | RecomputedRows, audited: AuditedPoints, mechanis
     # The spread is estimated from the first WHITENING_ROWS rows: any direction chosen before the trials keeps the
     # audit's bound valid, and these rows are held in memory, where the randomised SVD's passes cost little.
     sample = rows.leading(min(WHITENING_ROWS, count))
+    # The passes that formed them freed their chunks' gradients; handed back, the SVD's arrays (tens of MB each) do
+    # not stand on them (90 MiB less at the quick preset's audit).
+    return_free_pages()
     if mechanism.rule == "sum":
         # Var Σ_{i∈B} h_i = q(1−q)·Σ_i h_i h_iᵀ under Poisson sampling, Σ_i over all rows estimated from the sample.
         basis, singular = top_components(sample, None, WHITENING_RANK, seed)
@@ -279,8 +282,14 @@ def audit_checkpoint(run: OpenRun, step: int, request: AuditRequest, device: str
 
     trials: released steps simulated per law and point; half choose the test, half count it.
     eps_lower holds with 95% confidence; eps_upper is the accountant's per-step ε; violated
-    marks eps_lower > eps_upper, i.e. an upper bound the audit proves wrong.
+    marks eps_lower > eps_upper, i.e. an upper bound the audit proves wrong. A value that is not finite is
+    refused (measurement.refusing_non_finite).
     """
+    with measurement.refusing_non_finite(run, step, [] if request.points is None else request.points, device):
+        return _audited_checkpoint(run, step, request, device)
+
+
+def _audited_checkpoint(run, step, request, device):
     mechanism = Mechanism.of_run(run.config, request.rule)
     model, _ = training.load_model(run.config, run.run_dir, step, device)
     transform = Transform.of_run(run.config)
@@ -432,13 +441,9 @@ def report_lines(rows: pd.DataFrame, out: str, gaps: dict[int, dict] | None = No
 
 def output_paths(out: str | None, figure: str | None, run_name: str, rule: str) -> tuple[str, str]:
     """audit.py's --out and --figure (default res/<run>_audit_<rule>.csv, figures/<run>_audit_<rule>.png),
-    refused when a folder stands where the file goes or a file where its folder goes."""
+    refused where they could not be written (fileio.check_output; missing folders are created with the file)."""
     out = out or os.path.join("res", f"{run_name}_audit_{rule}.csv")
     figure = figure or os.path.join("figures", f"{run_name}_audit_{rule}.png")
     for flag, path in (("--out", out), ("--figure", figure)):
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise UsageError(flag, f"{folder} is a file, not a folder")
-        if os.path.isdir(path):
-            raise UsageError(flag, f"{path} is a folder; give a file name")
+        fileio.check_output(path, flag)
     return out, figure

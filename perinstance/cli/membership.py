@@ -90,6 +90,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     class_eps, class_eps_delta = membership.class_mean_eps(request.eps_csv, labels, private.config.total_steps)
     out = request.out or os.path.join("res", f"{private.name}_membership.csv")
     figure = request.figure or os.path.join("figures", f"{private.name}_membership.png")
+    for flag, path in (("--out", out), ("--figure", figure)):  # their missing folders are created with them
+        fileio.check_output(path, flag)
     started = time.time()
     seed = private.config.seed if request.mc_seed is None else request.mc_seed
     members = membership.class_members(labels, private.dataset.test_y.numpy(), private.dataset.num_classes, seed)

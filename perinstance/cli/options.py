@@ -2,7 +2,6 @@
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -149,18 +148,6 @@ def add_device_argument(parser: Arguments) -> None:
     parser.add_argument("--device", default="cpu", type=device_flag, metavar="{cpu,cuda,cuda:N,auto}",
                         help="cpu, cuda, cuda:N, or auto (CUDA when present, else CPU); under torchrun, "
                              "cuda and auto mean the rank's own GPU cuda:LOCAL_RANK")
-
-
-def check_out_dir(out_dir: str) -> None:
-    """--out-dir: a folder that exists (created if missing) and is writable."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError("--out-dir", f"{out_dir} is a file, not a folder")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as error:
-        raise UsageError("--out-dir", f"cannot create {out_dir}: {error.strerror}") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UsageError("--out-dir", f"{out_dir} is not writable")
 
 
 def parse_stages(tokens: Sequence[str]) -> list[str | float]:

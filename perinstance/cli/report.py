@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 from perinstance.cli import options
 from perinstance.cli.main import script_mains
-from perinstance.cli.options import HELP_FORMAT, Parser, add_delta_argument, add_device_argument, check_out_dir
+from perinstance.cli.options import HELP_FORMAT, Parser, add_delta_argument, add_device_argument
 from perinstance.errors import UsageError
 from perinstance.experiments import main_run, point_table, run_report
 from perinstance.experiments.commands import Commands
+from perinstance.files import fileio
 from perinstance.plots.report_files import write_report_files
 from perinstance.train import runs
 
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | No
     if request.groups is not None:
         request.groups.check(opened.train_columns, opened.name)
     out_dir = request.out_dir or os.path.join(DEFAULT_OUT_DIR, opened.name)
-    check_out_dir(out_dir)
+    fileio.writable_folder(out_dir, "--out-dir")
 
     commands = Commands(script_mains())
     measured = main_run.measured_run(commands, opened.run_dir, ["--run", opened.run_dir, "--data-root",

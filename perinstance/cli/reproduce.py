@@ -14,6 +14,7 @@ figures, report.md and report.html (the same report as one self-contained page) 
 numbers.
 """
 
+import gc
 import re
 import sys
 import time
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 from perinstance.cli import options
 from perinstance.cli.main import script_mains
-from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument, check_out_dir
+from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
 from perinstance.experiments import (
     audits,
     figures,
@@ -50,6 +51,7 @@ from perinstance.experiments.config import (
     field_types,
     variant_tag,
 )
+from perinstance.files import fileio
 from perinstance.plots.report_files import markdown_table
 from perinstance.train import runs
 
@@ -80,11 +82,23 @@ def parse_args(argv: Sequence[str] | None,
     check_config(config)
     check_dataset(config, args.preset, "--dataset" if args.dataset is not None else "--set")
     groups = None if args.groups is None else point_table.read_groups(args.groups)
-    check_out_dir(args.out_dir)
+    fileio.writable_folder(args.out_dir, "--out-dir")
     return args.preset, config, args.device, args.out_dir, groups
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
+    """The reproduction, with the objects that exist when it starts (the imported modules', living as long as the
+    process) frozen out of the cycle collector until it ends: the collection after each step
+    (train/memory.release_freed_memory) then takes milliseconds instead of 0.25 s."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return reproduce(argv, prog)
+    finally:
+        gc.unfreeze()
+
+
+def reproduce(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     preset, config, device, out_dir, groups = parse_args(argv, prog)
     name = f"{preset}-{slug(config.dataset)}"

@@ -73,7 +73,7 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     chosen = pick_points(bound["eps"], accounted.estimate.set_index("point")["eps"],
                          at_end.loc[bound.index, "correct"].astype(bool))
     findings["curves"] = plots.plot_composed_over_training(
-        composition_curves(run, main.tracked, chosen, config.delta), baseline_curve(run, config.delta),
+        composition_curves(run, main.tracked(), chosen, config.delta), baseline_curve(run, config.delta),
         path(CURVES_FIGURE), config.delta, main.checkpoint_steps,
         estimates=composition_curves(run, main.sensitivities, chosen, config.delta))
 

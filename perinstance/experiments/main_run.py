@@ -40,21 +40,25 @@ TRACKED_COLUMNS = ["step", "point", "label", "correct", "loss", "value"]
 
 @dataclass(frozen=True)
 class MainRun:
-    """The trained main run and its Δ*: `sensitivities`, every point at every checkpoint; `tracked`, the tracked
-    points at every step (θ_0 .. θ_T) from the table at `tracked_path`; `every_point`, whether that is every
-    training point (then the headline composition is a bound)."""
+    """The trained main run and its Δ*: `sensitivities`, every point at every checkpoint; the tracked points at every
+    step (θ_0 .. θ_T) in the table at `tracked_path` (None: none tracked; `tracked()` reads them); `every_point`, whether that is every training
+    point (then the headline composition is a bound)."""
 
     name: str
     run_dir: str
     run: RunConfig
     sensitivities: pd.DataFrame
-    tracked: pd.DataFrame
-    tracked_path: str
+    tracked_path: str | None
     every_point: bool
 
     @property
     def checkpoint_steps(self) -> list[int]:
         return sorted(int(step) for step in self.sensitivities["step"].unique())
+
+    def tracked(self) -> pd.DataFrame:
+        """The TRACKED_COLUMNS of the tracked table, read when a figure needs them: a million rows at every-step
+        tracking, not held through the steps in between, where the accountants' own copies of the table peak."""
+        return read_tracked(self.run, self.tracked_path)
 
 
 @dataclass(frozen=True)
@@ -86,17 +90,8 @@ def measured_run(commands: Commands, run_dir: str, run_flags: list[str]) -> Main
     what an earlier measurement wrote). A run trained without --track-points has no tracked table (tracked_path
     None, no point tracked)."""
     run = runs.load_run(run_dir)
-    if tracked_rows.has_table(run_dir):
-        tracked_path = tracked_rows.table_path(run_dir)
-        if run.per_point_clipping:
-            # Its table also holds each point's clip bounds and filter budget (held_bound, filter_budget rows,
-            # accounting.md §13.6): Δ* is the grad_norm rows.
-            tracked = storage.read_frame(tracked_path, [*TRACKED_COLUMNS, "quantity"])
-            tracked = tracked[tracked["quantity"] == "grad_norm"].drop(columns="quantity").reset_index(drop=True)
-        else:
-            tracked = storage.read_frame(tracked_path, TRACKED_COLUMNS)
-    else:
-        tracked_path, tracked = None, pd.DataFrame({column: [] for column in TRACKED_COLUMNS})
+    tracked_path = tracked_rows.table_path(run_dir) if tracked_rows.has_table(run_dir) else None
+    tracked = read_tracked(run, tracked_path)
     every_point = tracked["point"].nunique() == run.dataset_size
     if every_point:
         sensitivities = tracked[tracked["step"].isin(run.checkpoint_steps)].reset_index(drop=True)
@@ -104,7 +99,19 @@ def measured_run(commands: Commands, run_dir: str, run_flags: list[str]) -> Main
         commands.run("compute_sensitivity.py", [*run_flags, "--exp", "eps_delta", "--reduction", "sum", "--points",
                                                 "all", "--stage", "all", "--res-name", run.run, "--no-train"])
         sensitivities = storage.read_frame(result_file(run.run))
-    return MainRun(run.run, run_dir, run, sensitivities, tracked, tracked_path, every_point)
+    return MainRun(run.run, run_dir, run, sensitivities, tracked_path, every_point)
+
+
+def read_tracked(run: RunConfig, tracked_path: str | None) -> pd.DataFrame:
+    """The TRACKED_COLUMNS of the Δ* rows of the tracked table at `tracked_path` (none: no rows)."""
+    if tracked_path is None:
+        return pd.DataFrame({column: [] for column in TRACKED_COLUMNS})
+    if not run.per_point_clipping:
+        return storage.read_frame(tracked_path, TRACKED_COLUMNS)
+    # Its table also holds each point's clip bounds and filter budget (held_bound, filter_budget rows,
+    # accounting.md §13.6): Δ* is the grad_norm rows.
+    tracked = storage.read_frame(tracked_path, [*TRACKED_COLUMNS, "quantity"])
+    return tracked[tracked["quantity"] == "grad_norm"].drop(columns="quantity").reset_index(drop=True)
 
 
 def main_run_flags(config: ReproduceConfig, preset: str, name: str, device: str) -> tuple[str, list[str]]:

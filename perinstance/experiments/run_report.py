@@ -450,7 +450,7 @@ def run_document(point_report: PointReport, main: MainRun, commands: list[tuple[
         f"every point every {config.measure_every} steps and at θ_T, each clipped at (1 + {config.clip_margin:g})·Δ* of "
         "its latest measurement in between (accounting.md §12.4)")
     tracked = measured if main.every_point else (
-        f"{main.tracked['point'].nunique():,} tracked points at every step; every point at "
+        f"{len(main.run.tracked_points):,} tracked points at every step; every point at "
         f"{len(main.checkpoint_steps)} checkpoints" if main.tracked_path else
         f"every point at {len(main.checkpoint_steps)} checkpoints")
     run_rows = (("dataset", config.dataset), ("model", config.model),

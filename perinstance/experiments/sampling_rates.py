@@ -126,7 +126,8 @@ def fixed_checkpoint_design(commands: Commands, config: ReproduceConfig, main_na
                                                       num_batches=config.num_batches, mc_blocks=FIXED_MC_BLOCKS,
                                                       max_sizes=FIXED_MAX_SIZES, mc_seed=main_run.seed, device=device)
                 # Parquet: ~100,000 rows each, written in a third of a CSV's time, and each before the next pass.
-                for res_name, frame in zip(names, frames):
+                # strict: the generator is run to its end, which lets go of the checkpoint's Gram at once.
+                for res_name, frame in zip(names, frames, strict=True):
                     storage.write_frame(os.path.join(RES_DIR, res_name + storage.PARQUET), frame)
         commands.note(f"measurement.measure_at_rates(run {main_name}, step {step}, {len(points)} points {config.mean_points}, "
                       f"batch sizes {', '.join(str(mechanism.batch_size) for mechanism in analysed)}, "

@@ -42,11 +42,11 @@ NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 # --- folders ----------------------------------------------------------------------------------
 
-def check_folder(directory: str, flag: str | None = None, must_exist: bool = False) -> None:
-    """Refuse a destination folder that we could not write in, creating nothing.
+def check_folder(directory: str, flag: str | None = None) -> None:
+    """Refuse a destination folder that we could not write in or create, creating nothing.
 
     One-line UsageError naming `flag` and the path: a regular file where the folder (or one of
-    its parents) should be, a read-only folder, or a missing one when `must_exist`.
+    its parents) should be, or a read-only folder (the nearest one that exists, for a missing folder).
     """
     directory = directory or "."
     if os.path.isdir(directory):
@@ -55,13 +55,19 @@ def check_folder(directory: str, flag: str | None = None, must_exist: bool = Fal
         return
     if os.path.lexists(directory):
         raise UsageError(flag, f"{directory} is a file, not a folder")
-    if must_exist:
-        raise UsageError(flag, f"folder {directory} does not exist")
     ancestor = _existing_ancestor(directory)
     if not os.path.isdir(ancestor):
         raise UsageError(flag, f"cannot create folder {directory}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(flag, f"cannot create folder {directory}: {ancestor} is read-only")
+
+
+def check_output(path: str, flag: str | None = None) -> None:
+    """Refuse an output file that could not be written, creating nothing (its missing folders are created when it
+    is written, atomic_path): a folder where the file goes, or a folder of its path that check_folder refuses."""
+    if os.path.isdir(path):
+        raise UsageError(flag, f"{path} is a folder; give the output a file name")
+    check_folder(os.path.dirname(os.path.abspath(path)), flag)
 
 
 def writable_folder(directory: str, flag: str | None = None) -> None:
@@ -86,6 +92,49 @@ def _existing_ancestor(directory):
 
 
 # --- temp files of killed writes ----------------------------------------------------------------
+
+@contextmanager
+def removing_new_files(folder: str, when: type[BaseException]) -> Iterator[None]:
+    """Within the block: where it raises `when`, what the block made in `folder` is removed, and nothing else:
+    each file it created or replaced (a path that did not exist, or is another file now), then each folder it
+    created that is empty then, `folder` and its parents included."""
+    folder = os.path.normpath(folder)
+    before = _identities(folder)
+    missing, path = [], folder  # folder and the parents that do not exist yet, deepest first
+    while not os.path.lexists(path):
+        missing.append(path)
+        if os.path.dirname(path) in ("", path):
+            break
+        path = os.path.dirname(path)
+    try:
+        yield
+    except when:
+        after = _identities(folder)
+        for path in sorted(after, reverse=True):  # deepest first: a folder's files before the folder
+            if after[path] != before.get(path) and not os.path.isdir(path):
+                os.unlink(path)
+            elif after[path] != before.get(path) and not os.listdir(path):
+                os.rmdir(path)
+        for path in missing:
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        raise
+
+
+def _identities(folder):
+    """{path: identity} of `folder` and everything below it: a file's device, inode, size and modification time, a
+    folder's device and inode (a folder made again is another)."""
+    identities = {}
+    for directory, _, names in os.walk(folder):
+        for path in [directory, *(os.path.join(directory, name) for name in names)]:
+            try:
+                status = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            identities[path] = (status.st_dev, status.st_ino) if stat.S_ISDIR(status.st_mode) else \
+                (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+    return identities
+
 
 def remove_stale_temps(directory: str) -> list[str]:
     """Remove the temps that our killed writes left in `directory`; returns their names.

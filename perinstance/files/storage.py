@@ -29,6 +29,7 @@ on each Δ_B.
 import io
 import math
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -68,7 +69,9 @@ def read_frame(path: str, columns: list[str] | None = None) -> pd.DataFrame:
     none)."""
     if extension(path) == PARQUET:
         parquet = _parquet()
-        return parquet.read_table(path, columns=columns).to_pandas()
+        # Each column's Arrow memory is let go as it is converted, and the columns are not gathered into one block
+        # per dtype: a run's every-step norms (a million rows) are then held once while read, not twice.
+        return parquet.read_table(path, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
     return pd.read_csv(path, keep_default_na=False, na_values=[""], usecols=columns)
 
 
@@ -79,37 +82,58 @@ def write_frame(path: str, frame: pd.DataFrame, flag: str | None = None) -> None
         fileio.write_csv(path, frame, flag)
         return
     parquet = _parquet()
+    table, dictionary, encodings = arrow_table(frame)
+    with fileio.atomic_path(path, flag) as temp_path:
+        parquet.write_table(table, temp_path, compression="zstd", use_dictionary=dictionary,
+                            column_encoding=encodings)
+
+
+def arrow_table(frame: pd.DataFrame) -> tuple[object, list[str], dict[str, str]]:
+    """(`frame` as_read_from_csv, as a pyarrow Table; the columns to dictionary-encode; {column: encoding} of the
+    others). Converted a column at a time, each as pyarrow.Table.from_pandas converts it: a column the CSV text
+    gives back unchanged (integers, text, a constant) is not copied, its Arrow array shares the frame's memory,
+    so that a million rows (a run's every-step norms) are held once beside the frame, not twice."""
     import pyarrow
 
-    table = as_read_from_csv(frame)
-    dictionary, encodings = column_encodings(table)
-    arrow_table = pyarrow.Table.from_pandas(table, preserve_index=False)
-    del table  # a million rows (a run's every-step norms): one copy less while the file is written
-    with fileio.atomic_path(path, flag) as temp_path:
-        parquet.write_table(arrow_table, temp_path, compression="zstd", use_dictionary=dictionary,
-                            column_encoding=encodings)
+    columns = dict(columns_as_read(frame))
+    dictionary, encodings = column_encodings(columns)
+    # The schema, and pandas' description of each column in its metadata, follow from the dtypes, except for an
+    # object column, whose description pandas infers from its values: such a table is converted whole.
+    if any(values.dtype == object for values in columns.values()):
+        return pyarrow.Table.from_pandas(pd.DataFrame(columns), preserve_index=False), dictionary, encodings
+    schema = pyarrow.Table.from_pandas(pd.DataFrame({column: values.iloc[:1] for column, values in columns.items()}),
+                                       preserve_index=False).schema
+    arrays = [pyarrow.Table.from_pandas(values.to_frame(), preserve_index=False).column(0)
+              for values in columns.values()]
+    return pyarrow.Table.from_arrays(arrays, schema=schema), dictionary, encodings
 
 
 def as_read_from_csv(frame: pd.DataFrame) -> pd.DataFrame:
     """`frame` as fileio.write_csv + read_frame would give it back: same values (floats at ten
-    significant digits, parsed by pandas' own parser), same dtypes. Only each column's distinct
-    values go through the text (a configuration column has one), and the parser infers the same
-    dtype from them as from the whole column."""
-    columns = {}
+    significant digits, parsed by pandas' own parser), same dtypes (columns_as_read)."""
+    return pd.DataFrame(dict(columns_as_read(frame)), index=pd.RangeIndex(len(frame)))
+
+
+def columns_as_read(frame: pd.DataFrame) -> Iterator[tuple[str, pd.Series]]:
+    """(name, values) of each column of `frame` as write_csv + read_frame would give it back. Only each column's
+    distinct values go through the text (a configuration column has one), and the parser infers the same dtype
+    from them as from the whole column; a column they come back from unchanged is the frame's own (no copy)."""
     for column in frame.columns:
-        codes, distinct = pd.factorize(frame[column], use_na_sentinel=False)
+        values = frame[column].reset_index(drop=True)
+        codes, distinct = pd.factorize(values, use_na_sentinel=False)
         text = pd.DataFrame({column: distinct}).to_csv(index=False, float_format=fileio.CSV_FLOAT_FORMAT,
                                                        lineterminator="\n")
         parsed = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])[column]
-        columns[column] = parsed.take(codes).reset_index(drop=True)
-    return pd.DataFrame(columns, index=pd.RangeIndex(len(frame)))
+        if parsed.dtype == values.dtype and parsed.equals(pd.Series(distinct, name=column)):
+            yield column, values
+        else:
+            yield column, parsed.take(codes).reset_index(drop=True)
 
 
-def column_encodings(frame: pd.DataFrame) -> tuple[list[str], dict[str, str]]:
+def column_encodings(columns: dict[str, pd.Series]) -> tuple[list[str], dict[str, str]]:
     """(columns to dictionary-encode, {column: encoding} for the rest), as explained at the top."""
     dictionary, encodings = [], {}
-    for column in frame.columns:
-        values = frame[column]
+    for column, values in columns.items():
         kind = values.dtype.kind
         if kind not in "iuf" or values.nunique(dropna=False) <= DICTIONARY_MAX_DISTINCT:
             dictionary.append(column)

@@ -198,7 +198,7 @@ def checkpoint_statistics(model: torch.nn.Module, train_x: torch.Tensor, train_y
         summed = [part.detach().double() for part in summed]
         total = summed if total is None else [left + right for left, right in zip(total, summed)]
         grad_norms.append(norms.detach().cpu())
-        predictions.append(predictions_of(losses, logits, y))
+        predictions.append(predictions_of(losses, logits, y, norms))
         advance(progress, len(y))
     mean = [part / len(train_y) for part in total]
     row_centred_sq = _centred_square_norms_along(model, train_x, train_y, transform, mean, torch.cat(grad_norms),
@@ -213,7 +213,7 @@ def checkpoint_statistics(model: torch.nn.Module, train_x: torch.Tensor, train_y
         for _, x, y in example_chunks(point_x[outside], point_y[outside], device, chunk):
             norms, losses, logits = gradients.per_sample_norms(model, x, y)
             outside_norms.append(norms.cpu())
-            outside_predictions.append(predictions_of(losses, logits, y))
+            outside_predictions.append(predictions_of(losses, logits, y, norms))
         point_centred_sq[outside] = _centred_square_norms_along(
             model, point_x[outside], point_y[outside], transform, mean, torch.cat(outside_norms), device, chunk)
         outside_predictions = Predictions.concat(outside_predictions)

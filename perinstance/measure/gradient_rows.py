@@ -102,7 +102,7 @@ def transformed_norms(model: torch.nn.Module, inputs: torch.Tensor, labels: torc
     for _, x, y in example_chunks(inputs, labels, device, gradients.examples_per_pass(model, inputs, device)):
         grad_norms, losses, logits = gradients.per_sample_norms(model, x, y, loss_fn)
         norms.append(transform.norms(grad_norms).double().cpu())
-        predictions.append(predictions_of(losses, logits, y))
+        predictions.append(predictions_of(losses, logits, y, grad_norms))
         advance(progress, len(y))
     return torch.cat(norms).numpy(), Predictions.concat(predictions)
 
@@ -122,8 +122,10 @@ def transformed_gradient_chunks(model: torch.nn.Module, inputs: torch.Tensor, la
         with training_mode(model):
             for start, x, y in example_chunks(inputs, labels, device):
                 grad_samples, losses, logits = per_sample(module or model, x, y, loss_fn)
-                weights = transform.weights(gradients.grad_norms(grad_samples))
-                yield start, gradients.flatten(grad_samples).mul_(weights[:, None]), predictions_of(losses, logits, y)
+                grad_norms = gradients.grad_norms(grad_samples)
+                chunk_predictions = predictions_of(losses, logits, y, grad_norms)
+                weights = transform.weights(grad_norms)
+                yield start, gradients.flatten(grad_samples).mul_(weights[:, None]), chunk_predictions
                 advance(progress, len(y))
     finally:
         if module is not None:

@@ -3,10 +3,12 @@ rule), the coupling's dataset statistics and Δ_B draws, or GLA's statistic S (m
 row with the point's label, loss and correctness (perinstance/files/results.py)."""
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
+import torch
 
 from perinstance.accounting.guarantees import Direction
 from perinstance.console import progress_bar
@@ -16,7 +18,9 @@ from perinstance.measure import coupling, poisson_batches
 from perinstance.measure.gradient_rows import checkpoint_gradients, parameter_count, transformed_norms
 from perinstance.measure.gram import checkpoint_gram, gram_route
 from perinstance.measure.predictions import Predictions
-from perinstance.train import training
+from perinstance.persample import gradients
+from perinstance.persample.finite import NonFiniteValues
+from perinstance.train import non_finite, training
 from perinstance.train.clipping import Transform
 from perinstance.train.runs import OpenRun, RunConfig
 
@@ -80,11 +84,55 @@ class Measurement:
 
 
 
+@contextmanager
+def refusing_non_finite(run: OpenRun, step: int, points: Sequence[int] | np.ndarray, device: str) -> Iterator[None]:
+    """Within the block, which measures checkpoint `step` of `run` for `points`: a value that is not finite that a
+    pass met (finite.NonFiniteValues) becomes the one-line error of `non_finite_error`."""
+    try:
+        yield
+    except NonFiniteValues:
+        raise non_finite_error(run, step, points, device) from None
+
+
+def non_finite_error(run: OpenRun, step: int, points: Sequence[int] | np.ndarray, device: str) -> UsageError:
+    """The error for a measurement of checkpoint `step` that met a value that is not finite: weights that are not
+    finite are the checkpoint's (--run); else the first of the points, then of the training set, whose input,
+    output, loss or gradient is not finite (non_finite.locate), named as the user's code's where it made it."""
+    config = run.config
+    model, _ = training.load_model(config, run.run_dir, step, device)
+    when = f"at checkpoint step {step} of run {config.run}"
+    if not all(bool(torch.isfinite(param).all()) for param in model.parameters()):
+        return UsageError("--run", f"checkpoint step {step} of run {config.run} holds weights that are not finite; "
+                                   "train the run again (--overwrite)")
+    loss_fn = training.loss_for_run(config)
+    per_pass = gradients.examples_per_pass(model, run.train_x, device)
+    points = np.asarray(points)
+    for indices, inputs, targets in ((points, run.dataset.train_x[points], run.dataset.train_y[points]),
+                                     (run.train_columns, run.train_x, run.train_y)):
+        located = non_finite.locate(model, inputs, targets, device, per_pass, loss_fn)
+        if located is not None:
+            found, source = located
+            example = f"point {indices[found.position]}"
+            parts = non_finite.user_parts(config, found, source)
+            if parts:
+                return non_finite.user_code_stop(parts, found, example, when, source)
+            return UsageError("--run", f"the {found.kind} of {example} is {found.value:g} {when}, whose weights are "
+                                       "finite but so large that the suite's own network overflows: the run diverged; "
+                                       "train it with a smaller --lr")
+    return UsageError("--run", f"a value that is not finite met {when}, though every point's values are finite alone")
+
+
 def measure_checkpoint(request: Measurement, run: OpenRun, step: int,
                        points: Sequence[int] | np.ndarray, device: str,
                        blocks: Sequence[int] | None = None) -> pd.DataFrame:
     """The rows of one checkpoint for `points` (every requested direction). Coupling under
-    torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0."""
+    torchrun: `blocks`, the Monte-Carlo blocks of one part, and the dataset statistics with block 0. A value that
+    is not finite is refused (`refusing_non_finite`)."""
+    with refusing_non_finite(run, step, points, device):
+        return _measured_checkpoint(request, run, step, points, device, blocks)
+
+
+def _measured_checkpoint(request, run, step, points, device, blocks):
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)
@@ -227,7 +275,14 @@ def measure_at_rates(run: OpenRun, step: int, points: Sequence[int] | np.ndarray
     per-sample rows are recomputed on each config's pass and none are held (their batch sums are what the pass
     holds). The statistics do not depend on the mechanism. Yields one frame of result rows per
     config, in their order, as compute_sensitivity.py --reduction mean would write it for a run trained with that
-    config (reproduce.py's fixed-checkpoint design): the caller can store each before the next pass."""
+    config (reproduce.py's fixed-checkpoint design): the caller can store each before the next pass. A value that
+    is not finite is refused (`refusing_non_finite`)."""
+    with refusing_non_finite(run, step, points, device):
+        yield from _measured_at_rates(run, step, points, configs, size_deltas, num_batches, mc_blocks, max_sizes,
+                                      mc_seed, device)
+
+
+def _measured_at_rates(run, step, points, configs, size_deltas, num_batches, mc_blocks, max_sizes, mc_seed, device):
     config = run.config
     points = np.asarray(points)
     model, payload = training.load_model(config, run.run_dir, step, device)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from perinstance.persample import batches
+from perinstance.persample import batches, finite
 
 
 @dataclass
@@ -29,8 +29,12 @@ class Predictions:
         return Predictions(self.losses[indices], self.correct[indices])
 
 
-def predictions_of(losses: torch.Tensor, outputs: object, targets: torch.Tensor) -> Predictions:
-    """Predictions of a chunk from its per-example losses and the model's outputs."""
+def predictions_of(losses: torch.Tensor, outputs: object, targets: torch.Tensor,
+                   grad_norms: torch.Tensor | None = None) -> Predictions:
+    """Predictions of a chunk from its per-example losses and the model's outputs; finite.NonFiniteValues where an
+    output, a loss or a gradient norm ||g_i|| (`grad_norms`) is not finite (the measurement refuses it,
+    measurement.py)."""
+    finite.check_values(losses, grad_norms, outputs)
     correct = batches.correct_predictions(outputs, targets)
     return Predictions(losses.double().cpu().numpy(), np.full(len(losses), np.nan) if correct is None else
                        correct.double().cpu().numpy())

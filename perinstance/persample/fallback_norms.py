@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from perinstance.persample import batches, layer_forms, layer_pass
+from perinstance.persample import batches, finite, layer_forms, layer_pass
 from perinstance.persample.layer_pass import eval_mode
 
 # torch.func has no batching rule for some fused kernels (CPU attention) and runs them per example; the
@@ -183,7 +183,9 @@ def recurrent_problem(model: nn.Module) -> str | None:
 def _check_closed_forms(model, inputs, labels, loss_fn=None):
     """Names of the layers the engine would cover whose closed-form ||g_i||² differs from torch.func's, and of
     those it does not cover on these examples (a Linear layer whose input is not batch-first shows its examples
-    along the first dimension only when their number is that of the positions): they fall back from then on."""
+    along the first dimension only when their number is that of the positions): they fall back from then on.
+    A value that is not finite tells nothing of the closed forms: finite.NonFiniteValues, for the callers to refuse
+    (the model's or the loss's, persample/finite.py)."""
     split = _split_forward(model, inputs, labels, check=False, loss_fn=loss_fn)
     _, norms_by_layer = split.layer_norms()
     layer_names = {module: name for name, module in model.named_modules()}
@@ -195,6 +197,8 @@ def _check_closed_forms(model, inputs, labels, loss_fn=None):
             own = [parameter_names[param] for param in layer.parameters(recurse=False) if param.requires_grad]
             direct = sum(grad.reshape(len(grad), -1).square().sum(dim=1)
                          for grad in per_example_gradients(model, own, inputs, labels, loss_fn))
+            finite.check_values(split.losses, direct.sqrt(), split.logits)
+            finite.check_values(split.losses, closed.squared.sqrt(), split.logits)
             if not torch.allclose(closed.squared, direct, rtol=CHECK_RTOL, atol=CHECK_RTOL * float(direct.max())):
                 wrong.add(layer_names[layer])
     return wrong

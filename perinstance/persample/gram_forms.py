@@ -46,11 +46,12 @@ class GramFactor:
 @dataclass
 class GramPass:
     """One pass over a chunk: each parameter layer's GramFactor of h_i = w_i·g_i (None for a layer not asked
-    for), and the examples' losses and logits."""
+    for), and the examples' losses, logits and gradient norms ||g_i||."""
 
     factors: list
     losses: torch.Tensor
     logits: torch.Tensor
+    grad_norms: torch.Tensor
 
 
 def gram_covers(model: nn.Module) -> bool:
@@ -68,14 +69,14 @@ def gram_factors(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     forward applies them; only the layers at positions `wanted`, when given, the others None): one forward and
     one backward to the layer outputs (gradients.weighted_pass), the norms from the engine's forms.
     The model must be one gram_covers takes."""
-    forward, grad_outputs, norms_by_layer, _, weights = gradients.weighted_pass(model, inputs, labels,
+    forward, grad_outputs, norms_by_layer, grad_norms, weights = gradients.weighted_pass(model, inputs, labels,
                                                                                weights_of_norms, loss_fn=loss_fn)
     with torch.no_grad():
         factors = [None if wanted is not None and index not in wanted else
                    _weighted(_layer_factor(layer, layer_inputs, grad_output, norms), weights)
                    for index, (layer, layer_inputs, grad_output, norms)
                    in enumerate(zip(forward.layers, forward.inputs, grad_outputs, norms_by_layer, strict=True))]
-    return GramPass(factors, forward.losses.detach(), forward.logits.detach())
+    return GramPass(factors, forward.losses.detach(), forward.logits.detach(), grad_norms)
 
 
 def _weighted(factor, weights):

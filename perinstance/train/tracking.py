@@ -16,6 +16,8 @@ filter's points out of training are not measured until θ_T (NaN, left out of th
 """
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -24,9 +26,9 @@ from torch import nn
 
 from perinstance.errors import UsageError
 from perinstance.files import results, tracked_rows
-from perinstance.persample import batches, gradients
+from perinstance.persample import batches, finite, gradients
 from perinstance.persample.layer_pass import eval_mode
-from perinstance.train import distributed, filtering, runs
+from perinstance.train import distributed, filtering, non_finite, runs
 from perinstance.train.clipping import Transform
 
 # The values recorded per point and step, in the order of a segment's second axis.
@@ -36,12 +38,13 @@ VALUES = ("value", "loss", "correct")
 class Tracker:
     """The tracked points of one run: measures them at the current parameters, holds the values since the last
     checkpoint, and writes them. `world`: a torchrun launch whose ranks share the points in lockstep (None: this
-    process measures them all)."""
+    process measures them all). `refuse(step, met)`: the error that stops training at `step` for `met`, a
+    value that is not finite at θ_{step−1} (the trainer's `stopped`, which knows whether the steps before made it)."""
 
     def __init__(self, run: runs.RunConfig, model: nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
-                 device: torch.device, per_pass: int, world: distributed.World | None = None,
-                 loss_fn: batches.LossFn | None = None) -> None:
-        self.run, self.model, self.world, self.loss_fn = run, model, world, loss_fn
+                 device: torch.device, per_pass: int, world: distributed.World | None,
+                 loss_fn: batches.LossFn | None, refuse: Callable[[int, non_finite.Seen], Exception]) -> None:
+        self.run, self.model, self.world, self.loss_fn, self.refuse = run, model, world, loss_fn, refuse
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
         mine = self.points if world is None else np.asarray(world.share(self.points), dtype=np.int64)
         self.indices = torch.as_tensor(mine, device=device)
@@ -80,7 +83,7 @@ class Tracker:
                 distributed.broadcast_from_rank0([shared])
                 wanted = shared.bool().cpu().numpy()[self.world.rank::self.world.size]
         with eval_mode(self.model):
-            values = self.values(wanted)
+            values = self.values(step, wanted)
         if self.gather_each:
             values = self._gathered(values)
         self.held.append(values)
@@ -99,29 +102,53 @@ class Tracker:
             whole[:, rank::self.world.size] = share
         return whole
 
-    def values(self, wanted: np.ndarray | None = None) -> np.ndarray:
-        """(3, points of this process) float32: ||h(g)|| (||g|| without privacy), loss, correctness (nan where the
-        targets are not class labels, batches.correct_predictions); NaN for the points `wanted` leaves out."""
+    def values(self, step: int, wanted: np.ndarray | None = None) -> np.ndarray:
+        """(3, points of this process) float32 at θ_step: ||h(g)|| (||g|| without privacy), loss, correctness (nan
+        where the targets are not class labels, batches.correct_predictions); NaN for the points `wanted` leaves
+        out. A norm, loss or output that is not finite is refused (`refuse`), read back with the values."""
         if wanted is not None:
             values = np.full((len(VALUES), len(self.indices)), np.nan, dtype=np.float32)
             if wanted.any():
-                values[:, wanted] = self._measured(self.indices[torch.as_tensor(wanted, device=self.indices.device)])
+                chosen = self.indices[torch.as_tensor(wanted, device=self.indices.device)]
+                values[:, wanted] = self._measured(step, chosen)
             return values
-        return self._measured(self.indices)
+        return self._measured(step, self.indices)
 
-    def _measured(self, indices):
+    def _measured(self, step: int, indices: torch.Tensor) -> np.ndarray:
         if not len(indices):  # more ranks than points
             return np.zeros((len(VALUES), 0), dtype=np.float32)
-        norms, losses, correct = [], [], []
+        norms, losses, correct, grad_norms_seen, outputs_finite = [], [], [], [], []
         for start in range(0, len(indices), self.chunk):
             chunk = indices[start:start + self.chunk]
             inputs, labels = self.train_x.index_select(0, chunk), self.train_y.index_select(0, chunk)
-            grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels, self.loss_fn)
+            try:
+                grad_norms, chunk_losses, outputs = gradients.per_sample_norms(self.model, inputs, labels,
+                                                                               self.loss_fn)
+            except finite.NonFiniteValues as error:  # met by the engine's check of a user's model
+                point = int(chunk[error.found.position])
+                raise self.refuse(step + 1, non_finite.seen(self.model, inputs, labels, self.loss_fn, error, step,
+                                                            f"tracked point {point}")) from None
             norms.append(grad_norms if self.transform is None else self.transform.norms(grad_norms))
             losses.append(chunk_losses)
             hits = batches.correct_predictions(outputs, labels)
             correct.append(torch.full_like(chunk_losses, torch.nan) if hits is None else hits)
-        return torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float()]).cpu().numpy()
+            grad_norms_seen.append(grad_norms)
+            outputs_finite.append(finite.finite_examples(outputs, len(chunk)))
+        values = torch.stack([torch.cat(norms), torch.cat(losses), torch.cat(correct).float(),
+                              torch.cat(grad_norms_seen), torch.cat(outputs_finite).float()]).cpu().numpy()
+        if not (np.isfinite(values[1]).all() and np.isfinite(values[3]).all() and values[4].all()):
+            self._refuse(step, indices, values)
+        return values[:len(VALUES)]
+
+    def _refuse(self, step: int, indices: torch.Tensor, values: np.ndarray) -> None:
+        """Raise `refuse`'s error for the first of `indices` whose output, loss or gradient norm at θ_step is not
+        finite (`values` rows: as `values`, then ||g|| and whether the outputs are finite)."""
+        losses, grad_norms, outputs_finite = (torch.from_numpy(values[row]) for row in (1, 3, 4))
+        found = finite.first_non_finite(losses, grad_norms, outputs_finite=outputs_finite.bool())
+        point = indices[found.position:found.position + 1]
+        source = non_finite.source_of(self.model, self.train_x.index_select(0, point),
+                                      self.train_y.index_select(0, point), self.loss_fn, replace(found, position=0))
+        raise self.refuse(step + 1, non_finite.Seen(step, f"tracked point {int(point[0])}", found, source))
 
     def checkpoint(self, run_dir: str, step: int) -> None:
         """At checkpoint `step`: the values of θ_T too if it is the last, then the segment written (flush)."""

@@ -9,6 +9,7 @@ same bytes as an uninterrupted run.
 import math
 import sys
 import time
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -19,9 +20,21 @@ from tqdm import tqdm
 
 from perinstance.accounting.mechanism import Mechanism
 from perinstance.errors import UsageError
-from perinstance.files import checkpoints, tracked_rows
+from perinstance.files import checkpoints, fileio, tracked_rows
 from perinstance.persample import batches, gradients, layer_pass
-from perinstance.train import canaries, clipping, distributed, filtering, run_plan, runs, sampling, tracking, user_code
+from perinstance.persample.finite import NonFiniteValues
+from perinstance.train import (
+    canaries,
+    clipping,
+    distributed,
+    filtering,
+    non_finite,
+    run_plan,
+    runs,
+    sampling,
+    tracking,
+    user_code,
+)
 from perinstance.train.data import Dataset, load_dataset
 from perinstance.train.input_canaries import InputCanaries
 from perinstance.train.nets import build_model
@@ -193,8 +206,15 @@ class Trainer:
         # (gradients.batch_passes, of its size and this), hence the order of its sums and every bit of a step,
         # depend on nothing but the batch drawn.
         self.chunk = gradients.examples_per_pass(self.model, self.train_x, self.device)
+        # The values of the steps whose loss is not read yet, and the run's folder, latest step and progress bar
+        # for an error (non_finite.py).
+        self.log, self.run_dir, self.latest_step, self.progress = non_finite.StepLog(), "", 0, None
+        # The tracker asks the trainer why training stops; it holds the trainer weakly, so that a finished trainer
+        # (its data, model and canaries) is freed when its run returns, not at the next cycle collection.
+        stopped = weakref.WeakMethod(self.stopped)
         self.tracker = None if run.tracked_points is None else \
-            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, self.chunk, world, self.loss_fn)
+            tracking.Tracker(run, self.model, self.train_x, self.train_y, self.device, self.chunk, world, self.loss_fn,
+                             refuse=lambda step, met: stopped()(step, met))
         # Each point clipped at its own bound, and the filter (§12.2, §12.4), where the run has them.
         self.point_bounds = filtering.PerPointBounds(run, self.device) if run.per_point_clipping else None
 
@@ -212,6 +232,7 @@ class Trainer:
     def restore(self, payload: dict) -> None:
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
+        self.latest_step = payload["step"]
         if self.projections:
             if canaries.PROJECTIONS_KEY not in payload:
                 raise UsageError("--save-name", f"checkpoint {payload['step']} of {self.run.run} holds no canary "
@@ -225,8 +246,16 @@ class Trainer:
         summed, losses = None, []
         for span in gradients.batch_passes(len(indices), self.chunk):
             weights = self.point_bounds.weights(indices[span]) if self.point_bounds else self._weights
-            chunk_sums, chunk_losses, _, _ = gradients.clipped_gradient_sum(self.model, *self._examples(indices[span]),
-                                                                            weights, self.loss_fn)
+            examples = self._examples(indices[span])
+            try:
+                chunk_sums, chunk_losses, norms, outputs = gradients.clipped_gradient_sum(self.model, *examples,
+                                                                                          weights, self.loss_fn)
+            except NonFiniteValues as error:  # met by the engine's check of a user's model (fallback_norms.py)
+                row = int(indices[span][error.found.position])
+                raise self.stopped(self.latest_step + 1, non_finite.seen(
+                    self.model, *examples, self.loss_fn, error, self.latest_step,
+                    non_finite.training_example(self.run, row))) from None
+            self.log.add(norms, outputs, len(chunk_losses))
             # Chunk by chunk in order (the first chunk's sums are their own buffers): the same bits as adding
             # every chunk to zeros.
             summed = chunk_sums if summed is None else [total.add_(part) for total, part in zip(summed, chunk_sums)]
@@ -240,7 +269,9 @@ class Trainer:
         losses = []
         for span in gradients.batch_passes(len(indices), self.chunk):
             inputs, labels = self._examples(indices[span])
-            chunk_losses = batches.per_example_loss(self.model(inputs), labels, self.loss_fn)
+            outputs = self.model(inputs)
+            chunk_losses = batches.per_example_loss(outputs, labels, self.loss_fn)
+            self.log.add(None, outputs, len(chunk_losses))
             parts = torch.autograd.grad(chunk_losses.sum(), self.params, allow_unused=True)
             for total, part in zip(summed, parts):
                 if part is not None:
@@ -329,9 +360,12 @@ class Trainer:
 
     def step(self, step: int) -> torch.Tensor | None:
         """Apply training step `step` (θ_{step−1} → θ_step); returns the mean loss of its batch (at
-        θ_{step−1}) as a tensor on the device, not read back (see train_run), None for an empty batch."""
+        θ_{step−1}) as a tensor on the device, not read back (see train_run), None for an empty batch: NaN where a
+        value of the step is not finite (then `stopped` says which)."""
         batch, gradient_canaries = self.draw(step)
+        self.log.begin(step, batch)
         update, losses = self.privatised_gradient(step, batch, gradient_canaries)
+        batch_loss = self.log.end(losses, None if self.run.private else update)
         if self.projections:
             self.projections.append(self.project(update))
         for param, grad in zip(self.params, update):
@@ -340,14 +374,36 @@ class Trainer:
             group["lr"] = learning_rate(self.run, step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return losses.mean() if len(losses) else None
+        self.latest_step = step
+        return batch_loss
 
     def weights_finite(self) -> bool:
         return all(bool(torch.isfinite(param).all()) for param in self.params)
 
+    def stopped(self, step: int, met: non_finite.Seen | None = None) -> UsageError:
+        """The error that stops training at `step` (a batch loss that is not finite, or `met`, a value that a pass
+        met before it): the user's code's, or the learning rate's (non_finite.training_stop). The progress bar is
+        erased: the error is the one line left."""
+        self.erase_progress()
+        return non_finite.training_stop(self.run, self.log, self.weights_finite,
+                                        lambda at, what: diverged(self.run, self.run_dir, at, what), step, met)
+
+    def erase_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.leave = False
+            self.progress.close()
+
     def evaluate(self) -> tuple[float, float]:
-        """Test accuracy (nan where the targets are not class labels) and mean test loss."""
-        return evaluate(self.model, self.test_x, self.test_y, self.device, loss_fn=self.loss_fn)
+        """Test accuracy (nan where the targets are not class labels) and mean test loss; a test loss that is not
+        finite stops training (non_finite.test_stop)."""
+        accuracy, loss = evaluate(self.model, self.test_x, self.test_y, self.device, loss_fn=self.loss_fn)
+        if not math.isfinite(loss):
+            error = non_finite.test_stop(self.run, self.model, self.test_x, self.test_y, self.device, self.chunk,
+                                         self.loss_fn, self.latest_step)
+            if error is not None:
+                self.erase_progress()
+                raise error
+        return accuracy, loss
 
 
 def latest_checkpoint(run_dir: str, planned: Collection[int]) -> int | None:
@@ -366,8 +422,10 @@ def train(args: run_plan.TrainingFlags, quiet: bool = False, world: distributed.
     run_dir = run_plan.run_dir_for(args)
     trainer = Trainer(run, dataset, args.device, world)  # builds the model: refuses a bad architecture before any write
     if world is None:
-        run_plan.prepare_run_dir(args, run_dir, run)
-        return train_run(trainer, run_dir, args.eval_freq, quiet)
+        # A run that the user's code stops leaves nothing of this call (non_finite.py): a new run no file.
+        with fileio.removing_new_files(run_dir, non_finite.UserCodeStop):
+            run_plan.prepare_run_dir(args, run_dir, run)
+            return train_run(trainer, run_dir, args.eval_freq, quiet)
 
     def prepared() -> int:
         run_plan.prepare_run_dir(args, run_dir, run)
@@ -381,9 +439,10 @@ def train(args: run_plan.TrainingFlags, quiet: bool = False, world: distributed.
         resumed_from = tracking.follow(trainer.tracker, distributed.from_rank0(world, prepared))
         return Outcome(run=run, run_dir=run_dir, resumed_from=resumed_from, final_test_accuracy=math.nan,
                        train_seconds=time.time() - started, tracking_seconds=trainer.tracker.seconds)
-    trainer.tracker.following = distributed.from_rank0(world, prepared) < run.total_steps
     try:
-        return train_run(trainer, run_dir, args.eval_freq, quiet)
+        with fileio.removing_new_files(run_dir, non_finite.UserCodeStop):
+            trainer.tracker.following = distributed.from_rank0(world, prepared) < run.total_steps
+            return train_run(trainer, run_dir, args.eval_freq, quiet)
     except UsageError as error:
         trainer.tracker.stop(error)
         raise
@@ -395,6 +454,7 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
     and at θ_T, are written before the checkpoint that ends their span, and as one table at the end."""
     started = time.time()
     run, device, tracker = trainer.run, trainer.device, trainer.tracker
+    trainer.run_dir = run_dir
     planned = set(run.checkpoint_steps)
     resume_step = latest_checkpoint(run_dir, planned)
     test_loss = math.nan  # known once evaluated in this call (a checkpoint keeps the accuracy alone)
@@ -414,6 +474,7 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
                     desc=f"train {run.run}", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     unread, loss, steps_seconds = [], None, 0.0
     bounds = trainer.point_bounds
+    trainer.progress = progress
     for step in progress:
         if tracker and tracker.due(step - 1):
             values = tracker.measure(step - 1, bounds.measuring() if bounds else None)
@@ -433,12 +494,11 @@ def train_run(trainer: Trainer, run_dir: str, eval_freq: int | None = None, quie
             values = torch.stack([value for _, value in unread]).tolist() if unread else []
             for (loss_step, _), value in zip(unread, values):
                 if not math.isfinite(value):
-                    progress.close()
-                    raise diverged(run, run_dir, loss_step, value)
+                    raise trainer.stopped(loss_step)
             loss, unread = (values[-1] if values else loss), []
+            trainer.log.clear()
         if at_checkpoint and not trainer.weights_finite():
-            progress.close()
-            raise diverged(run, run_dir, step, loss)
+            raise trainer.stopped(step + 1)
         if at_checkpoint or (eval_freq and step % eval_freq == 0):
             accuracy, test_loss = trainer.evaluate()
         if at_checkpoint:
@@ -470,11 +530,10 @@ class Diverged(UsageError):
     """A run whose loss or weights stopped being finite (diverged): a usage error of its --lr."""
 
 
-def diverged(run: runs.RunConfig, run_dir: str, step: int, loss: float | None) -> Diverged:
-    """The one-line error of a run whose loss (at θ_{step−1}) or weights (at θ_step) are no longer
-    finite: training stops there, and the checkpoints before keep their finite weights."""
-    what = f"the loss is {loss:g} at step {step}" if loss is not None and not math.isfinite(loss) else \
-        f"the weights are not finite after step {step}"
+def diverged(run: runs.RunConfig, run_dir: str, step: int, what: str) -> Diverged:
+    """The one-line error of a run whose values at θ_{step−1} or weights at θ_step (`what`, "the loss is nan at
+    step 12") are no longer finite where the suite's own code made them (non_finite.training_stop): training
+    stops there, and the checkpoints before keep their finite weights."""
     latest = latest_checkpoint(run_dir, set(run.checkpoint_steps))
     return Diverged("--lr", f"training diverged: {what} of {run.total_steps} (learning rate "
                               f"{learning_rate(run, step):g}); the checkpoints up to step {latest} in {run_dir} are "

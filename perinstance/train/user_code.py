@@ -394,6 +394,13 @@ def _examples(split, spec: str, which: str, class_labels: bool) -> Examples:
         targets = targets.to(torch.get_default_dtype())
     elif targets.dtype != torch.bool:
         targets = targets.to(torch.int64)
+    for name, tensor in (("input", inputs), ("label", targets)):
+        finite = torch.isfinite(tensor.reshape(len(tensor), -1)).all(dim=1) if tensor.is_floating_point() else None
+        if finite is not None and not bool(finite.all()):
+            index = int((~finite).nonzero()[0, 0])
+            value = tensor[index].reshape(-1)[~torch.isfinite(tensor[index].reshape(-1))][0]
+            raise UsageError("--dataset", f"{spec}: {which} {name} {index} holds {float(value):g}; every value must be "
+                                          "finite")
     return Examples(inputs.contiguous(), targets.contiguous())
 
 
