@@ -54,7 +54,7 @@ from perinstance.accounting import individual_filter  # noqa: E402
 from perinstance.cli import options  # noqa: E402
 from perinstance.experiments.config import PRESETS  # noqa: E402
 from perinstance.files import checkpoints, fileio, results, storage, tracked_rows  # noqa: E402
-from perinstance.train import distributed, filtering, run_plan, training  # noqa: E402
+from perinstance.train import distributed, evaluation, filtering, run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -188,9 +188,9 @@ def evaluate_checkpoints(outcome: training.Outcome, steps: tuple[int, ...], held
     rows = []
     for step in steps:
         model, _ = training.load_model(outcome.run, outcome.run_dir, step, device)
-        held_out_accuracy, _ = training.evaluate(model, *held_out, device)
-        test_accuracy, test_loss = training.evaluate(model, *test, device)
-        per_class = training.per_class_accuracy(model, *test, outcome.run.num_classes, device)
+        held_out_accuracy, _ = evaluation.evaluate(model, *held_out, device)
+        test_accuracy, test_loss = evaluation.evaluate(model, *test, device)
+        per_class = evaluation.per_class_accuracy(model, *test, outcome.run.num_classes, device)
         rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": test_accuracy,
                      "test_loss": test_loss, "class_accuracy": per_class})
     return rows

@@ -299,10 +299,12 @@ def test_each_planted_fault_changes_what_the_trainer_does(models):
     # |B| times less noise on the update.
     mean_rule = dataclasses.replace(config, update_rule="mean")
     batch = np.arange(10)
+    correct.log.begin(1, batch)  # a pass belongs to a step, whose values the trainer checks
     summed, _ = correct.per_sample_pass(torch.as_tensor(batch))
     noise_of = {}
     for fault in (None, "noise_before_division"):
         trainer = training.Trainer(dataclasses.replace(mean_rule, planted_fault=fault), dataset)
+        trainer.log.begin(1, batch)
         update, _ = trainer.privatised_gradient(1, batch)
         noise_of[fault] = torch.cat([(part - total / len(batch)).reshape(-1) for part, total in zip(update, summed)])
     assert noise_of[None].std() > 0

@@ -17,7 +17,7 @@ from perinstance.errors import UsageError
 from perinstance.experiments import nonprivate_run
 from perinstance.experiments.commands import Commands
 from perinstance.experiments.config import DATA_ROOT, PRESETS
-from perinstance.train import runs, training
+from perinstance.train import evaluation, runs, training
 from perinstance.train.data import load_dataset
 
 
@@ -43,7 +43,7 @@ def selected(tmp_path, monkeypatch):
     """The tiny preset's selection, run in a fresh folder, with every evaluation's inputs recorded."""
     monkeypatch.chdir(tmp_path)
     evaluated = []
-    evaluate = training.evaluate
+    evaluate = evaluation.evaluate
 
     def recording_evaluate(model, inputs, labels, device, **options):
         # The selection's own calls (training evaluates on the test set as it goes, to print its progress).
@@ -51,7 +51,7 @@ def selected(tmp_path, monkeypatch):
             evaluated.append((inputs.clone(), labels.clone()))
         return evaluate(model, inputs, labels, device, **options)
 
-    monkeypatch.setattr(training, "evaluate", recording_evaluate)
+    monkeypatch.setattr(evaluation, "evaluate", recording_evaluate)
     config = dataclasses.replace(PRESETS["tiny"], nodp_lrs=(0.05, 0.5, 2.0))
     commands = Commands(script_mains())
     name, selection = nonprivate_run.train_nonprivate(commands, config, "tiny", "tiny-synthetic", "cpu")

@@ -23,7 +23,7 @@ from perinstance.experiments.main_run import COMPOSITION_HOLDER_B, Accounted, Ma
 from perinstance.experiments.sampling_rates import DESIGN_EARLY, DESIGN_FINAL, DESIGN_MATCHED, design_verdicts
 from perinstance.files import checkpoints
 from perinstance.plots import individual_plots, plots, sampling_rate_plots
-from perinstance.train import training
+from perinstance.train import evaluation, training
 from perinstance.train.data import load_dataset
 from perinstance.train.runs import RunConfig
 
@@ -81,7 +81,7 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     model, payload = training.load_model(run, main.run_dir, final_step, device)
     findings["test_accuracy"] = payload["test_accuracy"]
     dataset = load_dataset(run.dataset, DATA_ROOT, run.less_point)
-    class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
+    class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
     composed = accounted.composed.set_index("point")
     composed_pld = accounted.composed_pld.set_index("point").loc[composed.index]
     worst = float(composed["baseline_eps"].iloc[0])

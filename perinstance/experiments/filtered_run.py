@@ -28,7 +28,7 @@ from perinstance.experiments.main_run import MainRun, guarantees
 from perinstance.files import tracked_rows
 from perinstance.persample import batches
 from perinstance.plots.filter_plots import plot_eps_against_guarantee, plot_points_training
-from perinstance.train import runs, training
+from perinstance.train import evaluation, runs, training
 from perinstance.train.data import load_dataset
 
 
@@ -50,9 +50,9 @@ def test_outputs(run_dir: str, step: int, dataset: "perinstance.train.data.Datas
     per class."""
     run = runs.load_run(run_dir)
     model, _ = training.load_model(run, run_dir, step, device)
-    _, _, correct = training.example_outputs(model, dataset.test_x, dataset.test_y, device,
+    _, _, correct = evaluation.example_outputs(model, dataset.test_x, dataset.test_y, device,
                                              loss_fn=training.loss_for_run(run))
-    return correct, training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
+    return correct, evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
 
 
 def accuracy_change(first: np.ndarray, second: np.ndarray) -> intervals.Interval:

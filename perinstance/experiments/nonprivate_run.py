@@ -29,7 +29,7 @@ from perinstance.experiments.config import (
     variant_tag,
 )
 from perinstance.files import fileio
-from perinstance.train import runs, training
+from perinstance.train import evaluation, runs, training
 from perinstance.train.data import HOLDOUT_PREFIX, load_dataset
 
 # The selection's runs keep their first and last checkpoints only: the last is all the selection reads.
@@ -86,7 +86,7 @@ def select_learning_rate(commands: Commands, config: ReproduceConfig, preset: st
             run_dir = os.path.join("models", run_name)
             run = runs.load_run(run_dir)
             model, _ = training.load_model(run, run_dir, run.total_steps, device)
-            accuracy, loss = training.evaluate(model, held_x, held_y, device, loss_fn=training.loss_for_run(run))
+            accuracy, loss = evaluation.evaluate(model, held_x, held_y, device, loss_fn=training.loss_for_run(run))
         rows.append({"lr": rate, "run": run_name, "trained_points": trained, "held_out_points": held_out,
                      "held_out_accuracy": accuracy, "held_out_loss": loss, "diverged": diverged})
     accuracies = {row["lr"]: row["held_out_accuracy"] for row in rows}

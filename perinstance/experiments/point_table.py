@@ -98,7 +98,7 @@ def point_table(main: MainRun, accounted: Accounted, labels: np.ndarray, predict
                 correct: np.ndarray, groups: Groups | None = None,
                 left_step: pd.Series | None = None) -> pd.DataFrame:
     """The per-point table, one row per point of accounted.composed (ascending): `labels`, `predicted`, `losses`
-    and `correct` are aligned with those points (the final model's, training.example_outputs). eps_rdp is the
+    and `correct` are aligned with those points (the final model's, evaluation.example_outputs). eps_rdp is the
     point's bound from Δ* at every step where the run tracked the point, else the composition holding Δ* between
     checkpoints; eps_pld is the headline composition's by PLD; eps_held the held composition by RDP of every point
     (empty for a run with per-point clipping, whose headline is a bound from the bounds it clipped at). A filtered

@@ -24,7 +24,7 @@ from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
 from perinstance.plots.group_plots import plot_group_medians
 from perinstance.plots.plots import interval_text
-from perinstance.train import training
+from perinstance.train import evaluation, training
 from perinstance.train.data import display_images
 from perinstance.train.runs import OpenRun
 
@@ -109,7 +109,7 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     targets = dataset.train_y[points]
     # Every point of the dataset but a --less-point one: then the dataset's tensor itself, not a copy of it.
     inputs = dataset.train_x if np.array_equal(points, np.arange(len(dataset.train_y))) else dataset.train_x[points]
-    predicted, losses, correct = training.example_outputs(model, inputs, targets, device,
+    predicted, losses, correct = evaluation.example_outputs(model, inputs, targets, device,
                                                           loss_fn=training.loss_for_run(config))
     class_labels = batches.class_indices(targets)
     labels = targets.numpy().astype(float) if class_labels else np.full(len(points), np.nan)
@@ -117,7 +117,7 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     table = point_table.point_table(main, accounted, labels, predicted, losses, correct, groups,
                                     None if record is None else record.set_index("point")["left_step"])
     points_path = point_table.write_points(out_dir, table)
-    class_accuracy = training.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
+    class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
                                                  device) if class_labels else None
     headline = accounted.composed.set_index("point").loc[points]
     eps, worst = headline["eps"].to_numpy(dtype=float), float(worst_eps(headline).max())

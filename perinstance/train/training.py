@@ -27,6 +27,7 @@ from perinstance.train import (
     canaries,
     clipping,
     distributed,
+    evaluation,
     filtering,
     non_finite,
     run_plan,
@@ -120,54 +121,6 @@ def epsilon_curve(run: runs.RunConfig) -> Callable[[int], float] | None:
         return None
     mechanism = Mechanism.of_run(run)
     return lambda steps: mechanism.baseline_eps(run.delta, steps)[0]
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, device: str | torch.device,
-             chunk: int = 1024, loss_fn: batches.LossFn | None = None) -> tuple[float, float]:
-    """Accuracy and mean loss of `model` on a tensor dataset (the loss of batches.per_example_loss: the
-    cross-entropy unless `loss_fn`); the accuracy is nan where the targets are not class labels."""
-    model.eval()
-    correct, loss_sum = 0.0, 0.0
-    for start in range(0, len(labels), chunk):
-        x = inputs[start:start + chunk].to(device)
-        y = labels[start:start + chunk].to(device)
-        outputs = model(x)
-        loss_sum += batches.per_example_loss(outputs, y, loss_fn).sum().item()
-        hits = batches.correct_predictions(outputs, y)
-        correct += math.nan if hits is None else hits.sum().item()
-    return correct / len(labels), loss_sum / len(labels)
-
-
-@torch.no_grad()
-def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, num_classes: int,
-                       device: str | torch.device, chunk: int = 1024) -> list[float]:
-    """Test accuracy of each class (nan for a class without test points)."""
-    model.eval()
-    predictions = torch.cat([model(inputs[start:start + chunk].to(device)).argmax(dim=1).cpu()
-                             for start in range(0, len(labels), chunk)])
-    hits = torch.bincount(labels[predictions == labels], minlength=num_classes).double()
-    counts = torch.bincount(labels, minlength=num_classes).double()
-    return (hits / counts).tolist()
-
-
-@torch.no_grad()
-def example_outputs(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, device: str | torch.device,
-                    chunk: int = 1024, loss_fn: batches.LossFn | None = None) -> tuple[np.ndarray, np.ndarray,
-                                                                                       np.ndarray]:
-    """Per example of a tensor dataset: the predicted class (the largest output; NaN where the targets are not class
-    labels), the loss (batches.per_example_loss: the cross-entropy unless `loss_fn`) and whether the prediction is
-    correct (1.0 or 0.0; NaN where the targets are not class labels)."""
-    model.eval()
-    predicted, losses, correct = [], [], []
-    for start in range(0, len(targets), chunk):
-        x, y = inputs[start:start + chunk].to(device), targets[start:start + chunk].to(device)
-        outputs = model(x)
-        losses.append(batches.per_example_loss(outputs, y, loss_fn).double().cpu().numpy())
-        hits = batches.correct_predictions(outputs, y)
-        predicted.append(np.full(len(y), np.nan) if hits is None else outputs.argmax(dim=1).double().cpu().numpy())
-        correct.append(np.full(len(y), np.nan) if hits is None else hits.double().cpu().numpy())
-    return np.concatenate(predicted), np.concatenate(losses), np.concatenate(correct)
 
 
 class Trainer:
@@ -396,7 +349,7 @@ class Trainer:
     def evaluate(self) -> tuple[float, float]:
         """Test accuracy (nan where the targets are not class labels) and mean test loss; a test loss that is not
         finite stops training (non_finite.test_stop)."""
-        accuracy, loss = evaluate(self.model, self.test_x, self.test_y, self.device, loss_fn=self.loss_fn)
+        accuracy, loss = evaluation.evaluate(self.model, self.test_x, self.test_y, self.device, loss_fn=self.loss_fn)
         if not math.isfinite(loss):
             error = non_finite.test_stop(self.run, self.model, self.test_x, self.test_y, self.device, self.chunk,
                                          self.loss_fn, self.latest_step)
