@@ -300,3 +300,19 @@ def test_bad_holdout_datasets(name, fragment):
 ])
 def test_bad_first_datasets(name, fragment):
     assert_usage_error(lambda: load_dataset(name), "--dataset", fragment)
+
+
+@pytest.mark.parametrize("features, images", [
+    ("scatternet:imagefolder:/d", "imagefolder:/d"),
+    ("first:10:scatternet:cifar10", "first:10:cifar10"),
+    ("holdout:5:scatternet:cifar10", "holdout:5:cifar10"),
+    # Nested subsets select the same training points of the images as of the features, in the same order.
+    ("first:10:holdout:5:scatternet:cifar10", "first:10:holdout:5:cifar10"),
+    ("holdout:5:first:10:scatternet:cifar10", "holdout:5:first:10:cifar10"),
+    ("first:10:mnist-embedded", None),
+    ("cifar10", None),
+])
+def test_the_images_of_scatternet_features_keep_every_subset(features, images):
+    from perinstance.train.data import _feature_images
+
+    assert _feature_images(features) == images

@@ -146,14 +146,15 @@ def display_images(dataset: Dataset, points: np.ndarray, data_root: str = "./dat
 
 
 def _feature_images(name):
-    """The dataset whose images the ScatterNet features `name` (scatternet:X, first:N:scatternet:X, holdout:M:...) were
-    computed from, training point for training point (X, first:N:X, holdout:M:X); None for any other dataset."""
-    prefix = ""
-    for subset in (FIRST_PREFIX, HOLDOUT_PREFIX):  # the same training points, in the same order, as X's
+    """The dataset whose images the ScatterNet features `name` (scatternet:X, first:N:scatternet:X, holdout:M:...,
+    nested in any order) were computed from, training point for training point (X, first:N:X, holdout:M:X, nested
+    the same way); None for any other dataset."""
+    for subset in (FIRST_PREFIX, HOLDOUT_PREFIX):  # the same training points, in the same order, as the inner ones'
         if name.lower().startswith(subset):
-            count, _, name = name[len(subset):].partition(":")
-            prefix = f"{subset}{count}:"
-    return prefix + name[len(SCATTERNET_PREFIX):] if name.lower().startswith(SCATTERNET_PREFIX) else None
+            count, _, inner = name[len(subset):].partition(":")
+            images = _feature_images(inner)
+            return None if images is None else f"{subset}{count}:{images}"
+    return name[len(SCATTERNET_PREFIX):] if name.lower().startswith(SCATTERNET_PREFIX) else None
 
 
 def are_class_labels(targets: torch.Tensor) -> bool:
