@@ -38,9 +38,6 @@ from perinstance.cli.options import HELP_FORMAT, Parser, add_alpha_argument, non
 from perinstance.errors import UsageError
 from perinstance.files import results
 
-# The tracked table of a run with per-point clipping: each point's held clip bounds and its filter budget (§12.4).
-HELD_QUANTITIES = ("held_bound", "filter_budget")
-
 
 @dataclass(frozen=True)
 class CompositionRequest:
@@ -92,7 +89,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> Compositi
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int | None:
     request = parse_args(argv, prog)
-    loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES, *HELD_QUANTITIES], one_run=False,
+    loaded = reading.load(request.source, ["grad_norm", *results.COUPLING_QUANTITIES, *results.HELD_QUANTITIES], one_run=False,
                               integer_columns={"sample": 0})
     trained = set(loaded.rows["update_rule"].astype(str))
     if trained != {loaded.mechanism.rule}:

@@ -53,6 +53,8 @@ QUANTITIES = {
 }
 STATISTICS = ("center_distance", "spread", "max_deviation")
 COUPLING_QUANTITIES = ("batch_sensitivity", *STATISTICS)
+# The rows of per-point clipping in a tracked table (§12.4, §13.6): each point's clip bound and filter budget.
+HELD_QUANTITIES = ("held_bound", "filter_budget")
 
 # Columns that describe the run configuration: rows that differ in these cannot be mixed
 # in one accounting (the expectation over runs is over `run`/`seed` only).
