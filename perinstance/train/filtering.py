@@ -176,12 +176,18 @@ class PerPointBounds:
         self.run, self.device = run, device
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
         self.ratio = np.ones(run.dataset_size)
-        self.bounds = self._bounds()
         self.filter, self.order, self.known = None, None, {}
         if run.point_filter is not None:
             self.order = run.point_filter["order"]
             budget = individual_filter.budget_rdp(target_eps(run), run.point_filter["delta"], self.order)
             self.filter = individual_filter.FilterState(budget)
+        self._held()
+
+    def _held(self) -> None:
+        """The clip bounds and, with a filter, each point's step charge of the current ratios, which change only at
+        a measurement or a restore: every step between them is charged the same."""
+        self.bounds = self._bounds()
+        self.step_charge = None if self.filter is None else self.charges(self.ratio)
 
     def _bounds(self) -> torch.Tensor:
         """The clip bounds r·Γ in float32, the step's precision, each rounded down where float32 would round it up:
@@ -203,7 +209,7 @@ class PerPointBounds:
         next one."""
         measured = ~np.isnan(norms)
         self.ratio[self.points[measured]] = held_ratio(norms[measured], self.run.clip_bound, self.run.clip_margin)
-        self.bounds = self._bounds()
+        self._held()
 
     def charges(self, ratio: np.ndarray) -> np.ndarray:
         """ρ = RDP_SGM(q, σ/r; λ_f) of each ratio (individual_filter.step_charges), each grid level computed once."""
@@ -218,7 +224,7 @@ class PerPointBounds:
         """§12.2 before step `step`: every active point charged at its current bound; those it would take past their
         budget leave."""
         if self.filter is not None:
-            self.filter.step(step, self.charges(self.ratio))
+            self.filter.step(step, self.step_charge)
 
     def keep(self, batch: np.ndarray) -> np.ndarray:
         """The points of a Poisson draw that are still in the training set."""
@@ -244,7 +250,6 @@ class PerPointBounds:
             raise UsageError("--save-name", f"checkpoint {step} of {self.run.run} holds no per-point bounds of this "
                                             "run; train it again with --overwrite")
         self.ratio = state["ratio"].numpy().astype(np.float64)
-        self.bounds = self._bounds()
         if self.filter is not None:
             restored = individual_filter.FilterState.from_state_dict(
                 {name: state[f"filter_{name}"].numpy() for name in ("budget", "spent_hi", "spent_lo", "left_at")})
@@ -252,6 +257,7 @@ class PerPointBounds:
                 raise UsageError("--budgets", f"checkpoint {step} of {self.run.run} was trained with other budgets; "
                                               "train it again with --overwrite")
             self.filter = restored
+        self._held()
 
     def table_rows(self, steps: np.ndarray, values: np.ndarray, labels: np.ndarray) -> pd.DataFrame:
         """The tracked table's rows of the bounds (quantity held_bound: r·Γ at each measurement step s < T, the bound
