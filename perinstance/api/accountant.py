@@ -185,9 +185,7 @@ class IndividualAccountant:
         `rounding` (0: exact), as the scripts' --rounding. alphas: Opacus's name for `orders`. The values are
         bounds along the observed run where `certified` says so, held-Δ* estimates elsewhere (`kind`).
         """
-        delta = arguments.number("delta", delta)
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), not {delta!r}")
+        delta = arguments.probability("delta", delta)
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, not {accountant!r}")
         holder_b = arguments.number("holder_b", holder_b)

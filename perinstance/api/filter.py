@@ -7,7 +7,6 @@ along the observed run, never above it. The mathematics is perinstance/accountin
 (api/opacus_filter.py) runs it on an Opacus loop.
 """
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -39,9 +38,7 @@ class IndividualFilter:
         self._accountant = IndividualAccountant(num_points)  # checks num_points
         self.num_points = self._accountant.num_points
         self.target_epsilon = _targets(target_epsilon, self.num_points)
-        self.target_delta = arguments.number("target_delta", target_delta)
-        if not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), not {target_delta!r}")
+        self.target_delta = arguments.probability("target_delta", target_delta)
         self._order = None
         self._state = None
         self._attached = False
@@ -183,7 +180,7 @@ class IndividualFilter:
             if self._order is None:
                 return self.target_epsilon.copy()
             delta = self.target_delta
-        delta = _delta(delta)
+        delta = arguments.probability("delta", delta)
         budget = self._filter_state("delta other than target_delta").budget
         return individual_filter.guarantee_eps(budget, delta, self._order)
 
@@ -194,7 +191,7 @@ class IndividualFilter:
         (each Δ*/Γ rounded up to a multiple of `rounding`, as IndividualAccountant.get_epsilon) and at λ_f with the
         exact charges: never above get_epsilon(delta), since the charges at λ_f sum to at most the budget. A bound
         conditional on the trajectory released, and itself a release about the points (§4)."""
-        delta = self.target_delta if delta is None else _delta(delta)
+        delta = self.target_delta if delta is None else arguments.probability("delta", delta)
         eps = self._accountant.get_epsilon(delta, orders=orders, rounding=rounding)
         if self._order is None:
             return eps
@@ -281,14 +278,4 @@ def _targets(target_epsilon, num_points):
 
 
 def _order(order):
-    order = arguments.number("order", order)
-    if not (order > 1 and math.isfinite(order)):
-        raise ValueError(f"order must be a finite Rényi order > 1, not {order!r}")
-    return order
-
-
-def _delta(delta):
-    delta = arguments.number("delta", delta)
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), not {delta!r}")
-    return delta
+    return individual_filter.check_order(arguments.number("order", order))
