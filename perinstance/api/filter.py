@@ -19,7 +19,7 @@ from perinstance.accounting import individual_filter
 from perinstance.accounting.guarantees import Kind
 from perinstance.analysis import composition
 from perinstance.api import arguments, opacus_filter
-from perinstance.api.accountant import DEFAULT_ORDERS, RATIO_TOLERANCE, IndividualAccountant
+from perinstance.api.accountant import DEFAULT_ORDERS, RATIO_TOLERANCE, IndividualAccountant, checked_ratios
 
 
 class IndividualFilter:
@@ -142,19 +142,7 @@ class IndividualFilter:
         a value held from an earlier step is not a bound, and the guarantee needs bounds (§12.4)."""
         noise_multiplier = arguments.positive_finite("noise_multiplier", noise_multiplier)
         sample_rate = arguments.sample_rate(sample_rate)
-        if isinstance(sensitivity_ratios, torch.Tensor):
-            sensitivity_ratios = sensitivity_ratios.detach().cpu().numpy()
-        try:
-            ratio = np.array(sensitivity_ratios, dtype=float)
-        except (TypeError, ValueError):
-            raise ValueError("sensitivity_ratios must be numbers Δ*/Γ, one per point") from None
-        if ratio.shape != (self.num_points,):
-            raise ValueError(f"sensitivity_ratios must have shape ({self.num_points},) (one Δ*/Γ per point), "
-                             f"not {ratio.shape}")
-        ratio = np.where(self.active, ratio, 0.0)
-        bad = ratio[~((ratio >= 0) & (ratio <= 1 + RATIO_TOLERANCE))]
-        if bad.size:
-            raise ValueError(f"sensitivity_ratios must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+        ratio = checked_ratios(sensitivity_ratios, self.num_points, active=self.active)
         order = self.choose_order(noise_multiplier, sample_rate)
         # A clipped norm min(||g||, C) in float32 over C lands within a few ulps of 1, on either side: it counts as
         # Γ (rounding up keeps a charge a bound, §5), so that points clipped at every step leave where uniform
