@@ -55,10 +55,9 @@ def check_flags(args: "perinstance.train.run_plan.TrainingFlags") -> "perinstanc
             raise UsageError("--track-every", "a filtered run measures every point: give --filter-every instead")
         if args.track_points is None:
             raise UsageError("--track-every", "measures the --track-points every K steps: give them too")
-    every = args.filter_every or args.track_every or 1
-    if args.filter_margin is not None and every == 1:
+    if args.filter_margin is not None and args.measure_every == 1:
         raise UsageError("--filter-margin", "clips between measurements: give --filter-every or --track-every K > 1")
-    if not args.filtered and every == 1:
+    if not args.filtered and args.measure_every == 1:
         return args
     flag = ("--budget-eps" if args.budget_eps is not None else "--budgets") if args.filtered else "--track-every"
     if args.dp != 1:
@@ -82,8 +81,7 @@ def check_flags(args: "perinstance.train.run_plan.TrainingFlags") -> "perinstanc
 def clip_margin(args: "perinstance.train.run_plan.TrainingFlags") -> float | None:
     """m of a run's per-point clipping (§12.4): --filter-margin, DEFAULT_MARGIN between measurements, 0 for a
     filter that measures at every step; None without per-point clipping."""
-    every = args.filter_every or args.track_every or 1
-    if every > 1:
+    if args.measure_every > 1:
         return DEFAULT_MARGIN if args.filter_margin is None else args.filter_margin
     return 0.0 if args.filtered else None
 
