@@ -119,3 +119,13 @@ def gradient_source(model: nn.Module, inputs: object, targets: object, loss_fn: 
         grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else []
     finite = all(bool(torch.isfinite(grad).all()) for grad in grads if grad is not None)
     return IN_MODEL if finite else IN_LOSS
+
+
+def source_of(model: nn.Module, inputs: object, targets: object, loss_fn: batches.LossFn | None,
+              found: NonFinite) -> str | None:
+    """For a gradient that is not finite, of example `found.position` of (`inputs`, `targets`): where it stopped
+    being finite (gradient_source); None for any other value."""
+    if found.kind != GRADIENT:
+        return None
+    one = slice(found.position, found.position + 1)
+    return gradient_source(model, batches.take(inputs, one), batches.take(targets, one), loss_fn)

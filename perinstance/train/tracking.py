@@ -147,8 +147,8 @@ class Tracker:
         losses, grad_norms, outputs_finite = (torch.from_numpy(values[row]) for row in (1, 3, 4))
         found = finite.first_non_finite(losses, grad_norms, outputs_finite=outputs_finite.bool())
         point = indices[found.position:found.position + 1]
-        source = non_finite.source_of(self.model, self.train_x.index_select(0, point),
-                                      self.train_y.index_select(0, point), self.loss_fn, replace(found, position=0))
+        source = finite.source_of(self.model, self.train_x.index_select(0, point), self.train_y.index_select(0, point),
+                                  self.loss_fn, replace(found, position=0))
         raise self.refuse(step + 1, non_finite.Seen(step, f"tracked point {int(point[0])}", found, source))
 
     def checkpoint(self, run_dir: str, step: int) -> None:
