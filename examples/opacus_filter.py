@@ -16,7 +16,6 @@ which does not know that points left. --save writes the filter's state_dict, the
 (torch.save; loads with torch.load(weights_only=True)).
 """
 
-import argparse
 import warnings
 
 import numpy as np
@@ -28,7 +27,15 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from perinstance import IndividualFilter
-from perinstance.cli.options import HELP_FORMAT, Parser, non_negative_int, positive_float, probability
+from perinstance.cli.options import (
+    HELP_FORMAT,
+    Parser,
+    non_negative_int,
+    order_float,
+    positive_float,
+    positive_int,
+    probability,
+)
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError, run_main
 from perinstance.files.fileio import save_torch
@@ -51,13 +58,6 @@ def network(in_channels: int, num_classes: int) -> nn.Module:
                          nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 4 * 4, num_classes))
 
 
-def positive_int(text: str) -> int:
-    value = non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, not 0")
-    return value
-
-
 def build_parser() -> Parser:
     parser = Parser(description=__doc__, formatter_class=HELP_FORMAT)
     parser.add_argument("--data", choices=sorted(DATASETS), default="mnist",
@@ -75,7 +75,7 @@ def build_parser() -> Parser:
                              "default 64)")
     parser.add_argument("--target-epsilon", type=positive_float, default=2.0,
                         help="every point's budget: its target ε at --delta (default 2)")
-    parser.add_argument("--order", type=positive_float, default=None,
+    parser.add_argument("--order", type=order_float, default=None,
                         help="the filter's Rényi order λ_f > 1 (default: the order at which uniform DP-SGD at this σ "
                              "and sample rate takes the most steps within the target)")
     parser.add_argument("--delta", type=probability, default=1e-5, help="δ (default 1e-5)")
@@ -118,8 +118,6 @@ def main(argv=None):
         raise UsageError("--train-size", f"at most {len(dataset.train_y)} for --data {args.data}, not {size}")
     if args.batch_size > size:
         raise UsageError("--batch-size", f"at most the {size} training points, not {args.batch_size}")
-    if args.order is not None and args.order <= 1:
-        raise UsageError("--order", f"must be a Rényi order > 1, not {args.order:g}")
     train_x, train_y = dataset.train_x[:size], dataset.train_y[:size]
     torch.manual_seed(args.seed)
     model = network(train_x.shape[1], dataset.num_classes)

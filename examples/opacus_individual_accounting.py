@@ -14,7 +14,6 @@ per-point ε are bounds along the observed run, otherwise held-Δ* estimates (Δ
 torch.load(weights_only=True)).
 """
 
-import argparse
 import warnings
 
 import numpy as np
@@ -26,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from perinstance import IndividualAccountant
-from perinstance.cli.options import HELP_FORMAT, Parser, non_negative_int, positive_float, probability
+from perinstance.cli.options import HELP_FORMAT, Parser, non_negative_int, positive_float, positive_int, probability
 from perinstance.console import progress_bar
 from perinstance.errors import UsageError, run_main
 from perinstance.files.fileio import save_torch
@@ -54,13 +53,6 @@ class SmallConvNet(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(images).flatten(1))
-
-
-def positive_int(text: str) -> int:
-    value = non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, not 0")
-    return value
 
 
 def build_parser() -> Parser:

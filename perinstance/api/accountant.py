@@ -48,19 +48,7 @@ class IndividualAccountant:
     def _checked_ratios(self, sensitivity_ratios, name="sensitivity_ratios") -> np.ndarray | None:
         if sensitivity_ratios is None:
             return None
-        if isinstance(sensitivity_ratios, torch.Tensor):
-            sensitivity_ratios = sensitivity_ratios.detach().cpu().numpy()
-        try:
-            sensitivity_ratio = np.array(sensitivity_ratios, dtype=float)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be numbers Δ*/Γ, one per point, not {sensitivity_ratios!r:.60}") from None
-        if sensitivity_ratio.shape != (self.num_points,):
-            raise ValueError(f"{name} must have shape ({self.num_points},) (one Δ*/Γ per point), "
-                             f"not {sensitivity_ratio.shape}")
-        bad = sensitivity_ratio[~((sensitivity_ratio >= 0) & (sensitivity_ratio <= 1 + RATIO_TOLERANCE))]
-        if bad.size:
-            raise ValueError(f"{name} must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
-        sensitivity_ratio = np.minimum(sensitivity_ratio, 1.0)
+        sensitivity_ratio = np.minimum(checked_ratios(sensitivity_ratios, self.num_points, name), 1.0)
         sensitivity_ratio.flags.writeable = False
         return sensitivity_ratio
 
@@ -185,9 +173,7 @@ class IndividualAccountant:
         `rounding` (0: exact), as the scripts' --rounding. alphas: Opacus's name for `orders`. The values are
         bounds along the observed run where `certified` says so, held-Δ* estimates elsewhere (`kind`).
         """
-        delta = arguments.number("delta", delta)
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), not {delta!r}")
+        delta = arguments.probability("delta", delta)
         if accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, not {accountant!r}")
         holder_b = arguments.number("holder_b", holder_b)
@@ -282,6 +268,27 @@ class IndividualAccountant:
         self._history = []
         for entry in history:
             self._append(*entry)
+
+
+def checked_ratios(sensitivity_ratios: ArrayLike | torch.Tensor, num_points: int, name: str = "sensitivity_ratios",
+                   active: np.ndarray | None = None) -> np.ndarray:
+    """num_points ratios Δ*/Γ (an array-like or a tensor) as a float64 array, each in [0, 1 + RATIO_TOLERANCE], or a
+    one-line ValueError naming `name`. active: a mask of the points checked; the others' ratios (a filter's points
+    that left, not measured) are set to 0."""
+    if isinstance(sensitivity_ratios, torch.Tensor):
+        sensitivity_ratios = sensitivity_ratios.detach().cpu().numpy()
+    try:
+        sensitivity_ratio = np.array(sensitivity_ratios, dtype=float)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be numbers Δ*/Γ, one per point, not {sensitivity_ratios!r:.60}") from None
+    if sensitivity_ratio.shape != (num_points,):
+        raise ValueError(f"{name} must have shape ({num_points},) (one Δ*/Γ per point), not {sensitivity_ratio.shape}")
+    if active is not None:
+        sensitivity_ratio = np.where(active, sensitivity_ratio, 0.0)
+    bad = sensitivity_ratio[~((sensitivity_ratio >= 0) & (sensitivity_ratio <= 1 + RATIO_TOLERANCE))]
+    if bad.size:
+        raise ValueError(f"{name} must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+    return sensitivity_ratio
 
 
 def _rounding(value):

@@ -2,6 +2,8 @@
 
 import math
 
+from perinstance.accounting import numerics
+
 
 def number(name: str, value: object) -> float:
     """`value` as a float, or a one-line ValueError naming `name`."""
@@ -24,4 +26,11 @@ def sample_rate(value: object) -> float:
     value = number("sample_rate", value)
     if not 0 < value <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], not {value!r}")
+    return value
+
+
+def probability(name: str, value: object) -> float:
+    """`value` as a float in (0, 1) (a δ), or a one-line ValueError naming `name` (numerics.check_probability)."""
+    value = number(name, value)
+    numerics.check_probability(name, value)
     return value

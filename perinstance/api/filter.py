@@ -7,7 +7,6 @@ along the observed run, never above it. The mathematics is perinstance/accountin
 (api/opacus_filter.py) runs it on an Opacus loop.
 """
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -20,7 +19,7 @@ from perinstance.accounting import individual_filter
 from perinstance.accounting.guarantees import Kind
 from perinstance.analysis import composition
 from perinstance.api import arguments, opacus_filter
-from perinstance.api.accountant import DEFAULT_ORDERS, RATIO_TOLERANCE, IndividualAccountant
+from perinstance.api.accountant import DEFAULT_ORDERS, RATIO_TOLERANCE, IndividualAccountant, checked_ratios
 
 
 class IndividualFilter:
@@ -39,9 +38,7 @@ class IndividualFilter:
         self._accountant = IndividualAccountant(num_points)  # checks num_points
         self.num_points = self._accountant.num_points
         self.target_epsilon = _targets(target_epsilon, self.num_points)
-        self.target_delta = arguments.number("target_delta", target_delta)
-        if not 0 < self.target_delta < 1:
-            raise ValueError(f"target_delta must be in (0, 1), not {target_delta!r}")
+        self.target_delta = arguments.probability("target_delta", target_delta)
         self._order = None
         self._state = None
         self._attached = False
@@ -145,19 +142,7 @@ class IndividualFilter:
         a value held from an earlier step is not a bound, and the guarantee needs bounds (§12.4)."""
         noise_multiplier = arguments.positive_finite("noise_multiplier", noise_multiplier)
         sample_rate = arguments.sample_rate(sample_rate)
-        if isinstance(sensitivity_ratios, torch.Tensor):
-            sensitivity_ratios = sensitivity_ratios.detach().cpu().numpy()
-        try:
-            ratio = np.array(sensitivity_ratios, dtype=float)
-        except (TypeError, ValueError):
-            raise ValueError("sensitivity_ratios must be numbers Δ*/Γ, one per point") from None
-        if ratio.shape != (self.num_points,):
-            raise ValueError(f"sensitivity_ratios must have shape ({self.num_points},) (one Δ*/Γ per point), "
-                             f"not {ratio.shape}")
-        ratio = np.where(self.active, ratio, 0.0)
-        bad = ratio[~((ratio >= 0) & (ratio <= 1 + RATIO_TOLERANCE))]
-        if bad.size:
-            raise ValueError(f"sensitivity_ratios must be ratios Δ*/Γ in [0, 1], not {bad[0]!r}")
+        ratio = checked_ratios(sensitivity_ratios, self.num_points, active=self.active)
         order = self.choose_order(noise_multiplier, sample_rate)
         # A clipped norm min(||g||, C) in float32 over C lands within a few ulps of 1, on either side: it counts as
         # Γ (rounding up keeps a charge a bound, §5), so that points clipped at every step leave where uniform
@@ -183,7 +168,7 @@ class IndividualFilter:
             if self._order is None:
                 return self.target_epsilon.copy()
             delta = self.target_delta
-        delta = _delta(delta)
+        delta = arguments.probability("delta", delta)
         budget = self._filter_state("delta other than target_delta").budget
         return individual_filter.guarantee_eps(budget, delta, self._order)
 
@@ -194,7 +179,7 @@ class IndividualFilter:
         (each Δ*/Γ rounded up to a multiple of `rounding`, as IndividualAccountant.get_epsilon) and at λ_f with the
         exact charges: never above get_epsilon(delta), since the charges at λ_f sum to at most the budget. A bound
         conditional on the trajectory released, and itself a release about the points (§4)."""
-        delta = self.target_delta if delta is None else _delta(delta)
+        delta = self.target_delta if delta is None else arguments.probability("delta", delta)
         eps = self._accountant.get_epsilon(delta, orders=orders, rounding=rounding)
         if self._order is None:
             return eps
@@ -281,14 +266,4 @@ def _targets(target_epsilon, num_points):
 
 
 def _order(order):
-    order = arguments.number("order", order)
-    if not (order > 1 and math.isfinite(order)):
-        raise ValueError(f"order must be a finite Rényi order > 1, not {order!r}")
-    return order
-
-
-def _delta(delta):
-    delta = arguments.number("delta", delta)
-    if not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), not {delta!r}")
-    return delta
+    return individual_filter.check_order(arguments.number("order", order))

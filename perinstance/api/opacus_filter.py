@@ -86,8 +86,8 @@ def attach(individual_filter: object, optimizer: DPOptimizer, model: nn.Module, 
         clip_bound = arguments.positive_finite("clip_bound", optimizer.max_grad_norm)
         active = np.flatnonzero(individual_filter.active)
         ratios = np.zeros(individual_filter.num_points)
-        ratios[active] = measured_sensitivities(model, examples(data, active), Transform("flat", clip_bound),
-                                                loss_fn).numpy() / clip_bound
+        ratios[active] = measured_sensitivities(model, examples(data, active), Transform("flat", clip_bound), loss_fn,
+                                                f"at step {state['draws'] + 1} since attach").numpy() / clip_bound
         drawable = individual_filter.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=sample_rate,
                                           sensitivity_ratios=ratios)
         state.update(draws=state["draws"] + 1, noise_multiplier=optimizer.noise_multiplier, clip_bound=clip_bound)

@@ -121,8 +121,7 @@ def non_finite_error(network: nn.Module, inputs: object, targets: object, loss_f
     if found.kind == finite.LOSS:
         name = "loss_fn" if loss_fn is not None else "model"  # the cross-entropy of finite logits is finite
         return ValueError(f"{name}: the loss is not finite ({found.value:g}; the model's outputs are finite) {where}")
-    one = slice(found.position, found.position + 1)
-    source = finite.gradient_source(network, batches.take(inputs, one), batches.take(targets, one), loss_fn)
+    source = finite.source_of(network, inputs, targets, loss_fn, found)
     if source == finite.IN_LOSS and loss_fn is not None:
         return ValueError(f"loss_fn: its gradient in the model's outputs is not finite (||g|| = {found.value:g}; the "
                           f"outputs and the loss are finite) {where}")

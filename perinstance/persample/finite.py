@@ -78,16 +78,17 @@ def first_non_finite(losses: torch.Tensor, grad_norms: torch.Tensor | None = Non
     position = int((~finite).any(dim=0).nonzero()[0, 0])
     kind = next(kind for kind, row in zip(checks, finite) if not bool(row[position]))
     if kind == INPUT:
-        value = _first_non_finite_element(batches.take(inputs, slice(position, position + 1)))
+        value = first_non_finite_element(batches.take(inputs, slice(position, position + 1)))
     elif kind == OUTPUT:  # without the outputs kept, their value is unknown
         value = float("nan") if outputs is None else \
-            _first_non_finite_element(batches.take(outputs, slice(position, position + 1)))
+            first_non_finite_element(batches.take(outputs, slice(position, position + 1)))
     else:
         value = float((losses if kind == LOSS else grad_norms)[position])
     return NonFinite(position, kind, value)
 
 
-def _first_non_finite_element(batch: object) -> float:
+def first_non_finite_element(batch: object) -> float:
+    """The first element of `batch` (a tensor, a tuple or a mapping of them) that is not finite; NaN if none is."""
     for tensor in batches.tensors(batch):
         if tensor.is_floating_point() or tensor.is_complex():
             values = tensor.detach().reshape(-1)
@@ -118,3 +119,13 @@ def gradient_source(model: nn.Module, inputs: object, targets: object, loss_fn: 
         grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else []
     finite = all(bool(torch.isfinite(grad).all()) for grad in grads if grad is not None)
     return IN_MODEL if finite else IN_LOSS
+
+
+def source_of(model: nn.Module, inputs: object, targets: object, loss_fn: batches.LossFn | None,
+              found: NonFinite) -> str | None:
+    """For a gradient that is not finite, of example `found.position` of (`inputs`, `targets`): where it stopped
+    being finite (gradient_source); None for any other value."""
+    if found.kind != GRADIENT:
+        return None
+    one = slice(found.position, found.position + 1)
+    return gradient_source(model, batches.take(inputs, one), batches.take(targets, one), loss_fn)

@@ -55,10 +55,9 @@ def check_flags(args: "perinstance.train.run_plan.TrainingFlags") -> "perinstanc
             raise UsageError("--track-every", "a filtered run measures every point: give --filter-every instead")
         if args.track_points is None:
             raise UsageError("--track-every", "measures the --track-points every K steps: give them too")
-    every = args.filter_every or args.track_every or 1
-    if args.filter_margin is not None and every == 1:
+    if args.filter_margin is not None and args.measure_every == 1:
         raise UsageError("--filter-margin", "clips between measurements: give --filter-every or --track-every K > 1")
-    if not args.filtered and every == 1:
+    if not args.filtered and args.measure_every == 1:
         return args
     flag = ("--budget-eps" if args.budget_eps is not None else "--budgets") if args.filtered else "--track-every"
     if args.dp != 1:
@@ -82,8 +81,7 @@ def check_flags(args: "perinstance.train.run_plan.TrainingFlags") -> "perinstanc
 def clip_margin(args: "perinstance.train.run_plan.TrainingFlags") -> float | None:
     """m of a run's per-point clipping (§12.4): --filter-margin, DEFAULT_MARGIN between measurements, 0 for a
     filter that measures at every step; None without per-point clipping."""
-    every = args.filter_every or args.track_every or 1
-    if every > 1:
+    if args.measure_every > 1:
         return DEFAULT_MARGIN if args.filter_margin is None else args.filter_margin
     return 0.0 if args.filtered else None
 
@@ -176,12 +174,18 @@ class PerPointBounds:
         self.run, self.device = run, device
         self.points = np.asarray(run.tracked_points, dtype=np.int64)
         self.ratio = np.ones(run.dataset_size)
-        self.bounds = self._bounds()
         self.filter, self.order, self.known = None, None, {}
         if run.point_filter is not None:
             self.order = run.point_filter["order"]
             budget = individual_filter.budget_rdp(target_eps(run), run.point_filter["delta"], self.order)
             self.filter = individual_filter.FilterState(budget)
+        self._held()
+
+    def _held(self) -> None:
+        """The clip bounds and, with a filter, each point's step charge of the current ratios, which change only at
+        a measurement or a restore: every step between them is charged the same."""
+        self.bounds = self._bounds()
+        self.step_charge = None if self.filter is None else self.charges(self.ratio)
 
     def _bounds(self) -> torch.Tensor:
         """The clip bounds r·Γ in float32, the step's precision, each rounded down where float32 would round it up:
@@ -203,7 +207,7 @@ class PerPointBounds:
         next one."""
         measured = ~np.isnan(norms)
         self.ratio[self.points[measured]] = held_ratio(norms[measured], self.run.clip_bound, self.run.clip_margin)
-        self.bounds = self._bounds()
+        self._held()
 
     def charges(self, ratio: np.ndarray) -> np.ndarray:
         """ρ = RDP_SGM(q, σ/r; λ_f) of each ratio (individual_filter.step_charges), each grid level computed once."""
@@ -218,7 +222,7 @@ class PerPointBounds:
         """§12.2 before step `step`: every active point charged at its current bound; those it would take past their
         budget leave."""
         if self.filter is not None:
-            self.filter.step(step, self.charges(self.ratio))
+            self.filter.step(step, self.step_charge)
 
     def keep(self, batch: np.ndarray) -> np.ndarray:
         """The points of a Poisson draw that are still in the training set."""
@@ -244,7 +248,6 @@ class PerPointBounds:
             raise UsageError("--save-name", f"checkpoint {step} of {self.run.run} holds no per-point bounds of this "
                                             "run; train it again with --overwrite")
         self.ratio = state["ratio"].numpy().astype(np.float64)
-        self.bounds = self._bounds()
         if self.filter is not None:
             restored = individual_filter.FilterState.from_state_dict(
                 {name: state[f"filter_{name}"].numpy() for name in ("budget", "spent_hi", "spent_lo", "left_at")})
@@ -252,6 +255,7 @@ class PerPointBounds:
                 raise UsageError("--budgets", f"checkpoint {step} of {self.run.run} was trained with other budgets; "
                                               "train it again with --overwrite")
             self.filter = restored
+        self._held()
 
     def table_rows(self, steps: np.ndarray, values: np.ndarray, labels: np.ndarray) -> pd.DataFrame:
         """The tracked table's rows of the bounds (quantity held_bound: r·Γ at each measurement step s < T, the bound

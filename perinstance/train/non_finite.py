@@ -34,7 +34,7 @@ from perinstance.persample.finite import (
     NonFiniteValues,
     finite_examples,
     first_non_finite,
-    gradient_source,
+    source_of,
 )
 from perinstance.train import runs, user_code
 
@@ -188,16 +188,6 @@ def seen(model: nn.Module, inputs: object, targets: object, loss_fn: batches.Los
     """The Seen of a pass that raised `error` at θ_step over (`inputs`, `targets`), at the model's parameters still:
     its example in words (`example`), and, for a gradient, where it stopped being finite."""
     return Seen(step, example, error.found, source_of(model, inputs, targets, loss_fn, error.found))
-
-
-def source_of(model: nn.Module, inputs: object, targets: object, loss_fn: batches.LossFn | None,
-              found: NonFinite) -> str | None:
-    """For a gradient that is not finite, of example `found.position` of (`inputs`, `targets`): where it stopped
-    being finite (gradient_source); None for any other value."""
-    if found.kind != GRADIENT:
-        return None
-    one = slice(found.position, found.position + 1)
-    return gradient_source(model, batches.take(inputs, one), batches.take(targets, one), loss_fn)
 
 
 def training_stop(run: runs.RunConfig, log: StepLog, weights_finite: Callable[[], bool],

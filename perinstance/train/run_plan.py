@@ -105,6 +105,12 @@ class TrainingFlags:
         """Whether the run has an individual Rényi filter (--budget-eps or --budgets)."""
         return self.budget_eps is not None or self.budgets is not None
 
+    @property
+    def measure_every(self) -> int:
+        """Every how many steps the run measures its tracked points' Δ* (--filter-every, --track-every; 1: every
+        step), run.json's measure_every."""
+        return self.filter_every or self.track_every or 1
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -291,7 +297,7 @@ def plan_run(args: TrainingFlags, dataset: Dataset) -> RunConfig:
         input_canaries=args.input_canaries or 0,
         user_code=user_code.sources(args.model, args.dataset, args.loss),
         point_filter=point_filter,
-        measure_every=args.filter_every or args.track_every or 1,
+        measure_every=args.measure_every,
         clip_margin=filtering.clip_margin(args),
     )
 

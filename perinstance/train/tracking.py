@@ -92,14 +92,15 @@ class Tracker:
         return values
 
     def _gathered(self, values):
-        """Rank 0: every rank's share put together as (3, points); the others: their own share."""
+        """Rank 0: every rank's share of `values` (..., points of the rank) put together as (..., points), a rank's
+        points being every world.size-th from its rank; the others: their own share."""
         distributed.rank0_says_go(self.world)
         shares = distributed.gather_to_rank0(self.world, values)
         if shares is None:
             return values
-        whole = np.empty((len(VALUES), len(self.points)), dtype=np.float32)
+        whole = np.empty(values.shape[:-1] + (len(self.points),), dtype=np.float32)
         for rank, share in enumerate(shares):
-            whole[:, rank::self.world.size] = share
+            whole[..., rank::self.world.size] = share
         return whole
 
     def values(self, step: int, wanted: np.ndarray | None = None) -> np.ndarray:
@@ -146,8 +147,8 @@ class Tracker:
         losses, grad_norms, outputs_finite = (torch.from_numpy(values[row]) for row in (1, 3, 4))
         found = finite.first_non_finite(losses, grad_norms, outputs_finite=outputs_finite.bool())
         point = indices[found.position:found.position + 1]
-        source = non_finite.source_of(self.model, self.train_x.index_select(0, point),
-                                      self.train_y.index_select(0, point), self.loss_fn, replace(found, position=0))
+        source = finite.source_of(self.model, self.train_x.index_select(0, point), self.train_y.index_select(0, point),
+                                  self.loss_fn, replace(found, position=0))
         raise self.refuse(step + 1, non_finite.Seen(step, f"tracked point {int(point[0])}", found, source))
 
     def checkpoint(self, run_dir: str, step: int) -> None:
@@ -161,14 +162,7 @@ class Tracker:
         each measurement) and let them go; a span without a measurement writes nothing."""
         started = time.perf_counter()
         if self.held and self.world is not None and not self.gather_each:
-            values = np.stack(self.held)
-            distributed.rank0_says_go(self.world)
-            shares = distributed.gather_to_rank0(self.world, values)
-            if shares is not None:
-                values = np.empty((len(values), len(VALUES), len(self.points)), dtype=np.float32)
-                for rank, share in enumerate(shares):
-                    values[:, :, rank::self.world.size] = share
-                self.held = list(values)
+            self.held = list(self._gathered(np.stack(self.held)))
         if self.held and self.leads:
             tracked_rows.save_segment(run_dir, self.held_steps, self.points, np.stack(self.held))
         if self.held_steps and self.held_steps[-1] == self.run.total_steps:  # θ_T is in: the lockstep is over

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from perinstance.errors import USER_FILES, UsageError, describe
-from perinstance.persample import fallback_norms
+from perinstance.persample import fallback_norms, finite
 from perinstance.persample.batches import LossFn
 from perinstance.persample.fallback_norms import USER_MODEL_MARK
 
@@ -395,11 +395,11 @@ def _examples(split, spec: str, which: str, class_labels: bool) -> Examples:
     elif targets.dtype != torch.bool:
         targets = targets.to(torch.int64)
     for name, tensor in (("input", inputs), ("label", targets)):
-        finite = torch.isfinite(tensor.reshape(len(tensor), -1)).all(dim=1) if tensor.is_floating_point() else None
-        if finite is not None and not bool(finite.all()):
-            index = int((~finite).nonzero()[0, 0])
-            value = tensor[index].reshape(-1)[~torch.isfinite(tensor[index].reshape(-1))][0]
-            raise UsageError("--dataset", f"{spec}: {which} {name} {index} holds {float(value):g}; every value must be "
+        finite_rows = finite.finite_examples(tensor, len(tensor))
+        if not bool(finite_rows.all()):
+            index = int((~finite_rows).nonzero()[0, 0])
+            value = finite.first_non_finite_element(tensor[index:index + 1])
+            raise UsageError("--dataset", f"{spec}: {which} {name} {index} holds {value:g}; every value must be "
                                           "finite")
     return Examples(inputs.contiguous(), targets.contiguous())
 
