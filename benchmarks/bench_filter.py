@@ -189,10 +189,10 @@ def evaluate_checkpoints(outcome: training.Outcome, steps: tuple[int, ...], held
     for step in steps:
         model, _ = training.load_model(outcome.run, outcome.run_dir, step, device)
         held_out_accuracy, _ = evaluation.evaluate(model, *held_out, device)
-        test_accuracy, test_loss = evaluation.evaluate(model, *test, device)
-        per_class = evaluation.per_class_accuracy(model, *test, outcome.run.num_classes, device)
-        rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": test_accuracy,
-                     "test_loss": test_loss, "class_accuracy": per_class})
+        _, losses, correct = evaluation.example_outputs(model, *test, device)
+        rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": float(correct.mean()),
+                     "test_loss": float(losses.mean()),
+                     "class_accuracy": evaluation.class_accuracy(correct, test[1], outcome.run.num_classes)})
     return rows
 
 

@@ -47,12 +47,12 @@ def filter_flags(config: ReproduceConfig, main: MainRun, name: str, device: str)
 def test_outputs(run_dir: str, step: int, dataset: "perinstance.train.data.Dataset",
                  device: str) -> tuple[np.ndarray, list[float]]:
     """Whether the model of checkpoint `step` classifies each test point correctly (1.0 or 0.0), and its test accuracy
-    per class."""
+    per class from those (one pass over the test set)."""
     run = runs.load_run(run_dir)
     model, _ = training.load_model(run, run_dir, step, device)
     _, _, correct = evaluation.example_outputs(model, dataset.test_x, dataset.test_y, device,
                                              loss_fn=training.loss_for_run(run))
-    return correct, evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
+    return correct, evaluation.class_accuracy(correct, dataset.test_y, dataset.num_classes)
 
 
 def accuracy_change(first: np.ndarray, second: np.ndarray) -> intervals.Interval:
