@@ -19,7 +19,7 @@ import pandas as pd
 import perinstance
 from perinstance.accounting import individual_filter, intervals, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.experiments.report_cells import more_link, percent
+from perinstance.experiments.report_cells import more_link, percent, share_text, worst_text
 from perinstance.files import results, storage
 from perinstance.plots.document import Figure, Finding, Table
 from perinstance.plots.filter_plots import plot_eps_against_guarantee, plot_points_training
@@ -31,11 +31,6 @@ FIGURES = {"class": "filter_points_training_per_class.png", "group": "filter_poi
            "guarantee": "filter_eps_against_guarantee.png"}
 # Step ranges between T_u and the cap that the table of leaving steps splits the later leavers into.
 LATER_RANGES = 4
-
-
-def share_text(holds: np.ndarray) -> str:
-    """'78.6% [77.8%, 79.6%]': the share of the points where `holds`, with its 95% interval (§10)."""
-    return percent(intervals.share_interval(holds), sign="")
 
 
 @dataclass(frozen=True)
@@ -120,8 +115,7 @@ def span(values: np.ndarray) -> str:
 
 def guarantee_text(filtered: FilterRun) -> str:
     """The guarantee of every point ('10'), or its range where the budgets differ ('8–12')."""
-    low, high = filtered.guarantee.min(), filtered.guarantee.max()
-    return f"{low:.4g}" if f"{low:.4g}" == f"{high:.4g}" else f"{low:.4g}–{high:.4g}"
+    return worst_text(filtered.guarantee)
 
 
 def leaving_rows(filtered: FilterRun) -> tuple[tuple[str, ...], ...]:

@@ -18,7 +18,7 @@ from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.intervals import Interval
 from perinstance.experiments import filter_findings, point_table
 from perinstance.experiments.main_run import Accounted, MainRun
-from perinstance.experiments.report_cells import more_link, percent
+from perinstance.experiments.report_cells import more_link, percent, share_text, worst_text
 from perinstance.persample import batches
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
@@ -74,11 +74,6 @@ class PointReport:
     summary: Table
 
 
-def percent_text(interval: Interval) -> str:
-    """'12.3% [11.6%, 13%]': a share with its 95% interval."""
-    return percent(interval, sign="")
-
-
 def at_worst_case(eps: np.ndarray, worst: float | np.ndarray) -> np.ndarray:
     return eps >= worst * (1 - WORST_CASE_TOLERANCE)
 
@@ -87,12 +82,6 @@ def worst_eps(frame: pd.DataFrame) -> np.ndarray:
     """Each point's worst case in a composition's rows (main_run.guarantees): its guarantee in a filtered run, which
     no composition along the run passes (accounting.md §12.3), else the data-independent baseline."""
     return frame["guarantee_eps" if "guarantee_eps" in frame else "baseline_eps"].to_numpy(dtype=float)
-
-
-def worst_text(worst: np.ndarray) -> str:
-    """'10', or '8–12' where points have different worst cases (a filter's --budgets)."""
-    low, high = f"{worst.min():.4g}", f"{worst.max():.4g}"
-    return low if low == high else f"{low}–{high}"
 
 
 def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Accounted,
@@ -174,7 +163,7 @@ def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_
     rdp_eps, pld_eps = rdp["eps"].to_numpy(dtype=float), pld["eps"].to_numpy(dtype=float)
     worst_rdp = worst_eps(rdp)
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
-    at_worst = percent_text(intervals.share_interval(at_worst_case(rdp_eps, worst_rdp)))
+    at_worst = share_text(at_worst_case(rdp_eps, worst_rdp))
     rows = [("run", config.run), ("training points N", f"{config.dataset_size:,}"), ("steps T", str(config.total_steps)),
             ("sampling rate q", f"{config.sample_rate:.4g}"), ("noise multiplier σ", f"{config.noise_multiplier:.4g}"),
             ("δ", f"{float(rdp['delta'].iloc[0]):g}"),
@@ -197,9 +186,9 @@ def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_
         rows += [(f"points at their guarantee (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
                   at_worst),
                  ("points that left the training set before the cap [95% interval]",
-                  percent_text(intervals.share_interval(~filtered.stayed))),
+                  share_text(~filtered.stayed)),
                  (f"points trained past step T_u = {filtered.uniform_steps} [95% interval]",
-                  percent_text(intervals.share_interval(filtered.past_uniform)))]
+                  share_text(filtered.past_uniform))]
     return Table(("quantity", "value"), tuple(rows))
 
 
@@ -208,7 +197,7 @@ def _eps_row(label: str, frame: pd.DataFrame) -> tuple[str, ...]:
     return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}",
             interval_text(intervals.median_interval(eps), 4),
             f"{intervals.quantile(eps, 0.1):.4g} – {intervals.quantile(eps, 0.9):.4g}", worst_text(worst),
-            percent_text(intervals.share_interval(at_worst_case(eps, worst))))
+            share_text(at_worst_case(eps, worst)))
 
 
 def composed_finding(main: MainRun, accounted: Accounted, points: np.ndarray) -> Finding:
@@ -283,7 +272,7 @@ def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str,
     members = [(grouped == name).to_numpy() for name in names]
     medians = _breakdown(members, eps)
     rows = tuple((name, f"{int(member.sum()):,}", interval_text(median, 4),
-                  percent_text(intervals.share_interval(at_worst_case(eps[member], worst))))
+                  share_text(at_worst_case(eps[member], worst)))
                  for name, member, median in zip(names, members, medians, strict=True))
     outside = int(grouped.isna().sum())
     plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label,
@@ -415,13 +404,12 @@ class Gallery:
         both = bound.index[held.notna() & (bound > 0)]
         shortfall = ((bound.loc[both] - held.loc[both]) / bound.loc[both]).to_numpy()
         below = shortfall > 0
-        share = intervals.share_interval(below)
         rows_of = pd.Series(np.arange(len(self.table)), index=self.table["point"].to_numpy())
         order = np.lexsort((both.to_numpy(), -shortfall))
         chosen_points = both.to_numpy()[order][:GALLERY_SIZE][below[order][:GALLERY_SIZE]]
         title = "The held-Δ* estimate against the bound"
         takeaway = (f"Holding Δ* between the {checkpoints} checkpoints gives an ε below the every-step bound for "
-                    f"{percent_text(share)} of the {len(both):,} points that have both")
+                    f"{share_text(below)} of the {len(both):,} points that have both")
         if not len(chosen_points):
             return Finding("points-held-below-bound", title, takeaway + ".", more=MORE), None
         rows = rows_of.loc[chosen_points].to_numpy()
@@ -436,7 +424,7 @@ class Gallery:
                                    "from Δ* at every step (bound) and with Δ* held between checkpoints (held): the "
                                    "held-Δ* estimate is not a bound, and here it falls below it.")
         finding = Finding("points-held-below-bound", title,
-                          f"{takeaway}, by up to {percent_text(largest)} of the bound: a composition over "
+                          f"{takeaway}, by up to {percent(largest, sign='')} of the bound: a composition over "
                           "checkpoints is an estimate, not a bound.",
                           table, figures=() if figure is None else (figure.file,), more=MORE)
         return finding, figure
