@@ -80,6 +80,20 @@ def read_record(run_dir: str) -> pd.DataFrame:
     return storage.read_frame(results.results_path(filtering.RECORD, run_dir, flag="--run"))
 
 
+def class_members(labels: np.ndarray, names: list[str]) -> tuple[list[int], list[str], list[np.ndarray]]:
+    """The classes that have points among `labels` (each point's class; NaN for none), their names, and each one's
+    points (a mask over `labels`)."""
+    present = [label for label in range(len(names)) if np.any(labels == label)]
+    return present, [names[label] for label in present], [labels == label for label in present]
+
+
+def group_members(groups: pd.Series) -> tuple[list[str], list[np.ndarray]]:
+    """The groups of --groups among `groups` (each point's group; NaN for none), sorted, and each one's points (a
+    mask over `groups`)."""
+    names = sorted(groups.dropna().unique())
+    return names, [(groups == name).to_numpy() for name in names]
+
+
 def uniform_stop(run: RunConfig) -> int:
     """T_u: the steps uniform DP-SGD at the run's σ and q takes within the smallest budget at λ_f (the filter's
     arithmetic: a point charged at Γ at every step trains exactly T_u steps)."""
@@ -291,13 +305,10 @@ def filter_report(out_dir: str, filtered: FilterRun, table: pd.DataFrame, names:
     (`gallery`: the report's, run_report.Gallery)."""
     breakdowns = []
     if class_labels:
-        labels = table["label"].to_numpy()
-        present = [label for label in range(len(names)) if np.any(labels == label)]
-        breakdowns.append(("class", [names[label] for label in present], [labels == label for label in present]))
+        _, class_names, members = class_members(table["label"].to_numpy(), names)
+        breakdowns.append(("class", class_names, members))
     if "group" in table:
-        grouped = table["group"]
-        group_names = sorted(grouped.dropna().unique())
-        breakdowns.append(("group", group_names, [(grouped == name).to_numpy() for name in group_names]))
+        breakdowns.append(("group", *group_members(table["group"])))
     drawn = [(leaving_finding(filtered), None)]
     drawn += [breakdown_finding(filtered, kind, group_names, members, os.path.join(out_dir, FIGURES[kind]))
               for kind, group_names, members in breakdowns]

@@ -243,15 +243,12 @@ def _extremes(kind_of_group: str, names: list[str], medians: list[Interval]) -> 
 def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: list[str], class_accuracy: list[float],
                   path: str, eps_label: str, worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each class with its 95% interval, beside its misclassified share and test accuracy."""
-    labels = table["label"].to_numpy()
-    present = [label for label in range(len(names)) if np.any(labels == label)]
-    members = [labels == label for label in present]
+    present, class_names, members = filter_findings.class_members(table["label"].to_numpy(), names)
     medians = _breakdown(members, eps)
     rows = tuple((names[label], f"{int(member.sum()):,}", interval_text(median, 4),
                   f"{100 * (1 - table['correct'].to_numpy()[member].mean()):.1f}%",
                   f"{100 * class_accuracy[label]:.1f}%")
                  for label, member, median in zip(present, members, medians, strict=True))
-    class_names = [names[label] for label in present]
     plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label,
                        worst_label=f"{worst_name} ε")
     finding = Finding("points-per-class", "Per class", _extremes("class", class_names, medians),
@@ -267,14 +264,12 @@ def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: lis
 def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str, eps_label: str,
                   worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each group of --groups with its 95% interval (Yu et al.'s fairness question)."""
-    grouped = table["group"]
-    names = sorted(grouped.dropna().unique())
-    members = [(grouped == name).to_numpy() for name in names]
+    names, members = filter_findings.group_members(table["group"])
     medians = _breakdown(members, eps)
     rows = tuple((name, f"{int(member.sum()):,}", interval_text(median, 4),
                   share_text(at_worst_case(eps[member], worst)))
                  for name, member, median in zip(names, members, medians, strict=True))
-    outside = int(grouped.isna().sum())
+    outside = int(table["group"].isna().sum())
     plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label,
                        worst_label=f"{worst_name} ε")
     finding = Finding("points-per-group", "Per group", _extremes("group", names, medians),
