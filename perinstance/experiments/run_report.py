@@ -65,13 +65,26 @@ COLUMN_MEANINGS = {
 
 @dataclass(frozen=True)
 class PointReport:
-    """The per-point part of a report: its summary rows, findings and figures (files in the report's folder), and
-    the per-point table's path."""
+    """The per-point part of a report: its summary rows (None where the caller asked for none), findings and figures
+    (files in the report's folder), and the per-point table's path."""
 
     findings: tuple[Finding, ...]
     figures: tuple[Figure, ...]
     points_path: str
-    summary: Table
+    summary: Table | None
+
+
+@dataclass(frozen=True)
+class Composed:
+    """The report's points' composed ε by RDP (the headline composition) and by PLD, their rows in the points' order,
+    with the intervals that the summary and the composed-ε finding both quote: each median, and the share of the
+    points at the worst case by RDP."""
+
+    rdp: pd.DataFrame
+    pld: pd.DataFrame
+    rdp_median: Interval
+    pld_median: Interval
+    at_worst: Interval
 
 
 def at_worst_case(eps: np.ndarray, worst: float | np.ndarray) -> np.ndarray:
@@ -84,11 +97,23 @@ def worst_eps(frame: pd.DataFrame) -> np.ndarray:
     return frame["guarantee_eps" if "guarantee_eps" in frame else "baseline_eps"].to_numpy(dtype=float)
 
 
+def composed_of(accounted: Accounted, points: np.ndarray) -> Composed:
+    """The Composed of `points` (each interval computed once)."""
+    rdp = accounted.composed.set_index("point").loc[points].reset_index()
+    pld = accounted.composed_pld.set_index("point").loc[points].reset_index()
+    rdp_eps = rdp["eps"].to_numpy(dtype=float)
+    return Composed(rdp, pld, intervals.median_interval(rdp_eps),
+                    intervals.median_interval(pld["eps"].to_numpy(dtype=float)),
+                    intervals.share_interval(at_worst_case(rdp_eps, worst_eps(rdp))))
+
+
 def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Accounted,
-                     groups: point_table.Groups | None, device: str, data_root: str) -> PointReport:
+                     groups: point_table.Groups | None, device: str, data_root: str,
+                     with_summary: bool = True) -> PointReport:
     """Write points.csv and the figures of the per-point findings to `out_dir` and return them (PointReport).
     `opened`: the run with its dataset (runs.open_run); the images of a gallery come from `data_root` where the data
-    are features of images (display_images)."""
+    are features of images (display_images). `with_summary`: whether to give the summary rows and the finding of
+    every point's composed ε (a reproduction has both in its own findings)."""
     config = main.run
     points = np.sort(accounted.composed["point"].to_numpy())
     if groups is not None:
@@ -120,7 +145,10 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     def path(key):
         return os.path.join(out_dir, FIGURES[key])
 
-    findings, figures = [composed_finding(main, accounted, points)], []
+    findings, figures, composed = [], [], None
+    if with_summary:
+        composed = composed_of(accounted, points)
+        findings.append(composed_finding(main, accounted, composed))
     if class_labels:
         finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label,
                                         worst_name)
@@ -147,38 +175,35 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
         findings.append(finding)
         figures += [figure] if figure else []
     findings.append(points_finding(points_path, table))
-    summary = summary_table(main, accounted, points, float(payload["test_accuracy"]), filtered)
+    summary = summary_table(main, composed, float(payload["test_accuracy"]), filtered) if with_summary else None
     return PointReport(tuple(findings), tuple(figures), points_path, summary)
 
 
-def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_accuracy: float,
+def summary_table(main: MainRun, composed: Composed, test_accuracy: float,
                   filtered: filter_findings.FilterRun | None = None) -> Table:
     """The summary: the run's mechanism, δ, the test accuracy, the worst case and the median composed ε by RDP and PLD
     with their 95% intervals, and the share of the points at the worst case. A filtered run (`filtered`) gives each
     point's guarantee and uniform DP-SGD's steps and ε in place of the worst case, the share of the points at their
     guarantee, and the shares that left before the cap and that trained past uniform DP-SGD's stop."""
     config = main.run
-    rdp = accounted.composed.set_index("point").loc[points]
-    pld = accounted.composed_pld.set_index("point").loc[points]
-    rdp_eps, pld_eps = rdp["eps"].to_numpy(dtype=float), pld["eps"].to_numpy(dtype=float)
-    worst_rdp = worst_eps(rdp)
+    rdp, pld = composed.rdp, composed.pld
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
-    at_worst = share_text(at_worst_case(rdp_eps, worst_rdp))
+    at_worst = percent(composed.at_worst, sign="")
     rows = [("run", config.run), ("training points N", f"{config.dataset_size:,}"), ("steps T", str(config.total_steps)),
             ("sampling rate q", f"{config.sample_rate:.4g}"), ("noise multiplier σ", f"{config.noise_multiplier:.4g}"),
             ("δ", f"{float(rdp['delta'].iloc[0]):g}"),
             ("test accuracy", "n/a" if np.isnan(test_accuracy) else f"{100 * test_accuracy:.2f}%")]
     if filtered is None:
         rows.append(("worst-case ε (data-independent), RDP / PLD",
-                     f"{worst_text(worst_rdp)} / {float(pld['baseline_eps'].iloc[0]):.4g}"))
+                     f"{worst_text(worst_eps(rdp))} / {float(pld['baseline_eps'].iloc[0]):.4g}"))
     else:
         rows += [(f"each point's guarantee ε (its filter budget at λ_f = {filtered.order:g}; every trajectory)",
                   filter_findings.guarantee_text(filtered)),
                  ("uniform DP-SGD at this σ and q: steps T_u, ε of every point (RDP)",
                   f"{filtered.uniform_steps}, {filtered.uniform_eps:.4g}")]
     rows += [("what each point's composed ε is", KIND_TEXT[kind]),
-             ("median composed ε, RDP [95% interval]", interval_text(intervals.median_interval(rdp_eps), 4)),
-             ("median composed ε, PLD [95% interval]", interval_text(intervals.median_interval(pld_eps), 4))]
+             ("median composed ε, RDP [95% interval]", interval_text(composed.rdp_median, 4)),
+             ("median composed ε, PLD [95% interval]", interval_text(composed.pld_median, 4))]
     if filtered is None:
         rows.append((f"points at the worst case (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
                      at_worst))
@@ -192,24 +217,29 @@ def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_
     return Table(("quantity", "value"), tuple(rows))
 
 
-def _eps_row(label: str, frame: pd.DataFrame) -> tuple[str, ...]:
+def _eps_row(label: str, frame: pd.DataFrame, median: Interval | None = None,
+             at_worst: Interval | None = None) -> tuple[str, ...]:
+    """A composition's row of the composed-ε finding; `median` and `at_worst`: its intervals where already computed
+    on these rows (Composed)."""
     eps, worst = frame["eps"].to_numpy(dtype=float), worst_eps(frame)
-    return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}",
-            interval_text(intervals.median_interval(eps), 4),
+    median = intervals.median_interval(eps) if median is None else median
+    at_worst = intervals.share_interval(at_worst_case(eps, worst)) if at_worst is None else at_worst
+    return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}", interval_text(median, 4),
             f"{intervals.quantile(eps, 0.1):.4g} – {intervals.quantile(eps, 0.9):.4g}", worst_text(worst),
-            share_text(at_worst_case(eps, worst)))
+            percent(at_worst, sign=""))
 
 
-def composed_finding(main: MainRun, accounted: Accounted, points: np.ndarray) -> Finding:
+def composed_finding(main: MainRun, accounted: Accounted, composed: Composed) -> Finding:
     """Every point's composed ε by RDP and by PLD, and the other RDP composition beside the headline one: the held
     estimate where every point was tracked, the bound of the tracked points otherwise."""
-    rdp = accounted.composed.set_index("point").loc[points].reset_index()
-    rows = [_eps_row("RDP (b = ∞)", rdp), _eps_row("PLD (both directions)", accounted.composed_pld)]
+    rdp = composed.rdp
+    rows = [_eps_row("RDP (b = ∞)", rdp, composed.rdp_median, composed.at_worst),
+            _eps_row("PLD (both directions)", composed.pld, composed.pld_median)]
     if main.every_point and accounted.estimate is not None:
         rows.append(_eps_row(f"RDP, Δ* held between the {len(main.checkpoint_steps)} checkpoints", accounted.estimate))
     elif not main.every_point and accounted.bound is not None:
         rows.append(_eps_row("RDP, Δ* at every step (the tracked points)", accounted.bound))
-    median = intervals.median_interval(rdp["eps"].to_numpy(dtype=float))
+    median = composed.rdp_median
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
     # A filtered run's worst case is each point's guarantee, which holds over every trajectory (§12.3).
     worst = "its guarantee" if "guarantee_eps" in rdp else "a worst case"
