@@ -23,7 +23,7 @@ from perinstance.persample import batches
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
 from perinstance.plots.group_plots import plot_group_medians
-from perinstance.plots.plots import interval_text
+from perinstance.plots.plots import eps_label, interval_text
 from perinstance.train import evaluation, training
 from perinstance.train.data import display_images
 from perinstance.train.runs import OpenRun
@@ -137,7 +137,8 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     eps, worst = headline["eps"].to_numpy(dtype=float), float(worst_eps(headline).max())
     kind = point_table.composed_kind(headline["kind"].iloc[0])
     delta = float(headline["delta"].iloc[0])
-    eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
+    axis_label = eps_label("composed ε", delta) + \
+        f" (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
     # A filtered run's worst case is each point's guarantee (§12.3).
     worst_name = "worst case" if record is None else "guarantee"
     names = [str(name) for name in dataset.class_names]
@@ -150,12 +151,12 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
         composed = composed_of(accounted, points)
         findings.append(composed_finding(main, accounted, composed))
     if class_labels:
-        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label,
+        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), axis_label,
                                         worst_name)
         findings.append(finding)
         figures.append(figure)
     if groups is not None:
-        finding, figure = group_finding(table, eps, worst, path("group"), eps_label, worst_name)
+        finding, figure = group_finding(table, eps, worst, path("group"), axis_label, worst_name)
         findings.append(finding)
         figures.append(figure)
     gallery = Gallery(table, eps, kind, names, lambda rows: display_images(dataset, points[rows], data_root), delta,
