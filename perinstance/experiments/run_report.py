@@ -109,11 +109,12 @@ def composed_of(accounted: Accounted, points: np.ndarray) -> Composed:
 
 def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Accounted,
                      groups: point_table.Groups | None, device: str, data_root: str,
-                     with_summary: bool = True) -> PointReport:
+                     with_summary: bool = True, class_accuracy: list[float] | None = None) -> PointReport:
     """Write points.csv and the figures of the per-point findings to `out_dir` and return them (PointReport).
     `opened`: the run with its dataset (runs.open_run); the images of a gallery come from `data_root` where the data
     are features of images (display_images). `with_summary`: whether to give the summary rows and the finding of
-    every point's composed ε (a reproduction has both in its own findings)."""
+    every point's composed ε (a reproduction has both in its own findings). `class_accuracy`: the final model's test
+    accuracy per class (evaluation.per_class_accuracy) where the caller has it, else computed here."""
     config = main.run
     points = np.sort(accounted.composed["point"].to_numpy())
     if groups is not None:
@@ -131,8 +132,9 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     table = point_table.point_table(main, accounted, labels, predicted, losses, correct, groups,
                                     None if record is None else record.set_index("point")["left_step"])
     points_path = point_table.write_points(out_dir, table)
-    class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
-                                                 device) if class_labels else None
+    if class_labels and class_accuracy is None:
+        class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
+                                                     device)
     headline = accounted.composed.set_index("point").loc[points]
     eps, worst = headline["eps"].to_numpy(dtype=float), float(worst_eps(headline).max())
     kind = point_table.composed_kind(headline["kind"].iloc[0])
