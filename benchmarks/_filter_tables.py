@@ -7,8 +7,18 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+# The methods' names: uniform DP-SGD, and filter-kK for the filter measuring Δ* every K steps.
 UNIFORM = "uniform"
 CONFIDENCE = 0.95
+
+
+def filter_method(every: int) -> str:
+    return f"filter-k{every}"
+
+
+def every_of(method: str) -> int:
+    """K of a filter method's name."""
+    return int(method.removeprefix("filter-k"))
 
 
 def select(rows: list[dict]) -> dict:
@@ -128,17 +138,16 @@ def main_table(plan, checkpoints: pd.DataFrame, runs: pd.DataFrame) -> list[str]
         method_runs = runs[runs["method"] == method].set_index("seed")
         accuracy = selected_accuracy(checkpoints, method)
         steps = ", ".join(str(int(step)) for step in method_runs["selected_step"])
+        versus_end = interval_text(paired(accuracy, uniform_at_end), signed=True)
         if method == UNIFORM:
             versus, left, at_stop, whole = "—", "—", "1", "1"
-            versus_end = interval_text(paired(accuracy, uniform_at_end), signed=True)
         else:
             versus = interval_text(paired(accuracy, uniform_selected), signed=True)
-            versus_end = interval_text(paired(accuracy, uniform_at_end), signed=True)
             left = f"{method_runs['left_by_selected'].mean() / plan.size:.1%}"
             at_stop = ratio_text(same_seed_ratios(method_runs["seconds_to_uniform_steps"], uniform_runs["seconds"]))
             whole = ratio_text(same_seed_ratios(method_runs["seconds"], uniform_runs["seconds"]))
         label = "uniform DP-SGD, best of its checkpoints" if method == UNIFORM else \
-            f"filter, Δ* every {method.removeprefix('filter-k')} step(s)"
+            f"filter, Δ* every {every_of(method)} step(s)"
         lines.append(f"| {label} | {len(accuracy)} | {steps} | {interval_text(accuracy)} | {versus} | {versus_end} | "
                      f"{left} | {at_stop} | {whole} |")
     return lines
@@ -165,21 +174,22 @@ def class_table(classes: pd.DataFrame) -> list[str]:
     uniform = classes[classes["method"] == UNIFORM]
     for label, rows in uniform.groupby("label"):
         cells = [rows["class"].iloc[0], f"{rows['points'].mean():.0f}"]
+        own = {method: classes[(classes["method"] == method) & (classes["label"] == label)].set_index("seed")
+               for method in methods}
         for method in methods:
-            mine = classes[(classes["method"] == method) & (classes["label"] == label)]
+            mine = own[method]
             cells.append(f"{(mine['left_at_end'] / mine['points']).mean():.0%} / "
                          f"{(mine['left_by_selected'] / mine['points']).mean():.0%}")
         cells.append(f"{rows['test_accuracy'].mean() * 100:.1f}")
         for method in methods:
-            mine = classes[(classes["method"] == method) & (classes["label"] == label)].set_index("seed")
-            cells.append(f"{paired(mine['test_accuracy'], rows.set_index('seed')['test_accuracy']).mean() * 100:+.1f}")
+            cells.append(f"{paired(own[method]['test_accuracy'], rows.set_index('seed')['test_accuracy']).mean() * 100:+.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def stayer_lines(plan, runs: pd.DataFrame) -> list[str]:
     """What the every-step filter trains on past uniform DP-SGD's stop (means over its seeds)."""
-    rows = runs[runs["method"] == "filter-k1"]
+    rows = runs[runs["method"] == filter_method(1)]
     if not len(rows) or "mass_at_uniform_stop" not in rows:
         return []
     after = rows["mass_after_uniform_stop"] / rows["mass_at_uniform_stop"]
@@ -222,7 +232,7 @@ def report(plans: list, frames: dict[str, pd.DataFrame], args) -> str:
                 f"{plan.workload.batch_size}, q = {plan.sample_rate:.4g}, lr {plan.workload.lr:g}; uniform DP-SGD "
                 f"T_u = {plan.uniform_steps} steps at σ = {plan.sigma:.6g}; the filter at λ_f = {plan.order:g} keeps a "
                 f"point charged at Γ for {plan.full_charge_steps} steps; caps {list(plan.caps)}.", ""]
-        k1_seeds = sorted(int(seed) for seed in runs.loc[runs["method"] == "filter-k1", "seed"])
+        k1_seeds = sorted(int(seed) for seed in runs.loc[runs["method"] == filter_method(1), "seed"])
         out += [f"Seeds {sorted(int(seed) for seed in runs['seed'].unique())} (the every-step filter on {k1_seeds}).",
                 ""]
         out += main_table(plan, checkpoints, runs)

@@ -48,13 +48,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _filter_tables as tables  # noqa: E402
+from _filter_tables import UNIFORM, every_of, filter_method  # noqa: E402
 from _workloads import device_name, parse_timed, timer  # noqa: E402
 
 from perinstance.accounting import individual_filter  # noqa: E402
 from perinstance.cli import options  # noqa: E402
+from perinstance.experiments import filter_findings  # noqa: E402
 from perinstance.experiments.config import PRESETS  # noqa: E402
-from perinstance.files import checkpoints, fileio, results, storage, tracked_rows  # noqa: E402
-from perinstance.train import distributed, evaluation, filtering, run_plan, training  # noqa: E402
+from perinstance.files import checkpoints, fileio, storage, tracked_rows  # noqa: E402
+from perinstance.train import distributed, evaluation, run_plan, training  # noqa: E402
 from perinstance.train.data import load_dataset  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -87,17 +89,6 @@ def preset_workload(name: str, preset: str, dataset: str, holdout: int) -> Filte
 CIFAR_DATASET = "scatternet:imagefolder:{path}"
 SMOKE_WORKLOAD = FilterWorkload("smoke", "synthetic", 128, "mlp", 32, 0.5, 1.0)
 SMOKE_SIZES = {"workloads": ["smoke"], "seeds": ["2"], "k1_seeds": ["1"]}
-# The methods' names: uniform DP-SGD, and filter-kK for the filter measuring Δ* every K steps.
-UNIFORM = "uniform"
-
-
-def filter_method(every: int) -> str:
-    return f"filter-k{every}"
-
-
-def every_of(method: str) -> int:
-    """K of a filter method's name."""
-    return int(method.removeprefix("filter-k"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,10 +168,6 @@ def timed_run(flags: run_plan.TrainingFlags, args: argparse.Namespace) -> tuple[
     return outcome, timing
 
 
-def filter_record(run_dir: str) -> pd.DataFrame:
-    return storage.read_frame(results.results_path(filtering.RECORD, run_dir))
-
-
 @torch.no_grad()
 def evaluate_checkpoints(outcome: training.Outcome, steps: tuple[int, ...], held_out, test, device: str
                          ) -> list[dict]:
@@ -189,10 +176,10 @@ def evaluate_checkpoints(outcome: training.Outcome, steps: tuple[int, ...], held
     for step in steps:
         model, _ = training.load_model(outcome.run, outcome.run_dir, step, device)
         held_out_accuracy, _ = evaluation.evaluate(model, *held_out, device)
-        test_accuracy, test_loss = evaluation.evaluate(model, *test, device)
-        per_class = evaluation.per_class_accuracy(model, *test, outcome.run.num_classes, device)
-        rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": test_accuracy,
-                     "test_loss": test_loss, "class_accuracy": per_class})
+        _, losses, correct = evaluation.example_outputs(model, *test, device)
+        rows.append({"step": step, "heldout_accuracy": held_out_accuracy, "test_accuracy": float(correct.mean()),
+                     "test_loss": float(losses.mean()),
+                     "class_accuracy": evaluation.class_accuracy(correct, test[1], outcome.run.num_classes)})
     return rows
 
 
@@ -255,7 +242,7 @@ def run_seed(plan: Plan, seed: int, methods: list[str], data: dict, args: argpar
                 "factor": row["step"] / plan.uniform_steps, "heldout_accuracy": row["heldout_accuracy"],
                 "test_accuracy": row["test_accuracy"], "test_loss": row["test_loss"],
                 "selected": row["step"] == chosen["step"]})
-        record = filter_record(outcome.run_dir) if method != UNIFORM else None
+        record = filter_findings.read_record(outcome.run_dir) if method != UNIFORM else None
         found["runs"].append(tables.run_row(plan, seed, method, outcome, timing, record, chosen["step"]))
         if method == filter_method(1):
             found["runs"][-1].update(stayers(plan, outcome, record))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from perinstance.accounting import audit_bounds, one_run_ideal
 from perinstance.audit import canary_audit
-from perinstance.train import run_plan, runs, sampling, training
+from perinstance.train import canaries, run_plan, runs, sampling, training
 from perinstance.train.data import Dataset, load_dataset
 
 SELF_TEST_FLAGS = ["--dataset", "first:64:mnist-embedded", "--model", "mlp", "--batch-size", "16", "--lr", "0.1",
@@ -83,7 +83,7 @@ def control_run(control: Control, training_flags: run_plan.TrainingFlags, models
 
 
 def group_label(kind: str, norm: float) -> str:
-    return f"c={norm:g}" if kind == "gradient" else kind
+    return f"c={norm:g}" if kind == canaries.GRADIENT else kind
 
 
 def self_test(*, training_flags: run_plan.TrainingFlags, significance: float, delta: float) -> tuple[list[str], bool]:
@@ -97,7 +97,7 @@ def self_test(*, training_flags: run_plan.TrainingFlags, significance: float, de
         for control in CONTROLS:
             started = time.time()
             config = control_run(control, training_flags, models_dir)
-            record = canary_audit.canaries.read_canaries(runs.run_folder(config.run, models_dir))
+            record = canaries.read_canaries(runs.run_folder(config.run, models_dir))
             rows = canary_audit.audit_canaries(config, record, significance=significance, delta=delta,
                                               idealised=False)
             flagged = bool(rows["violated"].any())
@@ -129,9 +129,11 @@ def idealised_claim(config: runs.RunConfig) -> one_run_ideal.IdealisedRun:
                                       noise_multiplier=config.noise_multiplier, sample_rate=config.sample_rate)
 
 
-def idealised_run(config: runs.RunConfig) -> one_run_ideal.IdealisedRun:
-    """The idealised mechanism of the run `config` describes, with its planted fault (runs.PLANTED_FAULTS)."""
-    claim = idealised_claim(config)
+def idealised_run(config: runs.RunConfig,
+                  claim: one_run_ideal.IdealisedRun | None = None) -> one_run_ideal.IdealisedRun:
+    """The idealised mechanism of the run `config` describes, with its planted fault (runs.PLANTED_FAULTS): its
+    claim (`claim`, idealised_claim(config) where not given) with the fault applied."""
+    claim = idealised_claim(config) if claim is None else claim
     fault, gradient_groups = config.planted_fault, len(claim.signals) - (1 if config.input_canaries else 0)
     signals = list(claim.signals)
     if fault == "inverted_norm":
@@ -160,13 +162,14 @@ def detection_rates(controls: Iterable[Control], *, training_flags: run_plan.Tra
             config, _ = planned_run(control, training_flags, models_dir)
             rng = sampling.stream_rng(config.seed, sampling.CANARY_STREAM, DETECTION_KEY, RULES.index(control.rule),
                                       (None, *runs.PLANTED_FAULTS).index(control.fault))
-            flagged = one_run_ideal.flagged_runs(rng, idealised_claim(config), idealised_run(config),
+            claim = idealised_claim(config)
+            flagged = one_run_ideal.flagged_runs(rng, claim, idealised_run(config, claim),
                                                  significance=significance, replicates=replicates)
             low, high = audit_bounds.clopper_pearson(flagged, replicates)
             rows.append({"rule": control.rule, "fault": control.fault, "flagged": flagged, "replicates": replicates,
                          "rate": flagged / replicates, "low": float(low), "high": float(high),
                          "sample_rate": config.sample_rate, "noise_multiplier": config.noise_multiplier,
-                         "steps": config.total_steps, "groups": len(idealised_claim(config).signals)})
+                         "steps": config.total_steps, "groups": len(claim.signals)})
     return rows
 
 

@@ -142,8 +142,9 @@ def reproduce(argv: Sequence[str] | None = None, prog: str | None = None) -> int
         findings = figures.draw_figures(out_dir, config, main, accounted, mean_results, device)
     # The main run's points: points.csv, the galleries, ε per class and per group (run_report.PointReport).
     with commands.timed("points.csv and the galleries"):
-        findings["points"] = run_report.per_point_report(out_dir, runs.open_run(main.run_dir, "models", DATA_ROOT),
-                                                         main, accounted, groups, device, DATA_ROOT)
+        findings["points"] = run_report.per_point_report(
+            out_dir, runs.open_run(main.run_dir, "models", DATA_ROOT), main, accounted, groups, device, DATA_ROOT,
+            with_summary=False, class_accuracy=findings["test_accuracy_per_class"])
     findings.update(attack_findings)
     written, markdown, page = report.write_report(out_dir, preset, config, argv, commands, run, findings,
                                                   time.time() - started)

@@ -82,6 +82,7 @@ def draw_figures(out_dir: str, config: ReproduceConfig, main: MainRun, accounted
     findings["test_accuracy"] = payload["test_accuracy"]
     dataset = load_dataset(run.dataset, DATA_ROOT, run.less_point)
     class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
+    findings["test_accuracy_per_class"] = class_accuracy  # the per-point report's classes quote it too
     composed = accounted.composed.set_index("point")
     composed_pld = accounted.composed_pld.set_index("point").loc[composed.index]
     worst = float(composed["baseline_eps"].iloc[0])

@@ -19,7 +19,7 @@ import pandas as pd
 import perinstance
 from perinstance.accounting import individual_filter, intervals, rdp_composition
 from perinstance.accounting.mechanism import Mechanism
-from perinstance.experiments.report_cells import more_link, percent
+from perinstance.experiments.report_cells import more_link, percent, share_text, worst_text
 from perinstance.files import results, storage
 from perinstance.plots.document import Figure, Finding, Table
 from perinstance.plots.filter_plots import plot_eps_against_guarantee, plot_points_training
@@ -31,11 +31,6 @@ FIGURES = {"class": "filter_points_training_per_class.png", "group": "filter_poi
            "guarantee": "filter_eps_against_guarantee.png"}
 # Step ranges between T_u and the cap that the table of leaving steps splits the later leavers into.
 LATER_RANGES = 4
-
-
-def share_text(holds: np.ndarray) -> str:
-    """'78.6% [77.8%, 79.6%]': the share of the points where `holds`, with its 95% interval (§10)."""
-    return percent(intervals.share_interval(holds), sign="")
 
 
 @dataclass(frozen=True)
@@ -85,6 +80,20 @@ def read_record(run_dir: str) -> pd.DataFrame:
     return storage.read_frame(results.results_path(filtering.RECORD, run_dir, flag="--run"))
 
 
+def class_members(labels: np.ndarray, names: list[str]) -> tuple[list[int], list[str], list[np.ndarray]]:
+    """The classes that have points among `labels` (each point's class; NaN for none), their names, and each one's
+    points (a mask over `labels`)."""
+    present = [label for label in range(len(names)) if np.any(labels == label)]
+    return present, [names[label] for label in present], [labels == label for label in present]
+
+
+def group_members(groups: pd.Series) -> tuple[list[str], list[np.ndarray]]:
+    """The groups of --groups among `groups` (each point's group; NaN for none), sorted, and each one's points (a
+    mask over `groups`)."""
+    names = sorted(groups.dropna().unique())
+    return names, [(groups == name).to_numpy() for name in names]
+
+
 def uniform_stop(run: RunConfig) -> int:
     """T_u: the steps uniform DP-SGD at the run's σ and q takes within the smallest budget at λ_f (the filter's
     arithmetic: a point charged at Γ at every step trains exactly T_u steps)."""
@@ -120,8 +129,7 @@ def span(values: np.ndarray) -> str:
 
 def guarantee_text(filtered: FilterRun) -> str:
     """The guarantee of every point ('10'), or its range where the budgets differ ('8–12')."""
-    low, high = filtered.guarantee.min(), filtered.guarantee.max()
-    return f"{low:.4g}" if f"{low:.4g}" == f"{high:.4g}" else f"{low:.4g}–{high:.4g}"
+    return worst_text(filtered.guarantee)
 
 
 def leaving_rows(filtered: FilterRun) -> tuple[tuple[str, ...], ...]:
@@ -297,13 +305,10 @@ def filter_report(out_dir: str, filtered: FilterRun, table: pd.DataFrame, names:
     (`gallery`: the report's, run_report.Gallery)."""
     breakdowns = []
     if class_labels:
-        labels = table["label"].to_numpy()
-        present = [label for label in range(len(names)) if np.any(labels == label)]
-        breakdowns.append(("class", [names[label] for label in present], [labels == label for label in present]))
+        _, class_names, members = class_members(table["label"].to_numpy(), names)
+        breakdowns.append(("class", class_names, members))
     if "group" in table:
-        grouped = table["group"]
-        group_names = sorted(grouped.dropna().unique())
-        breakdowns.append(("group", group_names, [(grouped == name).to_numpy() for name in group_names]))
+        breakdowns.append(("group", *group_members(table["group"])))
     drawn = [(leaving_finding(filtered), None)]
     drawn += [breakdown_finding(filtered, kind, group_names, members, os.path.join(out_dir, FIGURES[kind]))
               for kind, group_names, members in breakdowns]

@@ -47,12 +47,12 @@ def filter_flags(config: ReproduceConfig, main: MainRun, name: str, device: str)
 def test_outputs(run_dir: str, step: int, dataset: "perinstance.train.data.Dataset",
                  device: str) -> tuple[np.ndarray, list[float]]:
     """Whether the model of checkpoint `step` classifies each test point correctly (1.0 or 0.0), and its test accuracy
-    per class."""
+    per class from those (one pass over the test set)."""
     run = runs.load_run(run_dir)
     model, _ = training.load_model(run, run_dir, step, device)
     _, _, correct = evaluation.example_outputs(model, dataset.test_x, dataset.test_y, device,
                                              loss_fn=training.loss_for_run(run))
-    return correct, evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes, device)
+    return correct, evaluation.class_accuracy(correct, dataset.test_y, dataset.num_classes)
 
 
 def accuracy_change(first: np.ndarray, second: np.ndarray) -> intervals.Interval:
@@ -91,18 +91,18 @@ def filter_comparison(commands: Commands, config: ReproduceConfig, preset: str, 
     labels = record.set_index("point")["label"].reindex(filtered.points).to_numpy(dtype=float)
     dataset = load_dataset(config.dataset, DATA_ROOT)
     names = [str(class_name) for class_name in dataset.class_names]
-    present = [label for label in range(len(names)) if np.any(labels == label)]
+    present, class_names, members = filter_findings.class_members(labels, names)
     os.makedirs(out_dir, exist_ok=True)
     with commands.timed("the filtered run against the uniform one: figures and test accuracy"):
-        plot_points_training([names[label] for label in present],
-                             [filtered.still_training(labels == label) for label in present], filtered.uniform_steps,
-                             os.path.join(out_dir, FILTER_FIGURES["training"]), title="Points still training, per class")
+        plot_points_training(class_names, [filtered.still_training(member) for member in members],
+                             filtered.uniform_steps, os.path.join(out_dir, FILTER_FIGURES["training"]),
+                             title="Points still training, per class")
         plot_eps_against_guarantee(filtered.eps_rdp, None, float(filtered.guarantee.max()), filtered.uniform_eps,
                                    filtered.uniform_steps, os.path.join(out_dir, FILTER_FIGURES["guarantee"]),
                                    delta=filtered.delta)
         comparison = {"run": filter_name, "uniform_run": uniform_run.run, "uniform_is_main": uniform_dir == main.run_dir,
                       "main_steps": main.run.total_steps, "filtered": filtered,
-                      "classes": [(label, names[label], labels == label) for label in present], "accuracy": None}
+                      "classes": list(zip(present, class_names, members, strict=True)), "accuracy": None}
         if batches.class_indices(dataset.test_y):
             steps = main.run.total_steps
             uniform, uniform_classes = test_outputs(uniform_dir, steps, dataset, device)

@@ -86,10 +86,10 @@ def write_report(out_dir: str, preset: str, config: ReproduceConfig, argv: list[
                  main_run: RunConfig, findings: dict, seconds: float) -> tuple[Report, str, str]:
     """Build the report and write report.md and report.html to `out_dir`: (the report, their paths)."""
     found, headlines = report_findings(config, findings)
-    # The main run's points (run_report.PointReport): its galleries, classes, groups and points.csv; its composed-ε
-    # finding repeats findings 7 and 8.
+    # The main run's points (run_report.PointReport, without the composed-ε finding that findings 7 and 8 give): its
+    # galleries, classes, groups and points.csv.
     points = findings.get("points")
-    point_findings = [finding for finding in points.findings if finding.key != "points-composed-eps"] if points else []
+    point_findings = list(points.findings) if points else []
     built = assemble_report(f"Per-instance privacy of DP-SGD: preset {preset}",
                             opening_text(argv, main_run, findings, seconds), found + point_findings, headlines,
                             report_figures(config) + (list(points.figures) if points else []),

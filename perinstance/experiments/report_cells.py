@@ -7,6 +7,9 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
+from perinstance.accounting import intervals
 from perinstance.accounting.intervals import Interval
 from perinstance.experiments.commands import FIGURES
 from perinstance.plots.document import Finding, Table
@@ -64,6 +67,17 @@ def percent(found: Interval, sign: str = "+") -> str:
     """'+0.12% [−0.05%, +0.3%]': a relative value with its 95% interval (sign "": without the plus signs)."""
     return (f"{100 * found.estimate:{sign}.3g}% [{100 * found.low:{sign}.3g}%, "
             f"{100 * found.high:{sign}.3g}%]")
+
+
+def share_text(holds: np.ndarray) -> str:
+    """'78.6% [77.8%, 79.6%]': the share of the points where `holds`, with its 95% interval (§10)."""
+    return percent(intervals.share_interval(holds), sign="")
+
+
+def worst_text(worst: np.ndarray) -> str:
+    """Points' worst cases or guarantees: '10', or '8–12' where they differ (a filter's --budgets)."""
+    low, high = f"{worst.min():.4g}", f"{worst.max():.4g}"
+    return low if low == high else f"{low}–{high}"
 
 
 def pearson(value: float, found: Interval | None) -> str:

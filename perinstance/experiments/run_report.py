@@ -18,12 +18,12 @@ from perinstance.accounting.guarantees import Kind
 from perinstance.accounting.intervals import Interval
 from perinstance.experiments import filter_findings, point_table
 from perinstance.experiments.main_run import Accounted, MainRun
-from perinstance.experiments.report_cells import more_link, percent
+from perinstance.experiments.report_cells import more_link, percent, share_text, worst_text
 from perinstance.persample import batches
 from perinstance.plots.document import Figure, Finding, Report, Section, Table
 from perinstance.plots.gallery import plot_gallery
 from perinstance.plots.group_plots import plot_group_medians
-from perinstance.plots.plots import interval_text
+from perinstance.plots.plots import eps_label, interval_text
 from perinstance.train import evaluation, training
 from perinstance.train.data import display_images
 from perinstance.train.runs import OpenRun
@@ -65,18 +65,26 @@ COLUMN_MEANINGS = {
 
 @dataclass(frozen=True)
 class PointReport:
-    """The per-point part of a report: its summary rows, findings and figures (files in the report's folder), and
-    the per-point table's path."""
+    """The per-point part of a report: its summary rows (None where the caller asked for none), findings and figures
+    (files in the report's folder), and the per-point table's path."""
 
     findings: tuple[Finding, ...]
     figures: tuple[Figure, ...]
     points_path: str
-    summary: Table
+    summary: Table | None
 
 
-def percent_text(interval: Interval) -> str:
-    """'12.3% [11.6%, 13%]': a share with its 95% interval."""
-    return percent(interval, sign="")
+@dataclass(frozen=True)
+class Composed:
+    """The report's points' composed ε by RDP (the headline composition) and by PLD, their rows in the points' order,
+    with the intervals that the summary and the composed-ε finding both quote: each median, and the share of the
+    points at the worst case by RDP."""
+
+    rdp: pd.DataFrame
+    pld: pd.DataFrame
+    rdp_median: Interval
+    pld_median: Interval
+    at_worst: Interval
 
 
 def at_worst_case(eps: np.ndarray, worst: float | np.ndarray) -> np.ndarray:
@@ -89,17 +97,24 @@ def worst_eps(frame: pd.DataFrame) -> np.ndarray:
     return frame["guarantee_eps" if "guarantee_eps" in frame else "baseline_eps"].to_numpy(dtype=float)
 
 
-def worst_text(worst: np.ndarray) -> str:
-    """'10', or '8–12' where points have different worst cases (a filter's --budgets)."""
-    low, high = f"{worst.min():.4g}", f"{worst.max():.4g}"
-    return low if low == high else f"{low}–{high}"
+def composed_of(accounted: Accounted, points: np.ndarray) -> Composed:
+    """The Composed of `points` (each interval computed once)."""
+    rdp = accounted.composed.set_index("point").loc[points].reset_index()
+    pld = accounted.composed_pld.set_index("point").loc[points].reset_index()
+    rdp_eps = rdp["eps"].to_numpy(dtype=float)
+    return Composed(rdp, pld, intervals.median_interval(rdp_eps),
+                    intervals.median_interval(pld["eps"].to_numpy(dtype=float)),
+                    intervals.share_interval(at_worst_case(rdp_eps, worst_eps(rdp))))
 
 
 def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Accounted,
-                     groups: point_table.Groups | None, device: str, data_root: str) -> PointReport:
+                     groups: point_table.Groups | None, device: str, data_root: str,
+                     with_summary: bool = True, class_accuracy: list[float] | None = None) -> PointReport:
     """Write points.csv and the figures of the per-point findings to `out_dir` and return them (PointReport).
     `opened`: the run with its dataset (runs.open_run); the images of a gallery come from `data_root` where the data
-    are features of images (display_images)."""
+    are features of images (display_images). `with_summary`: whether to give the summary rows and the finding of
+    every point's composed ε (a reproduction has both in its own findings). `class_accuracy`: the final model's test
+    accuracy per class (evaluation.per_class_accuracy) where the caller has it, else computed here."""
     config = main.run
     points = np.sort(accounted.composed["point"].to_numpy())
     if groups is not None:
@@ -117,13 +132,15 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     table = point_table.point_table(main, accounted, labels, predicted, losses, correct, groups,
                                     None if record is None else record.set_index("point")["left_step"])
     points_path = point_table.write_points(out_dir, table)
-    class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
-                                                 device) if class_labels else None
+    if class_labels and class_accuracy is None:
+        class_accuracy = evaluation.per_class_accuracy(model, dataset.test_x, dataset.test_y, dataset.num_classes,
+                                                     device)
     headline = accounted.composed.set_index("point").loc[points]
     eps, worst = headline["eps"].to_numpy(dtype=float), float(worst_eps(headline).max())
     kind = point_table.composed_kind(headline["kind"].iloc[0])
     delta = float(headline["delta"].iloc[0])
-    eps_label = f"composed ε at δ = {delta:g} (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
+    axis_label = eps_label("composed ε", delta) + \
+        f" (RDP, {'bound' if kind == Kind.CERTIFIED.value else 'held-Δ* estimate'})"
     # A filtered run's worst case is each point's guarantee (§12.3).
     worst_name = "worst case" if record is None else "guarantee"
     names = [str(name) for name in dataset.class_names]
@@ -131,14 +148,17 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
     def path(key):
         return os.path.join(out_dir, FIGURES[key])
 
-    findings, figures = [composed_finding(main, accounted, points)], []
+    findings, figures, composed = [], [], None
+    if with_summary:
+        composed = composed_of(accounted, points)
+        findings.append(composed_finding(main, accounted, composed))
     if class_labels:
-        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), eps_label,
+        finding, figure = class_finding(table, eps, worst, names, class_accuracy, path("class"), axis_label,
                                         worst_name)
         findings.append(finding)
         figures.append(figure)
     if groups is not None:
-        finding, figure = group_finding(table, eps, worst, path("group"), eps_label, worst_name)
+        finding, figure = group_finding(table, eps, worst, path("group"), axis_label, worst_name)
         findings.append(finding)
         figures.append(figure)
     gallery = Gallery(table, eps, kind, names, lambda rows: display_images(dataset, points[rows], data_root), delta,
@@ -158,38 +178,35 @@ def per_point_report(out_dir: str, opened: OpenRun, main: MainRun, accounted: Ac
         findings.append(finding)
         figures += [figure] if figure else []
     findings.append(points_finding(points_path, table))
-    summary = summary_table(main, accounted, points, float(payload["test_accuracy"]), filtered)
+    summary = summary_table(main, composed, float(payload["test_accuracy"]), filtered) if with_summary else None
     return PointReport(tuple(findings), tuple(figures), points_path, summary)
 
 
-def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_accuracy: float,
+def summary_table(main: MainRun, composed: Composed, test_accuracy: float,
                   filtered: filter_findings.FilterRun | None = None) -> Table:
     """The summary: the run's mechanism, δ, the test accuracy, the worst case and the median composed ε by RDP and PLD
     with their 95% intervals, and the share of the points at the worst case. A filtered run (`filtered`) gives each
     point's guarantee and uniform DP-SGD's steps and ε in place of the worst case, the share of the points at their
     guarantee, and the shares that left before the cap and that trained past uniform DP-SGD's stop."""
     config = main.run
-    rdp = accounted.composed.set_index("point").loc[points]
-    pld = accounted.composed_pld.set_index("point").loc[points]
-    rdp_eps, pld_eps = rdp["eps"].to_numpy(dtype=float), pld["eps"].to_numpy(dtype=float)
-    worst_rdp = worst_eps(rdp)
+    rdp, pld = composed.rdp, composed.pld
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
-    at_worst = percent_text(intervals.share_interval(at_worst_case(rdp_eps, worst_rdp)))
+    at_worst = percent(composed.at_worst, sign="")
     rows = [("run", config.run), ("training points N", f"{config.dataset_size:,}"), ("steps T", str(config.total_steps)),
             ("sampling rate q", f"{config.sample_rate:.4g}"), ("noise multiplier σ", f"{config.noise_multiplier:.4g}"),
             ("δ", f"{float(rdp['delta'].iloc[0]):g}"),
             ("test accuracy", "n/a" if np.isnan(test_accuracy) else f"{100 * test_accuracy:.2f}%")]
     if filtered is None:
         rows.append(("worst-case ε (data-independent), RDP / PLD",
-                     f"{worst_text(worst_rdp)} / {float(pld['baseline_eps'].iloc[0]):.4g}"))
+                     f"{worst_text(worst_eps(rdp))} / {float(pld['baseline_eps'].iloc[0]):.4g}"))
     else:
         rows += [(f"each point's guarantee ε (its filter budget at λ_f = {filtered.order:g}; every trajectory)",
                   filter_findings.guarantee_text(filtered)),
                  ("uniform DP-SGD at this σ and q: steps T_u, ε of every point (RDP)",
                   f"{filtered.uniform_steps}, {filtered.uniform_eps:.4g}")]
     rows += [("what each point's composed ε is", KIND_TEXT[kind]),
-             ("median composed ε, RDP [95% interval]", interval_text(intervals.median_interval(rdp_eps), 4)),
-             ("median composed ε, PLD [95% interval]", interval_text(intervals.median_interval(pld_eps), 4))]
+             ("median composed ε, RDP [95% interval]", interval_text(composed.rdp_median, 4)),
+             ("median composed ε, PLD [95% interval]", interval_text(composed.pld_median, 4))]
     if filtered is None:
         rows.append((f"points at the worst case (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
                      at_worst))
@@ -197,30 +214,35 @@ def summary_table(main: MainRun, accounted: Accounted, points: np.ndarray, test_
         rows += [(f"points at their guarantee (RDP ε within {100 * WORST_CASE_TOLERANCE:g}% of it) [95% interval]",
                   at_worst),
                  ("points that left the training set before the cap [95% interval]",
-                  percent_text(intervals.share_interval(~filtered.stayed))),
+                  share_text(~filtered.stayed)),
                  (f"points trained past step T_u = {filtered.uniform_steps} [95% interval]",
-                  percent_text(intervals.share_interval(filtered.past_uniform)))]
+                  share_text(filtered.past_uniform))]
     return Table(("quantity", "value"), tuple(rows))
 
 
-def _eps_row(label: str, frame: pd.DataFrame) -> tuple[str, ...]:
+def _eps_row(label: str, frame: pd.DataFrame, median: Interval | None = None,
+             at_worst: Interval | None = None) -> tuple[str, ...]:
+    """A composition's row of the composed-ε finding; `median` and `at_worst`: its intervals where already computed
+    on these rows (Composed)."""
     eps, worst = frame["eps"].to_numpy(dtype=float), worst_eps(frame)
-    return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}",
-            interval_text(intervals.median_interval(eps), 4),
+    median = intervals.median_interval(eps) if median is None else median
+    at_worst = intervals.share_interval(at_worst_case(eps, worst)) if at_worst is None else at_worst
+    return (label, point_table.composed_kind(frame["kind"].iloc[0]), f"{len(eps):,}", interval_text(median, 4),
             f"{intervals.quantile(eps, 0.1):.4g} – {intervals.quantile(eps, 0.9):.4g}", worst_text(worst),
-            percent_text(intervals.share_interval(at_worst_case(eps, worst))))
+            percent(at_worst, sign=""))
 
 
-def composed_finding(main: MainRun, accounted: Accounted, points: np.ndarray) -> Finding:
+def composed_finding(main: MainRun, accounted: Accounted, composed: Composed) -> Finding:
     """Every point's composed ε by RDP and by PLD, and the other RDP composition beside the headline one: the held
     estimate where every point was tracked, the bound of the tracked points otherwise."""
-    rdp = accounted.composed.set_index("point").loc[points].reset_index()
-    rows = [_eps_row("RDP (b = ∞)", rdp), _eps_row("PLD (both directions)", accounted.composed_pld)]
+    rdp = composed.rdp
+    rows = [_eps_row("RDP (b = ∞)", rdp, composed.rdp_median, composed.at_worst),
+            _eps_row("PLD (both directions)", composed.pld, composed.pld_median)]
     if main.every_point and accounted.estimate is not None:
         rows.append(_eps_row(f"RDP, Δ* held between the {len(main.checkpoint_steps)} checkpoints", accounted.estimate))
     elif not main.every_point and accounted.bound is not None:
         rows.append(_eps_row("RDP, Δ* at every step (the tracked points)", accounted.bound))
-    median = intervals.median_interval(rdp["eps"].to_numpy(dtype=float))
+    median = composed.rdp_median
     kind = point_table.composed_kind(rdp["kind"].iloc[0])
     # A filtered run's worst case is each point's guarantee, which holds over every trajectory (§12.3).
     worst = "its guarantee" if "guarantee_eps" in rdp else "a worst case"
@@ -254,15 +276,12 @@ def _extremes(kind_of_group: str, names: list[str], medians: list[Interval]) -> 
 def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: list[str], class_accuracy: list[float],
                   path: str, eps_label: str, worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each class with its 95% interval, beside its misclassified share and test accuracy."""
-    labels = table["label"].to_numpy()
-    present = [label for label in range(len(names)) if np.any(labels == label)]
-    members = [labels == label for label in present]
+    present, class_names, members = filter_findings.class_members(table["label"].to_numpy(), names)
     medians = _breakdown(members, eps)
     rows = tuple((names[label], f"{int(member.sum()):,}", interval_text(median, 4),
                   f"{100 * (1 - table['correct'].to_numpy()[member].mean()):.1f}%",
                   f"{100 * class_accuracy[label]:.1f}%")
                  for label, member, median in zip(present, members, medians, strict=True))
-    class_names = [names[label] for label in present]
     plot_group_medians(class_names, medians, worst, path, title="Composed ε per class", eps_label=eps_label,
                        worst_label=f"{worst_name} ε")
     finding = Finding("points-per-class", "Per class", _extremes("class", class_names, medians),
@@ -278,14 +297,12 @@ def class_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, names: lis
 def group_finding(table: pd.DataFrame, eps: np.ndarray, worst: float, path: str, eps_label: str,
                   worst_name: str = "worst case") -> tuple[Finding, Figure]:
     """The median composed ε of each group of --groups with its 95% interval (Yu et al.'s fairness question)."""
-    grouped = table["group"]
-    names = sorted(grouped.dropna().unique())
-    members = [(grouped == name).to_numpy() for name in names]
+    names, members = filter_findings.group_members(table["group"])
     medians = _breakdown(members, eps)
     rows = tuple((name, f"{int(member.sum()):,}", interval_text(median, 4),
-                  percent_text(intervals.share_interval(at_worst_case(eps[member], worst))))
+                  share_text(at_worst_case(eps[member], worst)))
                  for name, member, median in zip(names, members, medians, strict=True))
-    outside = int(grouped.isna().sum())
+    outside = int(table["group"].isna().sum())
     plot_group_medians(names, medians, worst, path, title="Composed ε per group (--groups)", eps_label=eps_label,
                        worst_label=f"{worst_name} ε")
     finding = Finding("points-per-group", "Per group", _extremes("group", names, medians),
@@ -415,13 +432,12 @@ class Gallery:
         both = bound.index[held.notna() & (bound > 0)]
         shortfall = ((bound.loc[both] - held.loc[both]) / bound.loc[both]).to_numpy()
         below = shortfall > 0
-        share = intervals.share_interval(below)
         rows_of = pd.Series(np.arange(len(self.table)), index=self.table["point"].to_numpy())
         order = np.lexsort((both.to_numpy(), -shortfall))
         chosen_points = both.to_numpy()[order][:GALLERY_SIZE][below[order][:GALLERY_SIZE]]
         title = "The held-Δ* estimate against the bound"
         takeaway = (f"Holding Δ* between the {checkpoints} checkpoints gives an ε below the every-step bound for "
-                    f"{percent_text(share)} of the {len(both):,} points that have both")
+                    f"{share_text(below)} of the {len(both):,} points that have both")
         if not len(chosen_points):
             return Finding("points-held-below-bound", title, takeaway + ".", more=MORE), None
         rows = rows_of.loc[chosen_points].to_numpy()
@@ -436,7 +452,7 @@ class Gallery:
                                    "from Δ* at every step (bound) and with Δ* held between checkpoints (held): the "
                                    "held-Δ* estimate is not a bound, and here it falls below it.")
         finding = Finding("points-held-below-bound", title,
-                          f"{takeaway}, by up to {percent_text(largest)} of the bound: a composition over "
+                          f"{takeaway}, by up to {percent(largest, sign='')} of the bound: a composition over "
                           "checkpoints is an estimate, not a bound.",
                           table, figures=() if figure is None else (figure.file,), more=MORE)
         return finding, figure

@@ -18,10 +18,12 @@ from perinstance.plots.plots import (
     _fmt,
     _fmt_r,
     _legend_below,
+    _legend_under_each,
     _median,
     _pearson,
     _same_length,
     _save,
+    _side_by_side,
     eps_label,
 )
 
@@ -162,8 +164,7 @@ def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: 
     colors = dict(zip(attack_accuracy, ("tab:blue", "tab:orange", "tab:green", "tab:purple")))
     pearsons = {}
     fig = plt.figure(figsize=(TWO_PANELS[0] + 1.0, TWO_PANELS[1] + 1.4), layout="constrained")
-    subfigures = fig.subfigures(1, 2)
-    left, right = (subfigure.subplots() for subfigure in subfigures)
+    left, right = _side_by_side(fig, 2)
     for model, accuracies in attack_accuracy.items():
         accuracies = _as_1d(f"attack_accuracy[{model}]", accuracies)
         tests = _as_1d(f"test_accuracy[{model}]", test_accuracy[model])
@@ -186,7 +187,6 @@ def plot_class_attack(class_names: list, class_eps: ArrayLike, attack_accuracy: 
     right.set_xlabel(class_eps_label)
     right.set_ylabel("class test accuracy")
     right.set_title("Class accuracy")
-    for subfigure, ax in zip(subfigures, (left, right), strict=True):
-        _legend_below(subfigure, [ax])
+    _legend_under_each([left, right])
     _save(fig, path)
     return pearsons

@@ -9,7 +9,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 from numpy.typing import ArrayLike
 
-from perinstance.plots.plots import BASELINE_STYLE, SINGLE_PANEL_LEGEND_BELOW, _as_1d, _draw_ecdf, _legend_below, _save
+from perinstance.plots.plots import (
+    BASELINE_STYLE,
+    SINGLE_PANEL_LEGEND_BELOW,
+    _as_1d,
+    _draw_ecdf,
+    _legend_below,
+    _save,
+    eps_label,
+)
 
 # Beyond this many lines a legend stops being readable: the rest share one grey style, named in the legend once.
 NAMED_LINES = 12
@@ -59,7 +67,7 @@ def plot_eps_against_guarantee(eps_rdp: ArrayLike, eps_pld: ArrayLike | None, gu
                                                    f"ε = {uniform_eps:.4g}")
     ax.set_xlim(0, max(guarantee, uniform_eps, float(eps_rdp.max()), float(eps_pld.max(initial=0))) * 1.05)
     ax.set_ylim(0, 1.02)
-    ax.set_xlabel(f"composed ε along the run (certified) at δ = {delta:g}")
+    ax.set_xlabel(eps_label("composed ε along the run (certified)", delta))
     ax.set_ylabel("share of the points at or below")
     ax.grid(alpha=0.3)
     ax.set_title("Composed ε against the guarantee")

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from perinstance.accounting.intervals import Interval
-from perinstance.plots.plots import BASELINE_STYLE, _save
+from perinstance.plots.plots import BASELINE_STYLE, _legend_below, _save
 
 ROW_HEIGHT = 0.32
 WIDTH = 8.0
@@ -36,5 +36,5 @@ def plot_group_medians(names: Sequence[str], medians: Sequence[Interval], worst:
     ax.set_xlabel(eps_label)
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title)
-    fig.legend(loc="outside lower center", fontsize="small", ncols=2, frameon=False)
+    _legend_below(fig, [ax], ncols=2, frameon=False)
     _save(fig, path)

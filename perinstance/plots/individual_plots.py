@@ -18,12 +18,13 @@ from perinstance.plots.plots import (
     _as_1d,
     _fmt,
     _fmt_r,
-    _legend_below,
+    _legend_under_each,
     _median_interval,
     _pearson,
     _pearson_interval,
     _same_length,
     _save,
+    _side_by_side,
     eps_label,
     interval_text,
 )
@@ -153,15 +154,13 @@ def plot_individual_accounting(eps: ArrayLike, final_loss: ArrayLike, labels: Ar
 
     panels = 2 if by_accountant is None else 3
     fig = plt.figure(figsize=(TWO_PANELS[0] * panels / 2, PANEL_HEIGHT), layout="constrained")
-    subfigures = fig.subfigures(1, panels)
-    axes = [subfigure.subplots() for subfigure in subfigures]
+    axes = _side_by_side(fig, panels)
     pearson_log_loss, pearson_log_loss_interval, medians = _draw_loss_panel(axes[0], eps, log_loss, baseline_eps,
                                                                            label)
     pearson_class, pearson_class_interval = _draw_class_panel(axes[1], class_mean_eps, class_accuracy, baseline_eps,
                                                               label)
     accountants = None if by_accountant is None else _draw_accountant_panel(axes[2], by_accountant, delta)
-    for subfigure, ax in zip(subfigures, axes, strict=True):
-        _legend_below(subfigure, [ax])
+    _legend_under_each(axes)
     _save(fig, path)
     return {
         "pearson_log_loss": pearson_log_loss,

@@ -120,16 +120,29 @@ def at_worst_case(values: ArrayLike, worst: float) -> np.ndarray:
     return np.asarray(values, dtype=float) >= float(worst) * (1 - WORST_CASE_RTOL)
 
 
-def _legend_below(figure, axes, ncols=1, fontsize="small"):
+def _legend_below(figure, axes, ncols=1, fontsize="small", frameon=None):
     """One legend under the panels of `figure` (a figure or a subfigure, constrained layout), of every labelled
-    artist of `axes` (each label once): outside the axes, so that it covers no data and no neighbouring panel."""
+    artist of `axes` (each label once): outside the axes, so that it covers no data and no neighbouring panel;
+    `frameon` False draws it without a frame (None: matplotlib's default)."""
     handles, labels = [], []
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             if label not in labels:
                 handles.append(handle)
                 labels.append(label)
-    figure.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
+    figure.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize, frameon=frameon)
+
+
+def _side_by_side(fig, count):
+    """`count` panels side by side in `fig` (constrained layout), each an axes in a subfigure of its own, so that
+    each can have its own legend under it (_legend_under_each)."""
+    return [subfigure.subplots() for subfigure in fig.subfigures(1, count)]
+
+
+def _legend_under_each(axes):
+    """Under each panel of _side_by_side, the legend of that panel's labelled artists alone."""
+    for ax in axes:
+        _legend_below(ax.figure, [ax])
 
 
 def _draw_ecdf(ax, values, **style):

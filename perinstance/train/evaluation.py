@@ -28,6 +28,16 @@ def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, devic
     return correct / len(labels), loss_sum / len(labels)
 
 
+def class_accuracy(correct: np.ndarray, labels: np.ndarray | torch.Tensor, num_classes: int) -> list[float]:
+    """Accuracy of each class from each example's correctness (1.0 or 0.0, example_outputs) and class label: its
+    hits over its examples (nan for a class without examples)."""
+    labels = np.asarray(labels, dtype=np.int64)
+    hits = np.bincount(labels, weights=np.asarray(correct, dtype=float), minlength=num_classes)
+    counts = np.bincount(labels, minlength=num_classes)
+    with np.errstate(invalid="ignore"):
+        return (hits / counts).tolist()
+
+
 @torch.no_grad()
 def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, num_classes: int,
                        device: str | torch.device, chunk: int = 1024) -> list[float]:
@@ -35,9 +45,7 @@ def per_class_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Ten
     model.eval()
     predictions = torch.cat([model(inputs[start:start + chunk].to(device)).argmax(dim=1).cpu()
                              for start in range(0, len(labels), chunk)])
-    hits = torch.bincount(labels[predictions == labels], minlength=num_classes).double()
-    counts = torch.bincount(labels, minlength=num_classes).double()
-    return (hits / counts).tolist()
+    return class_accuracy((predictions == labels).double().numpy(), labels, num_classes)
 
 
 @torch.no_grad()
