@@ -496,6 +496,15 @@ def test_bad_input(tmp_path, run, flags, flag, fragments):
     assert snapshot(tmp_path) == before
 
 
+def test_groups_naming_a_point_outside_the_training_set_are_refused_before_any_work(tmp_path, run):
+    (tmp_path / "groups.csv").write_text("point,group\n0,a\n100000,b\n")
+    before = snapshot(tmp_path)
+    result = run("reproduce.py", "--preset", "tiny", "--groups", "groups.csv")
+    assert_usage_error(result, "--groups")
+    assert "line 3: point 100000 is not a training point" in result.stderr, result.stderr
+    assert snapshot(tmp_path) == before  # nothing trained, no folder made
+
+
 def test_out_dir_that_is_a_file_is_refused(tmp_path, run):
     (tmp_path / "taken").write_text("x")
     before = snapshot(tmp_path)

@@ -20,6 +20,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from perinstance.cli import options
 from perinstance.cli.main import script_mains
 from perinstance.cli.options import HELP_FORMAT, Parser, add_device_argument
@@ -54,6 +56,7 @@ from perinstance.experiments.config import (
 from perinstance.files import fileio
 from perinstance.plots.report_files import markdown_table
 from perinstance.train import runs
+from perinstance.train.data import load_dataset
 
 
 def slug(text: str) -> str:
@@ -82,6 +85,8 @@ def parse_args(argv: Sequence[str] | None,
     check_config(config)
     check_dataset(config, args.preset, "--dataset" if args.dataset is not None else "--set")
     groups = None if args.groups is None else point_table.read_groups(args.groups)
+    if groups is not None:  # its points against the training set before any work: the main run trains on all of it
+        groups.check(np.arange(len(load_dataset(config.dataset, DATA_ROOT).train_y)), config.dataset)
     fileio.writable_folder(args.out_dir, "--out-dir")
     return args.preset, config, args.device, args.out_dir, groups
 
