@@ -138,7 +138,7 @@ def plot_audit_gap(eps_lower: ArrayLike, eps_upper: ArrayLike, correct: ArrayLik
                label=f"mean rule's own baseline, one step: {_fmt(mean_baseline_eps)}")
     ax.axhline(sum_rule_eps, color="tab:blue", linestyle="--", linewidth=1.5,
                label=f"sum rule's accounting, one step: {_fmt(sum_rule_eps)} ({above_sum.sum()} of "
-                     f"{len(eps_lower)} points above)")
+                     f"{len(eps_lower)} lower bounds above, each at 95%)")
     ax.set_ylim(0, max(mean_baseline_eps, eps_upper.max(initial=0), eps_lower.max(initial=0)) * 1.1)
     ax.set_xlabel("audited points, ranked by their lower bound")
     ax.set_ylabel(eps_label("per-step ε", delta))
