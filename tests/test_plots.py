@@ -507,8 +507,9 @@ def test_one_run_audit_numbers_and_file(tmp_path):
     norms = np.array([0.1, 0.3, 1.0])
     lower, rdp, pld = np.array([0.0, 0.5, 9.0]), np.array([0.3, 1.0, 10.0]), np.array([0.25, 0.9, 8.5])
     summed, ideal, cap = np.array([0.0, 0.2, 3.0]), np.array([0.0, 0.4, 3.0]), np.array([4.7, 4.8, 4.75])
-    result = draw_checked(tmp_path, lambda path: one_run_plots.plot_one_run_audit(norms, lower, summed, ideal, rdp,
-                                                                                   pld, cap, path, delta=1e-5))
+    free = np.array([0.0, 0.1, 1.5])
+    result = draw_checked(tmp_path, lambda path: one_run_plots.plot_one_run_audit(
+        norms, lower, summed, ideal, rdp, pld, cap, path, assumption_free=free, delta=1e-5))
     # The upper bound is the smaller of RDP and PLD; 9 > 8.5 is a violation even though it is below the RDP bound.
     assert result["upper"] == [0.25, 0.9, 8.5]
     assert result["ratio"] == pytest.approx([0.0, 0.5 / 0.9, 9.0 / 8.5], rel=1e-12)
@@ -521,10 +522,13 @@ def test_one_run_audit_bad_input(tmp_path):
     path = tmp_path / "one_run.png"
     with pytest.raises(ValueError, match="same length"):
         one_run_plots.plot_one_run_audit(np.ones(2), np.ones(3), np.ones(3), np.ones(3), np.ones(3), np.ones(3),
-                                         np.ones(3), path, delta=1e-5)
+                                         np.ones(3), path, assumption_free=np.ones(3), delta=1e-5)
     with pytest.raises(ValueError, match="fdp_cap"):
         one_run_plots.plot_one_run_audit(np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2),
-                                         np.array([1.0, np.nan]), path, delta=1e-5)
+                                         np.array([1.0, np.nan]), path, assumption_free=np.ones(2), delta=1e-5)
+    with pytest.raises(ValueError, match="assumption_free"):
+        one_run_plots.plot_one_run_audit(np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2), np.ones(2),
+                                         np.ones(2), path, assumption_free=np.array([1.0, np.nan]), delta=1e-5)
     assert not path.exists()
 
 
@@ -606,7 +610,8 @@ def draw_every_figure(tmp_path, rng):
                                note="A note. " * 30)
     one_run_plots.plot_one_run_audit(np.array([0.1, 1.0]), np.array([0.0, 2.0]), np.array([0.0, 1.0]),
                                      np.array([0.0, 2.5]), np.array([0.3, 10.0]), np.array([0.25, 8.5]),
-                                     np.array([9.0, 10.0]), tmp_path / "10.png", delta=1e-5)
+                                     np.array([9.0, 10.0]), tmp_path / "10.png",
+                                     assumption_free=np.array([0.0, 1.2]), delta=1e-5)
 
 
 def test_every_eps_axis_states_its_delta(tmp_path, rng, panels):

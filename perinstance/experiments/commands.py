@@ -127,9 +127,11 @@ CAPTIONS: dict[str, tuple[str, str]] = {
     ONE_RUN_FIGURE: (
         "Figure 10: one-run audit of the trained main run",
         "Per group of gradient canaries (norm c·Γ): the lower bounds on ε at δ = {delta} over the whole run from the "
-        "canaries (two statistics; the f-DP family bounds, which assume the subsampled-Gaussian shape), the same "
-        "test on the idealised mechanism, and the RDP and PLD upper bounds for a point of that sensitivity, with the test's cap as a dashed tick. A lower bar above an upper one would be a violation "
-        "(hatched); a lower bound below says nothing about how loose the upper one is."),
+        "canaries (the f-DP family bounds of two statistics, which hold if the run's trade-off curve has the "
+        "subsampled-Gaussian shape, and the assumption-free bound of Steinke et al.'s test), the family bound on the "
+        "idealised mechanism, and the RDP and PLD upper bounds for a point of that sensitivity, with the test's cap "
+        "as a dashed tick. A lower bar above an upper one would be a violation (hatched); a lower bound below says "
+        "nothing about how loose the upper one is."),
     FILTER_FIGURES["training"]: (
         "Figure 11: the individual filter, points still training, per class",
         "The filtered run at the main run's σ and q, every point's budget the main run's ε at δ = {delta}: the number "

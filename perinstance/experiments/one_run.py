@@ -51,7 +51,8 @@ def main_run_audit(commands: Commands, config: ReproduceConfig, main_name: str, 
         one_run_plots.plot_one_run_audit(
             rows["norm"].to_numpy(), rows["lower_bound"].to_numpy(), rows["lower_bound_summed"].to_numpy(),
             rows["ideal_lower_bound"].to_numpy(), rows["upper_rdp"].to_numpy(), rows["upper_pld"].to_numpy(),
-            rows["fdp_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE), delta=config.delta,
+            rows["fdp_cap"].to_numpy(), os.path.join(out_dir, ONE_RUN_FIGURE),
+            assumption_free=rows["steinke_lower"].to_numpy(), delta=config.delta,
             title=f"One-run audit of {main_name}\n{config.canaries} gradient canaries, significance "
                   f"{config.audit_significance:g} over {len(rows)} groups, δ={config.delta:g}")
     return {"run": main_name, "rows": rows.to_dict("records")}
